@@ -1,0 +1,31 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench lint clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/train_mlp.py
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/dispatch.py
+
+lint: $(STAMP)
+	$(PIP) install --quiet -e '.[dev]'
+	$(VENV)/bin/ruff check treemode tests benchmarks examples
+	$(VENV)/bin/pyright
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info
