@@ -1,0 +1,18 @@
+"""treemode: tree-mode transforms for Flax NNX, Equinox and plain pytrees."""
+
+from ._clone import clone as clone
+from ._errors import AliasError as AliasError
+from ._errors import ClosureError as ClosureError
+from ._errors import DonationError as DonationError
+from ._errors import StaticArgumentError as StaticArgumentError
+from ._errors import StructureError as StructureError
+from ._errors import TraceContextError as TraceContextError
+from ._errors import TreemodeError as TreemodeError
+from ._eval_shape import eval_shape as eval_shape
+from ._graph import from_tree as from_tree
+from ._graph import to_tree as to_tree
+from ._jit import JitWrapped as JitWrapped
+from ._jit import jit as jit
+from ._jit import jit_partial as jit_partial
+
+__version__ = "0.1.0"

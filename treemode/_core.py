@@ -1,0 +1,655 @@
+"""The pipeline every treemode transform shares.
+
+Outside the JAX transform (``prepare`` / ``write_back``):
+
+1. flatten each argument with Variables as leaves (cached per argument object);
+   with ``graph=True`` the arguments first go through ``to_tree``;
+2. find the Variables the function reaches through its closure and lift them
+   into extra inputs;
+3. reject aliases (one Variable reachable twice);
+4. after the JAX transform returns, write the changed values back, checking
+   first that every target may be written, so a failure leaves inputs untouched.
+
+Inside the JAX transform (``PureFunction``): rebuild the arguments with fresh
+Variables holding the traced values, point the lifted closure Variables at
+traced values, call the user function, check that it changed no structure and
+returned no input Variable, and return ``(output, updates)`` where ``updates``
+has one entry per input Variable: its new value if the function changed it,
+``None`` otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from . import _graph
+from ._closure import closure_objects
+from ._errors import AliasError, ClosureError, StructureError, TraceContextError
+from ._flatten import (
+    DYNAMIC,
+    ArgFlat,
+    StaticLeaf,
+    VarSpec,
+    _StructureKey,
+    alias_error,
+    flatten_arg,
+    rebuild,
+    variable_spec,
+)
+from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable
+from ._paths import format_path
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallKey:
+    """Everything a trace depends on besides array shapes and dtypes."""
+
+    positional: tuple[Any, ...]  # per positional argument: structure key or ("static", v)
+    keywords: tuple[tuple[str, Any], ...]
+    lifted: tuple[VarSpec, ...]
+    graph: bool
+
+
+class Call:
+    """One transform call, prepared outside the JAX transform."""
+
+    __slots__ = (
+        "transform",
+        "fn",
+        "graph",
+        "args",
+        "kwargs",
+        "static_positional",
+        "static_keywords",
+        "arg_flats",
+        "kw_names",
+        "lifted",
+        "lifted_specs",
+        "lifted_roots",
+        "dynamic",
+        "variables",
+        "key",
+    )
+
+    transform: str
+    fn: Callable[..., Any]
+    graph: bool
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    static_positional: dict[int, Any]
+    static_keywords: dict[str, Any]
+    arg_flats: list[ArgFlat]
+    kw_names: tuple[str, ...]
+    lifted: list[Any]
+    lifted_specs: tuple[VarSpec, ...]
+    lifted_roots: list[tuple[str, Any]]
+    dynamic: list[Any]
+    variables: list[Any]
+    key: CallKey
+
+    def arg_roots(self) -> list[tuple[str, Any]]:
+        """``(display name, tree as flattened)`` for every traced argument."""
+        names = [f"args[{i}]" for i in range(len(self.args)) if i not in self.static_positional]
+        pos = [a for i, a in enumerate(self.args) if i not in self.static_positional]
+        kw = {name: self.kwargs[name] for name in self.kw_names}
+        if self.graph:
+            pos, kw = _graph.to_tree((pos, kw))
+        names += [f"kwargs[{name!r}]" for name in self.kw_names]
+        return list(zip(names, [*pos, *(kw[n] for n in self.kw_names)], strict=True))
+
+    def variable_paths(self) -> list[str]:
+        """Display path of every Variable in ``self.variables`` (error path only)."""
+        paths: list[str] = []
+        for root, tree in self.arg_roots() + self.lifted_roots:
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
+                if is_variable(leaf):
+                    paths.append(format_path(path, root))
+        return paths
+
+    def first_paths(self) -> dict[int, str]:
+        """Variable id -> the first display path it is reachable at."""
+        ids: dict[int, str] = {}
+        for root, tree in self.arg_roots() + self.lifted_roots:
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
+                if is_variable(leaf):
+                    ids.setdefault(id(leaf), format_path(path, root))
+        return ids
+
+
+def _static_value(transform: str, where: str, value: Any) -> tuple[str, Any]:
+    try:
+        hash(value)
+    except TypeError as e:
+        from ._errors import StaticArgumentError
+
+        raise StaticArgumentError(
+            f"treemode.{transform}: static argument {where} of type "
+            f"{type(value).__name__} is not hashable, so it cannot be part of the "
+            "cache key. Make it hashable (a tuple instead of a list, a frozen "
+            "dataclass) or pass it as a traced argument."
+        ) from e
+    return ("static", value)
+
+
+def prepare(
+    transform: str,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    graph: bool = False,
+    static_argnums: frozenset[int] = frozenset(),
+    static_argnames: frozenset[str] = frozenset(),
+    abstract: bool = False,
+    lift_closure: bool = True,
+) -> Call:
+    """Flatten the inputs of one transform call and check them for aliases."""
+    is_dynamic = is_abstract_array if abstract else is_array
+    call = Call()
+    call.transform = transform
+    call.fn = fn
+    call.graph = graph
+    call.args = tuple(args)
+    call.kwargs = kwargs
+    call.static_positional = {}
+    call.static_keywords = {}
+    traced_pos: list[Any] = []
+    for i, a in enumerate(call.args):
+        if i in static_argnums:
+            call.static_positional[i] = a
+        else:
+            traced_pos.append(a)
+    traced_kw: dict[str, Any] = {}
+    for name in sorted(kwargs):
+        if name in static_argnames:
+            call.static_keywords[name] = kwargs[name]
+        else:
+            traced_kw[name] = kwargs[name]
+    if graph:
+        # One to_tree over all arguments, so sharing across arguments is encoded.
+        traced_pos, traced_kw = _graph.to_tree((traced_pos, traced_kw))
+    pos_trees = iter(traced_pos)
+    positional: list[Any] = []
+    arg_flats: list[ArgFlat] = []
+    for i, a in enumerate(call.args):
+        if i in call.static_positional:
+            positional.append(_static_value(transform, f"args[{i}]", a))
+            continue
+        flat = flatten_arg(next(pos_trees), is_dynamic)
+        arg_flats.append(flat)
+        positional.append(flat.key)
+    keywords: list[tuple[str, Any]] = []
+    kw_names: list[str] = []
+    for name in sorted(kwargs):
+        if name in call.static_keywords:
+            keywords.append((name, _static_value(transform, f"kwargs[{name!r}]", kwargs[name])))
+            continue
+        flat = flatten_arg(traced_kw[name], is_dynamic)
+        arg_flats.append(flat)
+        kw_names.append(name)
+        keywords.append((name, flat.key))
+    call.arg_flats = arg_flats
+    call.kw_names = tuple(kw_names)
+
+    variables = [v for f in arg_flats for v in f.variables]
+    dynamic = [x for f in arg_flats for x in f.dynamic]
+    lifted: list[Any] = []
+    lifted_specs: list[VarSpec] = []
+    call.lifted_roots = []
+    if lift_closure:
+        call.lifted_roots = [(f"closure {name}", obj) for name, obj in closure_objects(fn)]
+        for _, obj in call.lifted_roots:
+            for leaf in jax.tree_util.tree_leaves(obj, is_leaf=is_variable):
+                if is_variable(leaf):
+                    spec, values = variable_spec(leaf)
+                    lifted.append(leaf)
+                    lifted_specs.append(spec)
+                    dynamic.extend(values)
+    call.lifted = lifted
+    call.lifted_specs = tuple(lifted_specs)
+    call.variables = variables + lifted
+    call.dynamic = dynamic
+    call.key = CallKey(tuple(positional), tuple(keywords), call.lifted_specs, graph)
+
+    if len({id(v) for v in call.variables}) != len(call.variables):
+        _raise_alias(call)
+    return call
+
+
+def _raise_alias(call: Call) -> None:
+    seen: dict[int, str] = {}
+    for root, tree in call.arg_roots() + call.lifted_roots:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
+            if not is_variable(leaf):
+                continue
+            where = format_path(path, root)
+            first = seen.setdefault(id(leaf), where)
+            if first != where:
+                if first.startswith("closure") != where.startswith("closure"):
+                    raise ClosureError(
+                        f"treemode.{call.transform}: the {type(leaf).__name__} at {where} "
+                        f"is reachable both as an argument and through the function's "
+                        f"closure ({first}). Pass the module only as an argument (or "
+                        "only through the closure), so that there is one place to write "
+                        "its updates back to."
+                    )
+                raise alias_error(call.transform, leaf, first, where)
+    raise AssertionError("duplicate Variable not found")  # pragma: no cover
+
+
+@dataclasses.dataclass
+class TraceRecord:
+    """What a trace learned that is not an array: metadata changes."""
+
+    metadata_updates: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+
+class PureFunction:
+    """The user function as a pure function of the dynamic arrays.
+
+    Built once per :class:`CallKey`; the current :class:`Call` (needed only while
+    tracing, for the closure Variables and error paths) is set by the caller
+    with :meth:`bind` for the duration of the JAX call.
+    """
+
+    def __init__(
+        self,
+        call: Call,
+        *,
+        force_updates: Callable[[Call], frozenset[int]] | frozenset[int] = frozenset(),
+        allow_output_variables: bool = False,
+    ):
+        self.fn = call.fn
+        self.transform = call.transform
+        self.key = call.key
+        self.graph = call.graph
+        self.static_positional = dict(call.static_positional)
+        self.static_keywords = dict(call.static_keywords)
+        self.num_args = len(call.args)
+        self.kw_names = call.kw_names
+        self.force = force_updates
+        self.allow_output_variables = allow_output_variables
+        self.record = TraceRecord()
+        self._local = threading.local()
+
+    # The current Call, thread-local so concurrent calls do not see each other.
+    def bind(self, call: Call | None) -> None:
+        self._local.call = call
+
+    @property
+    def call(self) -> Call:
+        call = getattr(self._local, "call", None)
+        assert call is not None, "PureFunction traced outside of a treemode call"
+        return call
+
+    def rebuild_inputs(
+        self, dynamic: Sequence[Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], list[Any], list[Any], int]:
+        """Arguments (as the user function sees them) from dynamic arrays.
+
+        Returns ``(args, kwargs, pure_trees, inner_variables, consumed)``.
+        """
+        offset = 0
+        pure_trees: list[Any] = []
+        inner_vars: list[Any] = []
+        flat_keys = [k for k in self.key.positional if isinstance(k, _StructureKey)]
+        flat_keys += [k for _, k in self.key.keywords if isinstance(k, _StructureKey)]
+        for key in flat_keys:
+            n = _num_dynamic(key)
+            tree, variables = rebuild(key, dynamic[offset : offset + n])
+            offset += n
+            pure_trees.append(tree)
+            inner_vars.extend(variables)
+        n_pos = self.num_args - len(self.static_positional)
+        if self.graph:
+            pos, kw = _graph.from_tree(
+                (pure_trees[:n_pos], dict(zip(self.kw_names, pure_trees[n_pos:], strict=True)))
+            )
+            trees = iter([*pos, *(kw[n] for n in self.kw_names)])
+        else:
+            trees = iter(pure_trees)
+        args = tuple(
+            self.static_positional[i] if i in self.static_positional else next(trees)
+            for i in range(self.num_args)
+        )
+        kwargs = {name: next(trees) for name in self.kw_names}
+        kwargs.update(self.static_keywords)
+        return args, kwargs, pure_trees, inner_vars, offset
+
+    def __call__(self, *dynamic: Any) -> tuple[Any, tuple[Any, ...]]:
+        call = self.call
+        args, kwargs, pure_trees, inner_vars, offset = self.rebuild_inputs(dynamic)
+        swapped = _swap_in(call.lifted, self.key.lifted, dynamic[offset:])
+        try:
+            out = self.fn(*args, **kwargs)
+            self._check_structure(call, args, kwargs, pure_trees, inner_vars)
+            out_tree = _graph.to_tree(out) if self.graph else out
+            all_vars = inner_vars + call.lifted
+            self._check_outputs(call, out_tree, all_vars)
+            updates = self._collect_updates(call, all_vars, dynamic)
+        finally:
+            _swap_out(swapped)
+        return out_tree, updates
+
+    # -- checks ---------------------------------------------------------------
+
+    def _check_structure(
+        self,
+        call: Call,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        pure_trees: list[Any],
+        inner_vars: list[Any],
+    ) -> None:
+        trees_after = [a for i, a in enumerate(args) if i not in self.static_positional]
+        trees_after += [kwargs[name] for name in self.kw_names]
+        if self.graph:
+            n_pos = self.num_args - len(self.static_positional)
+            pos, kw = _graph.to_tree(
+                (trees_after[:n_pos], dict(zip(self.kw_names, trees_after[n_pos:], strict=True)))
+            )
+            trees_after = [*pos, *(kw[n] for n in self.kw_names)]
+        var_iter = iter(inner_vars)
+        roots = call.arg_roots()
+        for (root, before), after, key in zip(
+            roots, trees_after, [f.key for f in call.arg_flats], strict=True
+        ):
+            leaves, treedef = jax.tree_util.tree_flatten(after, is_leaf=is_variable)
+            problem = None
+            if treedef != key.treedef:
+                problem = describe_structure_change(before, after)
+            else:
+                for leaf, spec in zip(leaves, key.specs, strict=True):
+                    if type(spec) is VarSpec:
+                        if leaf is not next(var_iter):
+                            problem = describe_structure_change(before, after, leaf_changed=True)
+                            break
+                    elif isinstance(spec, StaticLeaf):
+                        if not _same_static(leaf, spec.value):
+                            problem = describe_structure_change(before, after, leaf_changed=True)
+                            break
+            if problem is not None:
+                path, what = problem
+                raise StructureError(
+                    f"treemode.{self.transform}: the function changed the structure of "
+                    f"its input at {format_path(path, root)}: {what}.\n"
+                    "A tree-mode transform only writes back new values of existing "
+                    "Variables. Make structural changes (new attributes, new or replaced "
+                    "Variables, changed static fields) outside the transform, or return "
+                    "the new object as an output."
+                )
+
+    def _check_outputs(self, call: Call, out_tree: Any, all_vars: list[Any]) -> None:
+        input_ids = {id(v): i for i, v in enumerate(all_vars)}
+        seen: dict[int, Any] = {}
+        out_leaves = jax.tree_util.tree_leaves(out_tree, is_leaf=is_variable)
+        problem: tuple[str, Any, Any] | None = None
+        for leaf in out_leaves:
+            if not is_variable(leaf):
+                continue
+            if id(leaf) in input_ids and not self.allow_output_variables:
+                problem = ("input", leaf, input_ids[id(leaf)])
+                break
+            if id(leaf) in seen:
+                problem = ("twice", leaf, None)
+                break
+            seen[id(leaf)] = leaf
+        if problem is None:
+            return
+        kind, var, index = problem
+        out_paths = [
+            format_path(p, "output")
+            for p, leaf in jax.tree_util.tree_flatten_with_path(out_tree, is_leaf=is_variable)[0]
+            if leaf is var
+        ]
+        if kind == "input":
+            in_path = call.variable_paths()[index]
+            raise AliasError(
+                f"treemode.{self.transform}: the function returns the "
+                f"{type(var).__name__} that is also its input {in_path} (returned "
+                f"at {out_paths[0]}).\n"
+                "Tree mode cannot return an input Variable: it would come back as an "
+                "independent copy. Return its value instead (e.g. `var[...]`), or "
+                "return a new module built inside the function."
+            )
+        raise AliasError(
+            f"treemode.{self.transform}: the function returns the same "
+            f"{type(var).__name__} twice, at {out_paths[0]} and {out_paths[1]}.\n"
+            "In tree mode the two would come back as independent copies. Return it "
+            f"once, or keep the sharing with treemode.{self.transform}(..., graph=True)."
+        )
+
+    def _collect_updates(
+        self, call: Call, all_vars: list[Any], dynamic: Sequence[Any]
+    ) -> tuple[Any, ...]:
+        specs = [s for k in self._flat_keys() for s in k.specs if type(s) is VarSpec]
+        specs += list(self.key.lifted)
+        force = self.force(call) if callable(self.force) else self.force
+        updates: list[Any] = []
+        metadata_updates: dict[int, dict[str, Any]] = {}
+        offset = 0
+        dyn_offsets: list[int] = []
+        for k in self._flat_keys():
+            for spec in k.specs:
+                if type(spec) is VarSpec:
+                    dyn_offsets.append(offset)
+                    offset += spec.num_dynamic
+                elif spec is DYNAMIC:
+                    offset += 1
+        for spec in self.key.lifted:
+            dyn_offsets.append(offset)
+            offset += spec.num_dynamic
+        for i, (var, spec) in enumerate(zip(all_vars, specs, strict=True)):
+            before = spec.build(dynamic[dyn_offsets[i] : dyn_offsets[i] + spec.num_dynamic])
+            changed = _value_changed(var._raw_value, before)
+            if tuple(sorted(var._var_metadata.items())) != spec.metadata:
+                metadata_updates[i] = dict(var._var_metadata)
+            updates.append(var._raw_value if (changed or i in force) else None)
+        self.record.metadata_updates = metadata_updates
+        return tuple(updates)
+
+    def _flat_keys(self) -> list[_StructureKey]:
+        keys = [k for k in self.key.positional if isinstance(k, _StructureKey)]
+        keys += [k for _, k in self.key.keywords if isinstance(k, _StructureKey)]
+        return keys
+
+
+def _num_dynamic(key: _StructureKey) -> int:
+    n = 0
+    for spec in key.specs:
+        if type(spec) is VarSpec:
+            n += spec.num_dynamic
+        elif spec is DYNAMIC:
+            n += 1
+    return n
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _value_changed(after: Any, before: Any) -> bool:
+    if after is before:
+        return False
+    a_leaves, a_def = jax.tree_util.tree_flatten(after)
+    b_leaves, b_def = jax.tree_util.tree_flatten(before)
+    if a_def != b_def or len(a_leaves) != len(b_leaves):
+        return True
+    return any(x is not y for x, y in zip(a_leaves, b_leaves, strict=True))
+
+
+def _swap_in(
+    lifted: list[Any], specs: tuple[VarSpec, ...], dynamic: Sequence[Any]
+) -> list[tuple[Any, Any, Any]]:
+    """Point closure Variables at traced values; return what to restore."""
+    from flax.nnx import tracers
+
+    swapped: list[tuple[Any, Any, Any]] = []
+    offset = 0
+    try:
+        for var, spec in zip(lifted, specs, strict=True):
+            n = spec.num_dynamic
+            value = spec.build(dynamic[offset : offset + n])
+            offset += n
+            swapped.append((var, var._raw_value, var._trace_state))
+            object.__setattr__(var, "_raw_value", value)
+            object.__setattr__(var, "_trace_state", tracers.TraceState())
+    except BaseException:
+        _swap_out(swapped)
+        raise
+    return swapped
+
+
+def _swap_out(swapped: list[tuple[Any, Any, Any]]) -> None:
+    for var, value, trace_state in swapped:
+        object.__setattr__(var, "_raw_value", value)
+        object.__setattr__(var, "_trace_state", trace_state)
+
+
+def describe_structure_change(
+    before: Any, after: Any, *, leaf_changed: bool = False
+) -> tuple[tuple[Any, ...], str]:
+    """The first place where ``after`` differs structurally from ``before``."""
+    result = _diff((), before, after)
+    if result is not None:
+        return result
+    return ((), "the structure changed")  # pragma: no cover - defensive
+
+
+def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]] | None:
+    if is_variable(x):
+        return None
+    flat, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)
+    if jax.tree_util.treedef_is_leaf(treedef) and not flat:
+        return None
+    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is x:
+        return None
+    return treedef.node_data(), [(p[0], c) for p, c in flat]
+
+
+def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] | None:
+    if is_variable(a) or is_variable(b):
+        if not (is_variable(a) and is_variable(b)):
+            if is_variable(a):
+                return path, f"the {type(a).__name__} was replaced by a {type(b).__name__}"
+            return path, f"a {type(a).__name__} was replaced by a {type(b).__name__}"
+        if type(a) is not type(b):
+            return path, f"the {type(a).__name__} was replaced by a {type(b).__name__}"
+        return None
+    if is_graph_node(a) and is_graph_node(b) and type(a) is type(b):
+        va, vb = vars(a), vars(b)
+        added = [k for k in vb if k not in va]
+        removed = [k for k in va if k not in vb]
+        if added:
+            return (*path, jax.tree_util.GetAttrKey(added[0])), "a new attribute was added"
+        if removed:
+            return (*path, jax.tree_util.GetAttrKey(removed[0])), "the attribute was deleted"
+    la, lb = _one_level(a), _one_level(b)
+    if la is None or lb is None:
+        if la is None and lb is None:
+            if is_array(a) or is_array(b) or isinstance(a, jax.core.Tracer):
+                if is_array(a) and is_array(b):
+                    if a is b:
+                        return None
+                    return path, (
+                        "a plain array attribute (not an nnx.Variable) was reassigned; "
+                        "wrap it in an nnx.Variable so that its updates are written back"
+                    )
+                return path, f"a {type(a).__name__} was replaced by a {type(b).__name__}"
+            if not _same_static(a, b):
+                return path, f"the static value {a!r} was changed to {b!r}"
+            return None
+        return path, f"a {type(a).__name__} was replaced by a {type(b).__name__}"
+    (ta, aux_a), ca = la
+    (tb, aux_b), cb = lb
+    if ta is not tb:
+        return path, f"a {ta.__name__} was replaced by a {tb.__name__}"
+    keys_a = [k for k, _ in ca]
+    keys_b = [k for k, _ in cb]
+    if keys_a != keys_b:
+        for k in keys_b:
+            if k not in keys_a:
+                return (*path, k), "a new entry was added"
+        for k in keys_a:
+            if k not in keys_b:
+                return (*path, k), "the entry was deleted"
+    for (k, x), (_, y) in zip(ca, cb, strict=True):
+        found = _diff((*path, k), x, y)
+        if found is not None:
+            return found
+    if not _same_static(aux_a, aux_b):
+        if is_graph_node(a):
+            va, vb = vars(a), vars(b)
+            for name in va:
+                if name in vb and not _same_static(va[name], vb[name]):
+                    return (
+                        (*path, jax.tree_util.GetAttrKey(name)),
+                        f"the static attribute was changed from {va[name]!r} to {vb[name]!r}",
+                    )
+        return path, "a static field of this node changed"
+    return None
+
+
+def check_writable(call: Call, updates: Sequence[Any]) -> None:
+    """Raise before writing anything if a target Variable belongs to another trace."""
+    for i, (var, new) in enumerate(zip(call.variables, updates, strict=True)):
+        if new is not None and not var._trace_state.is_valid():
+            path = call.variable_paths()[i]
+            raise TraceContextError(
+                f"treemode.{call.transform}: cannot write the new value of the "
+                f"{type(var).__name__} at {path} back: the Variable was created outside "
+                "the JAX transform that is currently tracing (for example a module closed "
+                "over by jax.jit or jax.lax.scan), so storing a traced value in it would "
+                "leak a tracer.\nPass the module as an argument of that outer transform "
+                "(e.g. treemode.jit instead of jax.jit over a closure)."
+            )
+
+
+def write_back(
+    call: Call, updates: Sequence[Any], metadata_updates: dict[int, dict[str, Any]] | None = None
+) -> None:
+    """Store the changed values into the caller's Variables, all or nothing."""
+    check_writable(call, updates)
+    done: list[tuple[Any, Any, Any]] = []
+    try:
+        for var, new in zip(call.variables, updates, strict=True):
+            if new is not None:
+                done.append((var, var._raw_value, var._var_metadata))
+                object.__setattr__(var, "_raw_value", new)
+        if metadata_updates:
+            for i, metadata in metadata_updates.items():
+                var = call.variables[i]
+                if not done or done[-1][0] is not var:
+                    done.append((var, var._raw_value, var._var_metadata))
+                object.__setattr__(var, "_var_metadata", dict(metadata))
+    except BaseException:
+        for var, value, metadata in reversed(done):
+            object.__setattr__(var, "_raw_value", value)
+            object.__setattr__(var, "_var_metadata", metadata)
+        raise
+
+
+def finish(call: Call, out: Any) -> Any:
+    """Turn the transform's output tree back into objects (graph mode)."""
+    return _graph.from_tree(out) if call.graph else out
+
+
+__all__ = [
+    "Call",
+    "CallKey",
+    "PureFunction",
+    "prepare",
+    "write_back",
+    "finish",
+    "is_graph_node",
+]

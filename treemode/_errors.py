@@ -1,0 +1,55 @@
+"""Error classes raised by treemode.
+
+Every message names the transform, the path(s) of the offending objects in the
+caller's terms (``args[0].layers[1].kernel``) and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class TreemodeError(Exception):
+    """Base class of every error raised by treemode."""
+
+
+class AliasError(TreemodeError, ValueError):
+    """One Variable is reachable twice from the inputs or outputs of a transform.
+
+    Tree mode treats modules as pytrees, so a shared Variable would silently
+    become two independent copies. Pass ``graph=True`` to keep the sharing, or
+    remove the duplicate reference.
+    """
+
+
+class StructureError(TreemodeError, ValueError):
+    """The function changed the structure of an input module inside a transform.
+
+    Adding, deleting or replacing attributes, Variables or static fields cannot be
+    written back by a tree-mode transform; do it outside the transform.
+    """
+
+
+class ClosureError(TreemodeError, ValueError):
+    """A Variable reached through the function's closure cannot be used."""
+
+
+class DonationError(TreemodeError, ValueError):
+    """Donated arguments share a buffer, or a donated argument is static."""
+
+
+class TraceContextError(TreemodeError, ValueError):
+    """A transform would write a value into a Variable that belongs to another trace."""
+
+
+class StaticArgumentError(TreemodeError, TypeError):
+    """A static argument is not hashable or its index/name does not exist."""
+
+
+__all__ = [
+    "AliasError",
+    "ClosureError",
+    "DonationError",
+    "StaticArgumentError",
+    "StructureError",
+    "TraceContextError",
+    "TreemodeError",
+]

@@ -1,0 +1,393 @@
+"""One-pass flattening of transform inputs, with Variables as leaves.
+
+Each top-level argument is flattened on its own into an :class:`ArgFlat`: its
+treedef (which holds the modules' static attributes), one spec per leaf, the
+Variables (kept for write-back and identity checks) and the dynamic arrays that
+are passed to JAX. Flattening NNX modules through their pytree callbacks costs
+microseconds per module, so an ``ArgFlat`` is cached per argument object and
+revalidated on the next call by identity checks on the attribute dicts it walked
+through (see :func:`flatten_arg`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.tree_util import PyTreeDef
+
+from ._errors import AliasError
+from ._leaves import ARRAY_TYPES, is_graph_node, is_variable, is_variable_value_leaf
+from ._paths import format_path
+
+Variable = Any  # nnx.Variable; kept loose for speed-critical annotations
+
+
+class _Dynamic:
+    """Spec of a traced non-Variable leaf (an array in a plain container)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DYNAMIC"
+
+    def __reduce__(self):
+        return "DYNAMIC"
+
+
+DYNAMIC = _Dynamic()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StaticLeaf:
+    """Spec of a non-array leaf: compared by value, part of the cache key."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VarSpec:
+    """Spec of a Variable leaf: its type, metadata and the layout of its value.
+
+    ``value_def`` is ``None`` when the value is a single array (the common case);
+    otherwise it is the value's treedef, and ``value_static`` holds, per value
+    leaf, ``None`` for a traced leaf or a ``StaticLeaf``.
+    """
+
+    var_type: type
+    metadata: tuple[tuple[str, Any], ...]
+    value_def: PyTreeDef | None = None
+    value_static: tuple[StaticLeaf | None, ...] = ()
+
+    @property
+    def num_dynamic(self) -> int:
+        if self.value_def is None:
+            return 1
+        return sum(1 for s in self.value_static if s is None)
+
+    def build(self, dynamic: Sequence[Any]) -> Any:
+        """Rebuild a raw value from this spec's dynamic leaves."""
+        if self.value_def is None:
+            return dynamic[0]
+        it = iter(dynamic)
+        leaves = [next(it) if s is None else s.value for s in self.value_static]
+        return self.value_def.unflatten(leaves)
+
+
+Spec = VarSpec | StaticLeaf | _Dynamic
+
+
+def variable_spec(var: Any) -> tuple[VarSpec, list[Any]]:
+    """The spec of a Variable and its dynamic value leaves."""
+    value = var._raw_value
+    metadata = tuple(sorted(var._var_metadata.items()))
+    if isinstance(value, ARRAY_TYPES):
+        return VarSpec(type(var), metadata), [value]
+    leaves, value_def = jax.tree_util.tree_flatten(value)
+    static: list[StaticLeaf | None] = []
+    dynamic: list[Any] = []
+    for leaf in leaves:
+        if is_variable_value_leaf(leaf):
+            static.append(None)
+            dynamic.append(leaf)
+        else:
+            static.append(StaticLeaf(leaf))
+    return VarSpec(type(var), metadata, value_def, tuple(static)), dynamic
+
+
+def variable_dynamic(var: Any, spec: VarSpec) -> list[Any]:
+    """The dynamic leaves of ``var``'s current value (laid out as ``spec``)."""
+    if spec.value_def is None:
+        return [var._raw_value]
+    leaves = jax.tree_util.tree_leaves(var._raw_value)
+    return [x for x, s in zip(leaves, spec.value_static, strict=True) if s is None]
+
+
+class ArgFlat:
+    """One flattened top-level argument.
+
+    Attributes:
+        treedef: structure with Variables as leaves.
+        specs: one spec per leaf.
+        leaves: the leaves themselves (Variables, arrays, static values).
+        variables: the Variables, in leaf order.
+        var_dynamic_counts: per Variable, how many dynamic leaves its value has.
+        dynamic: the traced arrays, in leaf order (a Variable's value leaves in
+            place of the Variable).
+        key: hashable structural key (treedef and specs).
+    """
+
+    __slots__ = (
+        "treedef",
+        "specs",
+        "leaves",
+        "variables",
+        "var_dynamic_counts",
+        "dynamic",
+        "key",
+        "_guards",
+        "_ref",
+        "__weakref__",
+    )
+
+    def __init__(self, treedef: PyTreeDef, specs: tuple[Spec, ...], leaves: list[Any]):
+        self.treedef = treedef
+        self.specs = specs
+        self.leaves = leaves
+        self.variables: list[Any] = []
+        self.var_dynamic_counts: list[int] = []
+        self.dynamic: list[Any] = []
+        for spec, leaf in zip(specs, leaves, strict=True):
+            if type(spec) is VarSpec:
+                self.variables.append(leaf)
+                values = variable_dynamic(leaf, spec)
+                self.var_dynamic_counts.append(len(values))
+                self.dynamic.extend(values)
+            elif spec is DYNAMIC:
+                self.dynamic.append(leaf)
+        self.key = _StructureKey(treedef, specs)
+        self._guards: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = []
+        self._ref: weakref.ref[Any] | None = None
+
+    def leaf_dynamic_counts(self) -> list[int]:
+        """Per leaf, how many dynamic arrays it contributes."""
+        counts = []
+        var_counts = iter(self.var_dynamic_counts)
+        for spec in self.specs:
+            if type(spec) is VarSpec:
+                counts.append(next(var_counts))
+            else:
+                counts.append(1 if spec is DYNAMIC else 0)
+        return counts
+
+
+class _StructureKey:
+    """Hashable (treedef, specs) with the hash computed once."""
+
+    __slots__ = ("treedef", "specs", "_hash")
+
+    def __init__(self, treedef: PyTreeDef, specs: tuple[Spec, ...]):
+        self.treedef = treedef
+        self.specs = specs
+        self._hash = hash((treedef, specs))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (
+            isinstance(other, _StructureKey)
+            and self._hash == other._hash
+            and self.treedef == other.treedef
+            and self.specs == other.specs
+        )
+
+
+def _snapshot(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    if isinstance(obj, dict):
+        return tuple(obj), tuple(obj.values())
+    if isinstance(obj, list):
+        return (), tuple(obj)
+    d = vars(obj)
+    return tuple(d), tuple(d.values())
+
+
+def _guard_holds(obj: Any, keys: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
+    if isinstance(obj, list):
+        current: Any = obj
+    else:
+        d = obj if isinstance(obj, dict) else obj.__dict__
+        if len(d) != len(keys) or not all(map(operator.is_, d, keys)):
+            return False
+        current = d.values()
+    return len(current) == len(values) and all(map(operator.is_, current, values))
+
+
+# Immutable containers that need no guard: their children are walked instead.
+_IMMUTABLE_NODES: tuple[type, ...] = (tuple, type(None))
+
+
+def _flatten_uncached(
+    arg: Any, is_dynamic: Callable[[Any], bool]
+) -> tuple[ArgFlat, bool]:
+    guards: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = []
+    cacheable = True
+
+    def is_leaf(x: Any) -> bool:
+        nonlocal cacheable
+        if is_variable(x):
+            return True
+        if is_graph_node(x) or isinstance(x, (dict, list)):
+            guards.append((x, *_snapshot(x)))
+        elif not isinstance(x, _IMMUTABLE_NODES) and not _is_frozen_node(x):
+            # A mutable pytree node we cannot guard: never reuse this flattening.
+            cacheable = cacheable and _is_plain_leaf(x)
+        return False
+
+    leaves, treedef = jax.tree_util.tree_flatten(arg, is_leaf=is_leaf)
+    specs: list[Spec] = []
+    for leaf in leaves:
+        if is_variable(leaf):
+            specs.append(variable_spec(leaf)[0])
+        elif is_dynamic(leaf):
+            specs.append(DYNAMIC)
+        else:
+            specs.append(StaticLeaf(leaf))
+    flat = ArgFlat(treedef, tuple(specs), leaves)
+    flat._guards = guards
+    return flat, cacheable
+
+
+def _is_frozen_node(x: Any) -> bool:
+    # Equinox modules and frozen dataclasses cannot be mutated after construction.
+    params = getattr(type(x), "__dataclass_params__", None)
+    return params is not None and params.frozen
+
+
+def _is_plain_leaf(x: Any) -> bool:
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
+_cache: dict[int, ArgFlat] = {}
+
+
+def _evict(key: int, ref: weakref.ref[Any]) -> None:
+    entry = _cache.get(key)
+    if entry is not None and entry._ref is ref:
+        del _cache[key]
+
+
+def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
+    """Flatten one top-level argument, reusing the previous flattening if valid.
+
+    The cache is keyed by the argument object and validated by checking, with
+    identity comparisons only, that every dict/list/NNX object walked last time
+    still holds the same attribute names and values, and that every Variable
+    still has the same type, metadata and value layout.
+    """
+    key = id(arg)
+    entry = _cache.get(key)
+    if entry is not None and entry._ref is not None and entry._ref() is arg:
+        if _still_valid(entry):
+            return _refresh(entry)
+        del _cache[key]
+    flat, cacheable = _flatten_uncached(arg, is_dynamic)
+    if cacheable and flat.variables:
+        try:
+            ref = weakref.ref(arg, lambda r, key=key: _evict(key, r))
+        except TypeError:
+            return flat
+        flat._ref = ref
+        _cache[key] = flat
+    return flat
+
+
+def _still_valid(entry: ArgFlat) -> bool:
+    for obj, keys, values in entry._guards:
+        if not _guard_holds(obj, keys, values):
+            return False
+    for var, spec in zip(entry.variables, _var_specs(entry), strict=True):
+        if type(var) is not spec.var_type:
+            return False
+        if tuple(sorted(var._var_metadata.items())) != spec.metadata:
+            return False
+        if spec.value_def is None and not isinstance(var._raw_value, ARRAY_TYPES):
+            return False
+        if spec.value_def is not None:
+            return False  # pytree-valued Variables are re-flattened every call
+    return True
+
+
+def _var_specs(entry: ArgFlat) -> list[VarSpec]:
+    return [s for s in entry.specs if type(s) is VarSpec]
+
+
+def _refresh(entry: ArgFlat) -> ArgFlat:
+    """A copy of ``entry`` with the Variables' current values."""
+    fresh = ArgFlat.__new__(ArgFlat)
+    fresh.treedef = entry.treedef
+    fresh.specs = entry.specs
+    fresh.leaves = entry.leaves
+    fresh.variables = entry.variables
+    fresh.var_dynamic_counts = entry.var_dynamic_counts
+    fresh.key = entry.key
+    fresh._guards = entry._guards
+    fresh._ref = None
+    if len(entry.dynamic) == len(entry.variables):
+        fresh.dynamic = [v._raw_value for v in entry.variables]
+    else:
+        dynamic: list[Any] = []
+        variables = iter(entry.variables)
+        for spec, leaf in zip(entry.specs, entry.leaves, strict=True):
+            if type(spec) is VarSpec:
+                dynamic.append(next(variables)._raw_value)
+            elif spec is DYNAMIC:
+                dynamic.append(leaf)
+        fresh.dynamic = dynamic
+    return fresh
+
+
+def check_no_aliases(transform: str, roots: Sequence[tuple[str, Any]]) -> None:
+    """Raise :class:`AliasError` if one Variable is reachable twice from ``roots``.
+
+    ``roots`` pairs a display name (``args[0]``) with a pytree. Paths are only
+    computed once a duplicate has been found.
+    """
+    seen: dict[int, str] = {}
+    for root, tree in roots:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
+            if not is_variable(leaf):
+                continue
+            where = format_path(path, root)
+            first = seen.setdefault(id(leaf), where)
+            if first != where:
+                raise alias_error(transform, leaf, first, where)
+
+
+def alias_error(transform: str, var: Any, first: str, second: str) -> AliasError:
+    return AliasError(
+        f"treemode.{transform}: the same {type(var).__name__} is reachable as {first} "
+        f"and as {second}.\n"
+        "Tree mode treats modules as pytrees, so the two references would become "
+        "independent copies and one of the updates would be lost.\n"
+        "Fix: remove the duplicate reference, pass a copy made with treemode.clone(...), "
+        f"or keep the sharing with treemode.{transform}(..., graph=True)."
+    )
+
+
+def dynamic_ids_unique(flats: Sequence[ArgFlat], extra: Sequence[Any] = ()) -> bool:
+    ids = {id(v) for f in flats for v in f.variables}
+    ids.update(id(v) for v in extra)
+    return len(ids) == sum(len(f.variables) for f in flats) + len(extra)
+
+
+def rebuild(flat_key: _StructureKey, dynamic: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """Rebuild a pytree from a structure key and its dynamic leaves.
+
+    Every Variable is a new object of the same type and metadata holding the new
+    value, so it belongs to the current trace and can be mutated there.
+    """
+    leaves: list[Any] = []
+    variables: list[Any] = []
+    i = 0
+    for spec in flat_key.specs:
+        if type(spec) is VarSpec:
+            n = spec.num_dynamic
+            value = spec.build(dynamic[i : i + n])
+            i += n
+            var = spec.var_type.from_metadata(value, dict(spec.metadata))
+            variables.append(var)
+            leaves.append(var)
+        elif spec is DYNAMIC:
+            leaves.append(dynamic[i])
+            i += 1
+        else:
+            assert isinstance(spec, StaticLeaf)
+            leaves.append(spec.value)
+    return flat_key.treedef.unflatten(leaves), variables

@@ -1,0 +1,184 @@
+"""``to_tree`` / ``from_tree``: object graphs with sharing <-> pure pytrees.
+
+``to_tree`` walks a pytree in flatten order. Every NNX object (Module, Rngs,
+Optimizer, ``nnx.List``, ...) becomes a :class:`GraphNode`, a pytree node that
+stores the object's one-level structure; every Variable is kept as it is. The
+second and later references to the same object become a static
+:class:`SharedRef` holding the pre-order index of the first one. The result has
+no aliases, so any JAX transform can consume it. ``from_tree`` rebuilds the
+objects in the same order and resolves each ``SharedRef`` to the object built
+for its index, so the sharing is restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.tree_util import PyTreeDef
+
+from ._errors import StructureError
+from ._leaves import is_graph_node, is_variable
+from ._paths import format_path
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class SharedRef:
+    """A second reference to the object with pre-order index ``index``."""
+
+    index: int
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class GraphNode:
+    """An NNX object in pure-pytree form: its children plus its one-level structure."""
+
+    __slots__ = ("children", "keys", "node_def")
+
+    def __init__(self, node_def: PyTreeDef, keys: tuple[Any, ...], children: list[Any]):
+        self.node_def = node_def
+        self.keys = keys
+        self.children = children
+
+    def tree_flatten_with_keys(self):
+        return list(zip(self.keys, self.children, strict=True)), (self.node_def, self.keys)
+
+    def tree_flatten(self):
+        return self.children, (self.node_def, self.keys)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        node_def, keys = aux
+        return cls(node_def, keys, list(children))
+
+    def __repr__(self) -> str:
+        kind = self.node_def.node_data()
+        name = kind[0].__name__ if kind else "?"
+        return f"GraphNode({name}, {len(self.children)} children)"
+
+
+def _is_marker(x: Any) -> bool:
+    return isinstance(x, (GraphNode, SharedRef)) or is_variable(x)
+
+
+def to_tree(node: Any) -> Any:
+    """Convert a pytree that may hold shared NNX objects into a pure pytree.
+
+    **Arguments:**
+
+    - `node`: any pytree: NNX Modules, Variables, Equinox modules, dicts, lists...
+
+    **Returns:**
+
+    A pytree without aliases: each NNX object appears once, as a `GraphNode`;
+    later references to it are static `SharedRef` markers. Variables are kept as
+    they are (the same objects), so writing to them writes to the originals.
+
+    **Raises:**
+
+    `StructureError` for a reference cycle (an object that contains itself).
+
+    ```python
+    import treemode
+    from flax import nnx
+
+    shared = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    tree = treemode.to_tree({"a": shared, "b": shared})
+    restored = treemode.from_tree(tree)
+    assert restored["a"] is restored["b"]
+    ```
+    """
+    index: dict[int, int] = {}
+    in_progress: set[int] = set()
+    keepalive: list[Any] = []
+
+    def convert(path: tuple[Any, ...], x: Any) -> Any:
+        key = id(x)
+        if key in index:
+            if key in in_progress:
+                raise StructureError(
+                    f"treemode.to_tree: reference cycle at {format_path(path, 'node')}: "
+                    f"a {type(x).__name__} contains itself. Tree mode needs an acyclic "
+                    "graph; store the back-reference outside the module (or as a "
+                    "static non-NNX attribute)."
+                )
+            return SharedRef(index[key])
+        index[key] = len(index)
+        keepalive.append(x)
+        if is_variable(x):
+            return x
+        in_progress.add(key)
+        try:
+            flat, node_def = jax.tree_util.tree_flatten_with_path(
+                x, is_leaf=lambda child: child is not x
+            )
+            keys = tuple(p[0] for p, _ in flat)
+            children = [
+                jax.tree_util.tree_map_with_path(
+                    lambda p, c, k=k: convert((*path, k, *p), c),
+                    child,
+                    is_leaf=is_variable_or_graph,
+                )
+                for k, (_, child) in zip(keys, flat, strict=True)
+            ]
+        finally:
+            in_progress.discard(key)
+        return GraphNode(node_def, keys, children)
+
+    def is_variable_or_graph(x: Any) -> bool:
+        return is_variable(x) or is_graph_node(x)
+
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: convert(p, x) if is_variable_or_graph(x) else x,
+        node,
+        is_leaf=is_variable_or_graph,
+    )
+
+
+def from_tree(tree: Any) -> Any:
+    """Rebuild the object graph encoded by :func:`to_tree`.
+
+    **Arguments:**
+
+    - `tree`: the output of `to_tree` (or of a transform applied to it).
+
+    **Returns:**
+
+    The pytree with every `GraphNode` turned back into its NNX object and every
+    `SharedRef` resolved to the same object as the reference it points to.
+
+    ```python
+    import treemode
+    from flax import nnx
+
+    class Pair(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(2, 2, rngs=rngs)
+            self.b = self.a
+
+    pair = treemode.from_tree(treemode.to_tree(Pair(nnx.Rngs(0))))
+    assert pair.a is pair.b
+    ```
+    """
+    built: list[Any] = []
+
+    def build(x: Any) -> Any:
+        if isinstance(x, SharedRef):
+            return built[x.index]
+        slot = len(built)
+        built.append(None)
+        if isinstance(x, GraphNode):
+            children = [
+                jax.tree_util.tree_map(build, child, is_leaf=_is_marker) for child in x.children
+            ]
+            obj = x.node_def.unflatten(children)
+        else:
+            obj = x
+        built[slot] = obj
+        return obj
+
+    return jax.tree_util.tree_map(
+        lambda x: build(x) if _is_marker(x) else x, tree, is_leaf=_is_marker
+    )

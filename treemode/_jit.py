@@ -1,0 +1,522 @@
+"""``treemode.jit`` and ``treemode.jit_partial``."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+import jax
+
+from . import _core
+from ._errors import DonationError, StaticArgumentError
+from ._flatten import DYNAMIC, ArgFlat, VarSpec
+from ._prefix import broadcast_to_dynamic
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_UNSET: Any = object()
+
+
+def _as_tuple(x: int | str | Iterable[Any] | None) -> tuple[Any, ...]:
+    if x is None:
+        return ()
+    if isinstance(x, (int, str)):
+        return (x,)
+    return tuple(x)
+
+
+def _resolve_argnums(
+    fn: Callable[..., Any], argnums: tuple[int, ...], argnames: tuple[str, ...], what: str
+) -> tuple[frozenset[int], frozenset[str]]:
+    """Complete argnums from argnames and vice versa, the way ``jax.jit`` does."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return frozenset(argnums), frozenset(argnames)
+    positional = [
+        p
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    has_varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    names = set(argnames)
+    nums = set()
+    for i in argnums:
+        if i < 0:
+            i += len(positional)
+        if i < 0 or (i >= len(positional) and not has_varargs):
+            raise StaticArgumentError(
+                f"treemode.jit: {what}_argnums contains {i}, but "
+                f"{getattr(fn, '__name__', fn)} takes {len(positional)} positional "
+                "argument(s). Fix the index, or name the argument with "
+                f"{what}_argnames."
+            )
+        nums.add(i)
+        if i < len(positional) and positional[i].kind is not inspect.Parameter.POSITIONAL_ONLY:
+            names.add(positional[i].name)
+    for name in argnames:
+        for i, p in enumerate(positional):
+            if p.name == name:
+                nums.add(i)
+    return frozenset(nums), frozenset(names)
+
+
+class _Entry:
+    """The compiled form of one call structure."""
+
+    __slots__ = ("pure", "jitted")
+
+    def __init__(self, pure: _core.PureFunction, jitted: Any):
+        self.pure = pure
+        self.jitted = jitted
+
+
+class JitWrapped(Generic[P, R]):
+    """A function compiled with :func:`treemode.jit`."""
+
+    def __init__(
+        self,
+        fn: Callable[P, R],
+        *,
+        in_shardings: Any = _UNSET,
+        out_shardings: Any = _UNSET,
+        static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None,
+        keep_unused: bool = False,
+        device: Any = None,
+        backend: str | None = None,
+        inline: bool = False,
+        graph: bool = False,
+        partial_args: tuple[Any, ...] = (),
+    ):
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        self.fn = fn
+        self.graph = graph
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self.keep_unused = keep_unused
+        self.device = device
+        self.backend = backend
+        self.inline = inline
+        self.partial_args = partial_args
+        n_partial = len(partial_args)
+        static_nums, static_names = _resolve_argnums(
+            fn, _as_tuple(static_argnums), _as_tuple(static_argnames), "static"
+        )
+        donate_nums, donate_names = _resolve_argnums(
+            fn, _as_tuple(donate_argnums), _as_tuple(donate_argnames), "donate"
+        )
+        clash = (static_nums & donate_nums) or (static_names & donate_names)
+        if clash:
+            raise DonationError(
+                f"treemode.jit: argument(s) {sorted(clash)} are both static and donated. "
+                "A static argument has no buffers to donate; remove it from "
+                "donate_argnums/donate_argnames."
+            )
+        self.static_argnums = static_nums
+        self.static_argnames = static_names
+        self.donate_argnums = donate_nums
+        self.donate_argnames = donate_names
+        self._n_partial = n_partial
+        self._cache: dict[_core.CallKey, _Entry] = {}
+
+    # -- descriptor protocol: methods ------------------------------------------
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    # -- calling -----------------------------------------------------------------
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], abstract: bool):
+        return _core.prepare(
+            "jit",
+            self.fn,
+            (*self.partial_args, *args),
+            kwargs,
+            graph=self.graph,
+            static_argnums=self.static_argnums,
+            static_argnames=self.static_argnames,
+            abstract=abstract,
+        )
+
+    def _entry(self, call: _core.Call) -> _Entry:
+        entry = self._cache.get(call.key)
+        if entry is None:
+            entry = self._cache[call.key] = self._build(call)
+        return entry
+
+    def _donated_roots(self, call: _core.Call) -> list[int]:
+        """Indices into ``call.arg_flats`` of the donated arguments."""
+        roots: list[int] = []
+        k = 0
+        for i in range(len(call.args)):
+            if i in call.static_positional:
+                continue
+            if i in self.donate_argnums:
+                roots.append(k)
+            k += 1
+        for name in call.kw_names:
+            if name in self.donate_argnames:
+                roots.append(k)
+            k += 1
+        return roots
+
+    def _build(self, call: _core.Call) -> _Entry:
+        donated = self._donated_roots(call)
+        force: set[int] = set()
+        donate_flat: list[int] = []
+        var_offset = 0
+        dyn_offset = 0
+        for k, flat in enumerate(call.arg_flats):
+            if k in donated:
+                force.update(range(var_offset, var_offset + len(flat.variables)))
+                donate_flat.extend(range(dyn_offset, dyn_offset + len(flat.dynamic)))
+            var_offset += len(flat.variables)
+            dyn_offset += len(flat.dynamic)
+        pure = _core.PureFunction(call, force_updates=frozenset(force))
+        jit_kwargs: dict[str, Any] = dict(
+            donate_argnums=tuple(donate_flat),
+            keep_unused=self.keep_unused,
+            inline=self.inline,
+        )
+        if self.device is not None:
+            jit_kwargs["device"] = self.device
+        if self.backend is not None:
+            jit_kwargs["backend"] = self.backend
+        if self.in_shardings is not _UNSET:
+            jit_kwargs["in_shardings"] = tuple(self._flat_in_shardings(call))
+        if self.out_shardings is not _UNSET or self.in_shardings is not _UNSET:
+            var_shardings = self._variable_shardings(call)
+            out = None if self.out_shardings is _UNSET else self.out_shardings
+            jit_kwargs["out_shardings"] = (out, tuple(var_shardings))
+        return _Entry(pure, jax.jit(pure, **jit_kwargs))
+
+    def _positional_roots(self, call: _core.Call) -> list[tuple[ArgFlat, Any]]:
+        trees = [t for _, t in call.arg_roots()]
+        return list(zip(call.arg_flats, trees, strict=True))
+
+    def _flat_in_shardings(self, call: _core.Call) -> list[Any]:
+        n_traced_pos = len(call.args) - len(call.static_positional)
+        spec = self.in_shardings
+        if not isinstance(spec, (tuple, list)):
+            spec = (spec,) * n_traced_pos
+        elif len(spec) != n_traced_pos:
+            raise ValueError(
+                f"treemode.jit: in_shardings has {len(spec)} entries but the function "
+                f"is called with {n_traced_pos} traced positional argument(s). Give one "
+                "entry per positional argument (static arguments excluded), or a single "
+                "sharding for all."
+            )
+        flat_shardings: list[Any] = []
+        roots = self._positional_roots(call)
+        for k, (flat, tree) in enumerate(roots):
+            if k < n_traced_pos:
+                flat_shardings += broadcast_to_dynamic(
+                    spec[k],
+                    flat,
+                    tree,
+                    is_prefix_leaf=_is_sharding,
+                    where=f"args[{k}]",
+                    what="treemode.jit: in_shardings",
+                )
+            else:
+                flat_shardings += [None] * len(flat.dynamic)
+        flat_shardings += [None] * (len(call.dynamic) - len(flat_shardings))
+        return flat_shardings
+
+    def _variable_shardings(self, call: _core.Call) -> list[Any]:
+        """Updates come back with the sharding their Variable went in with."""
+        if self.in_shardings is _UNSET:
+            return [None] * len(call.variables)
+        per_dyn = self._flat_in_shardings(call)
+        out: list[Any] = []
+        k = 0
+        for flat in call.arg_flats:
+            for spec in flat.specs:
+                if type(spec) is VarSpec:
+                    n = spec.num_dynamic
+                    out.append(per_dyn[k] if n == 1 else None)
+                    k += n
+                elif spec is DYNAMIC:
+                    k += 1
+        out += [None] * (len(call.variables) - len(out))
+        return out
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        call = self._prepare(args, kwargs, abstract=False)
+        entry = self._entry(call)
+        if self.donate_argnums or self.donate_argnames:
+            _check_donation(call, self._donated_roots(call))
+        entry.pure.bind(call)
+        try:
+            out, updates = entry.jitted(*call.dynamic)
+        finally:
+            entry.pure.bind(None)
+        _core.write_back(call, updates, entry.pure.record.metadata_updates)
+        return _core.finish(call, out)
+
+    # -- AOT ---------------------------------------------------------------------
+
+    def trace(self, *args: Any, **kwargs: Any) -> Traced:
+        """Trace without compiling; ``.jaxpr`` and ``.lower()`` are available."""
+        call = self._prepare(args, kwargs, abstract=True)
+        entry = self._entry(call)
+        entry.pure.bind(call)
+        try:
+            traced = entry.jitted.trace(*call.dynamic)
+        finally:
+            entry.pure.bind(None)
+        return Traced(self, traced)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Lower for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
+        return self.trace(*args, **kwargs).lower()
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """Output shapes and dtypes of a call; the inputs are never modified."""
+        call = self._prepare(args, kwargs, abstract=True)
+        entry = self._entry(call)
+        entry.pure.bind(call)
+        try:
+            out, _ = jax.eval_shape(entry.pure, *call.dynamic)
+        finally:
+            entry.pure.bind(None)
+        return _core.finish(call, out)
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+
+def _is_sharding(x: Any) -> bool:
+    return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
+
+
+def _check_donation(call: _core.Call, donated: list[int]) -> None:
+    """Two donated leaves sharing a buffer fail inside XLA: name them here."""
+    if not donated:
+        return
+    owner: dict[int, int] = {}
+    for k, flat in enumerate(call.arg_flats):
+        for x in flat.dynamic:
+            prev = owner.setdefault(id(x), k)
+            if prev != k and (prev in donated or k in donated):
+                _raise_shared_buffer(call, x)
+        if k in donated and len({id(x) for x in flat.dynamic}) != len(flat.dynamic):
+            seen: set[int] = set()
+            for x in flat.dynamic:
+                if id(x) in seen:
+                    _raise_shared_buffer(call, x)
+                seen.add(id(x))
+
+
+def _raise_shared_buffer(call: _core.Call, array: Any) -> None:
+    import jax.tree_util as jtu
+
+    from ._paths import format_path
+
+    paths: list[str] = []
+    for root, tree in call.arg_roots():
+        for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
+            if leaf is array:
+                paths.append(format_path(path, root))
+    raise DonationError(
+        "treemode.jit: the same buffer is reachable at "
+        + " and ".join(paths[:2])
+        + ", and at least one of them is donated. XLA cannot donate a buffer that is "
+        "used twice. If one argument is a copy of the other, make it with "
+        "treemode.clone(module, arrays=True) so it has buffers of its own."
+    )
+
+
+class Traced:
+    """The result of :meth:`JitWrapped.trace`: wraps ``jax.stages.Traced``."""
+
+    def __init__(self, wrapped: JitWrapped[Any, Any], traced: Any):
+        self._wrapped = wrapped
+        self._traced = traced
+
+    @property
+    def jaxpr(self) -> Any:
+        return self._traced.jaxpr
+
+    def lower(self, **kwargs: Any) -> Lowered:
+        return Lowered(self._wrapped, self._traced.lower(**kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._traced, name)
+
+
+class Lowered:
+    """The result of :meth:`JitWrapped.lower`: wraps ``jax.stages.Lowered``."""
+
+    def __init__(self, wrapped: JitWrapped[Any, Any], lowered: Any):
+        self._wrapped = wrapped
+        self._lowered = lowered
+
+    def compile(self, *args: Any, **kwargs: Any) -> Compiled:
+        return Compiled(self._wrapped, self._lowered.compile(*args, **kwargs))
+
+    def as_text(self, *args: Any, **kwargs: Any) -> str:
+        return self._lowered.as_text(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lowered, name)
+
+
+class Compiled:
+    """A compiled call; calling it flattens its arguments and writes back updates."""
+
+    def __init__(self, wrapped: JitWrapped[Any, Any], compiled: Any):
+        self._wrapped = wrapped
+        self._compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        w = self._wrapped
+        call = w._prepare(args, kwargs, abstract=False)
+        entry = w._entry(call)
+        out, updates = self._compiled(*call.dynamic)
+        _core.write_back(call, updates, entry.pure.record.metadata_updates)
+        return _core.finish(call, out)
+
+    def memory_analysis(self) -> Any:
+        return self._compiled.memory_analysis()
+
+    def cost_analysis(self) -> Any:
+        return self._compiled.cost_analysis()
+
+    def as_text(self) -> str:
+        return self._compiled.as_text()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)
+
+
+@overload
+def jit(
+    fn: Callable[P, R],
+    *,
+    in_shardings: Any = ...,
+    out_shardings: Any = ...,
+    static_argnums: int | Sequence[int] | None = ...,
+    static_argnames: str | Iterable[str] | None = ...,
+    donate_argnums: int | Sequence[int] | None = ...,
+    donate_argnames: str | Iterable[str] | None = ...,
+    keep_unused: bool = ...,
+    device: Any = ...,
+    backend: str | None = ...,
+    inline: bool = ...,
+    graph: bool = ...,
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit(
+    fn: None = None,
+    *,
+    in_shardings: Any = ...,
+    out_shardings: Any = ...,
+    static_argnums: int | Sequence[int] | None = ...,
+    static_argnames: str | Iterable[str] | None = ...,
+    donate_argnums: int | Sequence[int] | None = ...,
+    donate_argnames: str | Iterable[str] | None = ...,
+    keep_unused: bool = ...,
+    device: Any = ...,
+    backend: str | None = ...,
+    inline: bool = ...,
+    graph: bool = ...,
+) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
+
+
+def jit(fn: Callable[P, R] | None = None, **kwargs: Any) -> Any:
+    """Compile ``fn`` with ``jax.jit``, writing Variable updates back to the inputs.
+
+    Modules, Variables, Equinox modules and plain pytrees may be passed freely.
+    Arrays (including Variable values) are traced; other leaves are static, as in
+    `eqx.filter_jit`. After the call, each input Variable that the function
+    changed holds its new value; all other Variables keep their buffers.
+
+    **Arguments:**
+
+    - `fn`: the function to compile. Omit it to use `jit(...)` as a decorator
+      factory; `jit` also decorates methods.
+    - `in_shardings`, `out_shardings`: as in `jax.jit`; a prefix may be
+      module-shaped (the module with a sharding in place of each Variable).
+      Updated Variables come back with their input sharding.
+    - `static_argnums`, `static_argnames`: arguments that are part of the cache
+      key instead of traced (must be hashable).
+    - `donate_argnums`, `donate_argnames`: arguments whose buffers XLA may reuse.
+      Their Variables are refreshed with the output buffers, so the modules stay
+      usable.
+    - `keep_unused`, `device`, `backend`, `inline`: as in `jax.jit`.
+    - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).
+
+    **Returns:**
+
+    A callable with `.lower(...)`, `.trace(...)` and `.eval_shape(...)`.
+
+    **Raises:**
+
+    `AliasError` when a Variable is reachable twice (with `graph=False`),
+    `StructureError` when the function changes an input's structure,
+    `DonationError` when donated arguments share a buffer.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.count = nnx.BatchStat(jnp.array(0))
+
+    @treemode.jit
+    def step(counter, x):
+        counter.count[...] += 1
+        return x * 2
+
+    counter = Counter()
+    y = step(counter, jnp.ones(3))
+    assert counter.count[...] == 1
+    ```
+    """
+    if fn is None:
+        return lambda f: JitWrapped(f, **kwargs)
+    return JitWrapped(fn, **kwargs)
+
+
+def jit_partial(fn: Callable[..., R], *partial_args: Any, **jit_kwargs: Any) -> JitWrapped[..., R]:
+    """``jit`` with leading arguments bound once; the fast path for training loops.
+
+    The bound arguments (typically the model and the optimizer) are flattened on
+    the first call and revalidated cheaply afterwards, so each call pays only for
+    the arguments that change (the batch).
+
+    **Arguments:**
+
+    - `fn`: the function to compile.
+    - `*partial_args`: leading positional arguments of `fn` to bind.
+    - `**jit_kwargs`: any keyword of :func:`treemode.jit`; argument indices count
+      the bound arguments too.
+
+    **Returns:**
+
+    A `treemode.jit` wrapper taking the remaining arguments.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    forward = treemode.jit_partial(lambda m, x: m(x), model)
+    assert forward(jnp.ones((1, 2))).shape == (1, 2)
+    ```
+    """
+    return JitWrapped(fn, partial_args=tuple(partial_args), **jit_kwargs)

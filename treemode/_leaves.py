@@ -1,0 +1,63 @@
+"""Cheap predicates that classify pytree leaves.
+
+``isinstance(x, nnx.Variable)`` goes through a metaclass ``__instancecheck__`` that
+costs about a microsecond; these helpers cache the answer per type, because they
+run once per leaf on every transform call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+Variable = nnx.Variable
+
+_variable_types: dict[type, bool] = {}
+_graph_types: dict[type, bool] = {}
+
+# Leaf types that are traced (passed to JAX as arrays).
+ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray, np.generic)
+# Leaf types that are traced when they sit inside a Variable (counters are ints).
+SCALAR_TYPES: tuple[type, ...] = (bool, int, float, complex)
+
+
+def is_variable(x: Any) -> bool:
+    """Whether ``x`` is an ``nnx.Variable`` (Param, BatchStat, RngKey, ...)."""
+    cls = type(x)
+    known = _variable_types.get(cls)
+    if known is None:
+        known = _variable_types[cls] = issubclass(cls, Variable)
+    return known
+
+
+def is_graph_node(x: Any) -> bool:
+    """Whether ``x`` is an NNX object with identity (Module, Rngs, Optimizer, ...)."""
+    cls = type(x)
+    known = _graph_types.get(cls)
+    if known is None:
+        known = _graph_types[cls] = issubclass(cls, nnx.Pytree)
+    return known
+
+
+def is_variable_or_graph_node(x: Any) -> bool:
+    return is_variable(x) or is_graph_node(x)
+
+
+def is_array(x: Any) -> bool:
+    """Whether a leaf is array data that a transform traces."""
+    return isinstance(x, ARRAY_TYPES)
+
+
+def is_abstract_array(x: Any) -> bool:
+    """Arrays, plus ``jax.ShapeDtypeStruct`` (accepted by ``eval_shape`` and ``.lower``)."""
+    return isinstance(x, ARRAY_TYPES) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def is_variable_value_leaf(x: Any) -> bool:
+    """Leaves inside a Variable's value that are traced: arrays and Python numbers."""
+    return isinstance(x, ARRAY_TYPES) or isinstance(x, SCALAR_TYPES) or isinstance(
+        x, jax.ShapeDtypeStruct
+    )
