@@ -20,6 +20,7 @@ has one entry per input Variable: its new value if the function changed it,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -101,6 +102,42 @@ class Call:
             pos, kw = _graph.to_tree((pos, kw))
         names += [f"kwargs[{name!r}]" for name in self.kw_names]
         return list(zip(names, [*pos, *(kw[n] for n in self.kw_names)], strict=True))
+
+    def root_dynamic_ranges(self) -> list[range]:
+        """Per traced argument (``arg_flats`` order), its slice of ``dynamic``."""
+        ranges: list[range] = []
+        start = 0
+        for flat in self.arg_flats:
+            ranges.append(range(start, start + len(flat.dynamic)))
+            start += len(flat.dynamic)
+        return ranges
+
+    def root_variable_ranges(self) -> list[range]:
+        """Per traced argument (``arg_flats`` order), its slice of ``variables``."""
+        ranges: list[range] = []
+        start = 0
+        for flat in self.arg_flats:
+            ranges.append(range(start, start + len(flat.variables)))
+            start += len(flat.variables)
+        return ranges
+
+    def variable_dynamic_ranges(self) -> list[range]:
+        """Per Variable (``variables`` order, closure ones last), its slice of ``dynamic``."""
+        ranges: list[range] = []
+        offset = 0
+        for flat in self.arg_flats:
+            counts = iter(flat.var_dynamic_counts)
+            for spec in flat.specs:
+                if type(spec) is VarSpec:
+                    n = next(counts)
+                    ranges.append(range(offset, offset + n))
+                    offset += n
+                elif spec is DYNAMIC:
+                    offset += 1
+        for spec in self.lifted_specs:
+            ranges.append(range(offset, offset + spec.num_dynamic))
+            offset += spec.num_dynamic
+        return ranges
 
     def variable_paths(self) -> list[str]:
         """Display path of every Variable in ``self.variables`` (error path only)."""
@@ -261,7 +298,7 @@ class PureFunction:
         self,
         call: Call,
         *,
-        force_updates: Callable[[Call], frozenset[int]] | frozenset[int] = frozenset(),
+        force_updates: frozenset[int] = frozenset(),
         allow_output_variables: bool = False,
     ):
         self.fn = call.fn
@@ -429,27 +466,15 @@ class PureFunction:
     ) -> tuple[Any, ...]:
         specs = [s for k in self._flat_keys() for s in k.specs if type(s) is VarSpec]
         specs += list(self.key.lifted)
-        force = self.force(call) if callable(self.force) else self.force
         updates: list[Any] = []
         metadata_updates: dict[int, dict[str, Any]] = {}
-        offset = 0
-        dyn_offsets: list[int] = []
-        for k in self._flat_keys():
-            for spec in k.specs:
-                if type(spec) is VarSpec:
-                    dyn_offsets.append(offset)
-                    offset += spec.num_dynamic
-                elif spec is DYNAMIC:
-                    offset += 1
-        for spec in self.key.lifted:
-            dyn_offsets.append(offset)
-            offset += spec.num_dynamic
+        ranges = call.variable_dynamic_ranges()
         for i, (var, spec) in enumerate(zip(all_vars, specs, strict=True)):
-            before = spec.build(dynamic[dyn_offsets[i] : dyn_offsets[i] + spec.num_dynamic])
+            before = spec.build([dynamic[j] for j in ranges[i]])
             changed = _value_changed(var._raw_value, before)
             if tuple(sorted(var._var_metadata.items())) != spec.metadata:
                 metadata_updates[i] = dict(var._var_metadata)
-            updates.append(var._raw_value if (changed or i in force) else None)
+            updates.append(var._raw_value if (changed or i in self.force) else None)
         self.record.metadata_updates = metadata_updates
         return tuple(updates)
 
@@ -639,6 +664,16 @@ def write_back(
         raise
 
 
+@contextlib.contextmanager
+def bound(pure: PureFunction, call: Call):
+    """Make ``call`` visible to ``pure`` while a JAX transform may trace it."""
+    pure.bind(call)
+    try:
+        yield
+    finally:
+        pure.bind(None)
+
+
 def finish(call: Call, out: Any) -> Any:
     """Turn the transform's output tree back into objects (graph mode)."""
     return _graph.from_tree(out) if call.graph else out
@@ -648,6 +683,7 @@ __all__ = [
     "Call",
     "CallKey",
     "PureFunction",
+    "bound",
     "prepare",
     "write_back",
     "finish",
