@@ -9,6 +9,9 @@ from ._errors import StructureError as StructureError
 from ._errors import TraceContextError as TraceContextError
 from ._errors import TreemodeError as TreemodeError
 from ._eval_shape import eval_shape as eval_shape
+from ._flatten import check_no_aliases as check_no_aliases
+from ._grad import grad as grad
+from ._grad import value_and_grad as value_and_grad
 from ._graph import from_tree as from_tree
 from ._graph import to_tree as to_tree
 from ._jit import JitWrapped as JitWrapped

@@ -280,6 +280,18 @@ def _raise_alias(call: Call) -> None:
 
 
 @dataclasses.dataclass
+class Inputs:
+    """The user function's arguments, rebuilt inside a trace."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    pure_trees: list[Any]  # per traced argument, the tree that was flattened
+    variables: list[Any]  # the fresh Variables, in ``Call.variables`` order
+    leaves: list[list[Any]]  # per traced argument, its leaves as rebuilt
+    consumed: int  # how many dynamic arrays the arguments used (closure ones follow)
+
+
+@dataclasses.dataclass
 class TraceRecord:
     """What a trace learned that is not an array: metadata changes."""
 
@@ -326,21 +338,20 @@ class PureFunction:
 
     def rebuild_inputs(
         self, dynamic: Sequence[Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any], list[Any], list[Any], int]:
-        """Arguments (as the user function sees them) from dynamic arrays.
-
-        Returns ``(args, kwargs, pure_trees, inner_variables, consumed)``.
-        """
+    ) -> Inputs:
+        """Arguments (as the user function sees them) rebuilt from dynamic arrays."""
         offset = 0
+        leaves_in: list[list[Any]] = []
         pure_trees: list[Any] = []
         inner_vars: list[Any] = []
         flat_keys = [k for k in self.key.positional if isinstance(k, _StructureKey)]
         flat_keys += [k for _, k in self.key.keywords if isinstance(k, _StructureKey)]
         for key in flat_keys:
             n = _num_dynamic(key)
-            tree, variables = rebuild(key, dynamic[offset : offset + n])
+            tree, variables, leaves = rebuild(key, dynamic[offset : offset + n])
             offset += n
             pure_trees.append(tree)
+            leaves_in.append(leaves)
             inner_vars.extend(variables)
         n_pos = self.num_args - len(self.static_positional)
         if self.graph:
@@ -356,17 +367,17 @@ class PureFunction:
         )
         kwargs = {name: next(trees) for name in self.kw_names}
         kwargs.update(self.static_keywords)
-        return args, kwargs, pure_trees, inner_vars, offset
+        return Inputs(args, kwargs, pure_trees, inner_vars, leaves_in, offset)
 
     def __call__(self, *dynamic: Any) -> tuple[Any, tuple[Any, ...]]:
         call = self.call
-        args, kwargs, pure_trees, inner_vars, offset = self.rebuild_inputs(dynamic)
-        swapped = _swap_in(call.lifted, self.key.lifted, dynamic[offset:])
+        inputs = self.rebuild_inputs(dynamic)
+        swapped = _swap_in(call.lifted, self.key.lifted, dynamic[inputs.consumed :])
         try:
-            out = self.fn(*args, **kwargs)
-            self._check_structure(call, args, kwargs, pure_trees, inner_vars)
+            out = self.fn(*inputs.args, **inputs.kwargs)
+            self._check_structure(call, inputs)
             out_tree = _graph.to_tree(out) if self.graph else out
-            all_vars = inner_vars + call.lifted
+            all_vars = inputs.variables + call.lifted
             self._check_outputs(call, out_tree, all_vars)
             updates = self._collect_updates(call, all_vars, dynamic)
         finally:
@@ -375,14 +386,8 @@ class PureFunction:
 
     # -- checks ---------------------------------------------------------------
 
-    def _check_structure(
-        self,
-        call: Call,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        pure_trees: list[Any],
-        inner_vars: list[Any],
-    ) -> None:
+    def _check_structure(self, call: Call, inputs: Inputs) -> None:
+        args, kwargs = inputs.args, inputs.kwargs
         trees_after = [a for i, a in enumerate(args) if i not in self.static_positional]
         trees_after += [kwargs[name] for name in self.kw_names]
         if self.graph:
@@ -391,25 +396,32 @@ class PureFunction:
                 (trees_after[:n_pos], dict(zip(self.kw_names, trees_after[n_pos:], strict=True)))
             )
             trees_after = [*pos, *(kw[n] for n in self.kw_names)]
-        var_iter = iter(inner_vars)
+        var_iter = iter(inputs.variables)
         roots = call.arg_roots()
-        for (root, before), after, key in zip(
-            roots, trees_after, [f.key for f in call.arg_flats], strict=True
+        for (root, before), after, key, leaves_in in zip(
+            roots, trees_after, [f.key for f in call.arg_flats], inputs.leaves, strict=True
         ):
             leaves, treedef = jax.tree_util.tree_flatten(after, is_leaf=is_variable)
             problem = None
             if treedef != key.treedef:
                 problem = describe_structure_change(before, after)
             else:
-                for leaf, spec in zip(leaves, key.specs, strict=True):
+                for j, (leaf, spec) in enumerate(zip(leaves, key.specs, strict=True)):
                     if type(spec) is VarSpec:
                         if leaf is not next(var_iter):
-                            problem = describe_structure_change(before, after, leaf_changed=True)
+                            problem = (_leaf_path(after, j), _replaced(leaf, spec.var_type))
                             break
-                    elif isinstance(spec, StaticLeaf):
-                        if not _same_static(leaf, spec.value):
-                            problem = describe_structure_change(before, after, leaf_changed=True)
-                            break
+                    elif spec is DYNAMIC and leaf is not leaves_in[j]:
+                        what = (
+                            "a plain array attribute (not an nnx.Variable) was reassigned; "
+                            "wrap it in an nnx.Variable so that its updates are written back"
+                        )
+                        problem = (_leaf_path(after, j), what)
+                        break
+                    elif isinstance(spec, StaticLeaf) and not _same_static(leaf, spec.value):
+                        what = f"the static value {spec.value!r} was changed to {leaf!r}"
+                        problem = (_leaf_path(after, j), what)
+                        break
             if problem is not None:
                 path, what = problem
                 raise StructureError(
@@ -484,6 +496,16 @@ class PureFunction:
         return keys
 
 
+def _leaf_path(tree: Any, index: int) -> tuple[Any, ...]:
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0][index][0]
+
+
+def _replaced(leaf: Any, old_type: type) -> str:
+    if type(leaf) is old_type:
+        return f"the {old_type.__name__} was replaced by a new {old_type.__name__}"
+    return f"the {old_type.__name__} was replaced by a {type(leaf).__name__}"
+
+
 def _num_dynamic(key: _StructureKey) -> int:
     n = 0
     for spec in key.specs:
@@ -552,14 +574,16 @@ def describe_structure_change(
 
 
 def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]] | None:
+    """``(node_data, [(key, child)])`` of a pytree node, ``None`` for a leaf."""
     if is_variable(x):
         return None
     flat, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)
-    if jax.tree_util.treedef_is_leaf(treedef) and not flat:
-        return None
     if len(flat) == 1 and flat[0][0] == () and flat[0][1] is x:
         return None
-    return treedef.node_data(), [(p[0], c) for p, c in flat]
+    node_data = treedef.node_data()
+    if node_data is None:
+        return None
+    return node_data, [(p[0], c) for p, c in flat]
 
 
 def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] | None:
@@ -582,14 +606,9 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
     la, lb = _one_level(a), _one_level(b)
     if la is None or lb is None:
         if la is None and lb is None:
-            if is_array(a) or is_array(b) or isinstance(a, jax.core.Tracer):
+            if is_array(a) or is_array(b):
                 if is_array(a) and is_array(b):
-                    if a is b:
-                        return None
-                    return path, (
-                        "a plain array attribute (not an nnx.Variable) was reassigned; "
-                        "wrap it in an nnx.Variable so that its updates are written back"
-                    )
+                    return None  # values are compared positionally, not here
                 return path, f"a {type(a).__name__} was replaced by a {type(b).__name__}"
             if not _same_static(a, b):
                 return path, f"the static value {a!r} was changed to {b!r}"
@@ -616,7 +635,10 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
         if is_graph_node(a):
             va, vb = vars(a), vars(b)
             for name in va:
-                if name in vb and not _same_static(va[name], vb[name]):
+                x = va[name]
+                if is_variable(x) or is_array(x) or _one_level(x) is not None:
+                    continue  # data: compared through the children above
+                if name in vb and not _same_static(x, vb[name]):
                     return (
                         (*path, jax.tree_util.GetAttrKey(name)),
                         f"the static attribute was changed from {va[name]!r} to {vb[name]!r}",

@@ -44,8 +44,18 @@ class StaticArgumentError(TreemodeError, TypeError):
     """A static argument is not hashable or its index/name does not exist."""
 
 
+class AxisError(TreemodeError, ValueError):
+    """An axis specification (``in_axes``, ``out_axes``, ``in_specs``) is invalid.
+
+    Raised for a wrong spec type, an axis out of range, mismatched mapped sizes,
+    a spec that is not a prefix of its argument, or a broadcast (unmapped)
+    Variable that the function sets to a per-example value.
+    """
+
+
 __all__ = [
     "AliasError",
+    "AxisError",
     "ClosureError",
     "DonationError",
     "StaticArgumentError",

@@ -333,14 +333,32 @@ def _refresh(entry: ArgFlat) -> ArgFlat:
     return fresh
 
 
-def check_no_aliases(transform: str, roots: Sequence[tuple[str, Any]]) -> None:
-    """Raise :class:`AliasError` if one Variable is reachable twice from ``roots``.
+def check_no_aliases(transform: str = "check_no_aliases", /, **trees: Any) -> None:
+    """Raise :class:`AliasError` if one Variable is reachable twice from ``trees``.
 
-    ``roots`` pairs a display name (``args[0]``) with a pytree. Paths are only
-    computed once a duplicate has been found.
+    **Arguments:**
+
+    - `transform`: name used in the error message (optional, positional).
+    - `**trees`: named pytrees; the names start the paths in the message.
+
+    **Raises:**
+
+    `AliasError` naming both paths, e.g. `args[0].a` and `args[0].b`.
+
+    ```python
+    import jax.numpy as jnp
+    import pytest
+    import treemode
+    from flax import nnx
+
+    v = nnx.Param(jnp.ones(2))
+    treemode.check_no_aliases(args=(v,))
+    with pytest.raises(treemode.AliasError):
+        treemode.check_no_aliases(args=(v,), kwargs={"w": v})
+    ```
     """
     seen: dict[int, str] = {}
-    for root, tree in roots:
+    for root, tree in trees.items():
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
             if not is_variable(leaf):
                 continue
@@ -367,8 +385,12 @@ def dynamic_ids_unique(flats: Sequence[ArgFlat], extra: Sequence[Any] = ()) -> b
     return len(ids) == sum(len(f.variables) for f in flats) + len(extra)
 
 
-def rebuild(flat_key: _StructureKey, dynamic: Sequence[Any]) -> tuple[Any, list[Any]]:
+def rebuild(
+    flat_key: _StructureKey, dynamic: Sequence[Any]
+) -> tuple[Any, list[Any], list[Any]]:
     """Rebuild a pytree from a structure key and its dynamic leaves.
+
+    Returns ``(tree, variables, leaves)``.
 
     Every Variable is a new object of the same type and metadata holding the new
     value, so it belongs to the current trace and can be mutated there.
@@ -390,4 +412,4 @@ def rebuild(flat_key: _StructureKey, dynamic: Sequence[Any]) -> tuple[Any, list[
         else:
             assert isinstance(spec, StaticLeaf)
             leaves.append(spec.value)
-    return flat_key.treedef.unflatten(leaves), variables
+    return flat_key.treedef.unflatten(leaves), variables, leaves

@@ -117,7 +117,7 @@ def to_tree(node: Any) -> Any:
             keys = tuple(p[0] for p, _ in flat)
             children = [
                 jax.tree_util.tree_map_with_path(
-                    lambda p, c, k=k: convert((*path, k, *p), c),
+                    lambda p, c, k=k: convert((*path, k, *p), c) if is_variable_or_graph(c) else c,
                     child,
                     is_leaf=is_variable_or_graph,
                 )

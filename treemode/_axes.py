@@ -1,0 +1,331 @@
+"""Axis specifications of the mapping transforms (vmap, pmap, scan, shard_map).
+
+A mapping transform takes its per-argument specification (``in_axes``,
+``in_specs``) as a tuple with one entry per positional argument, or a single
+value for all of them. Each entry is a pytree prefix of its argument and may be
+module-shaped (see :func:`treemode.prefix`). This module resolves such a
+specification against a prepared :class:`treemode._core.Call`:
+
+- :func:`call_axes` gives one value per ``call.dynamic`` entry and one per
+  ``call.variables`` entry (keyword arguments get ``kwargs_axis``, Variables
+  lifted from the function's closure get ``closure_axis``, ``None`` by default:
+  broadcast);
+- :func:`check_mapped` checks integer axes against the shapes of the arrays and
+  returns the mapped size;
+- :func:`dynamic_paths` names each dynamic array in user terms (error path only);
+- :func:`batched_update_error` builds the error for a broadcast Variable that
+  the function set to a per-example value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._core import Call
+from ._errors import AxisError
+from ._leaves import is_variable
+from ._paths import format_path
+from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class CallAxes:
+    """Resolved axes of one call.
+
+    Attributes:
+        dynamic: one value per entry of ``call.dynamic``.
+        variables: one value per entry of ``call.variables`` (the value of the
+            Variable's first dynamic array; Variables are prefix leaves, so all
+            arrays of a Variable share it).
+    """
+
+    dynamic: tuple[Any, ...]
+    variables: tuple[Any, ...]
+
+
+def is_int_axis(x: Any) -> bool:
+    """An integer axis (``bool`` excluded)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_axis(x: Any) -> bool:
+    """An integer axis or ``None`` (broadcast)."""
+    return x is None or is_int_axis(x)
+
+
+def _describe(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else f"a {type(x).__name__}"
+
+
+def positional_entries(
+    spec: Any,
+    num_args: int,
+    *,
+    transform: str,
+    what: str = "in_axes",
+    is_leaf: Callable[[Any], bool] = is_axis,
+) -> list[Any]:
+    """One entry of ``spec`` per positional argument (static ones included)."""
+    if isinstance(spec, tuple) and not is_leaf(spec):
+        if len(spec) != num_args:
+            raise AxisError(
+                f"treemode.{transform}: {what} has {len(spec)} entries but the function "
+                f"is called with {num_args} positional argument(s). Give one entry per "
+                f"positional argument (e.g. {what}=({', '.join(['0'] * max(num_args, 1))}"
+                f"{',' if num_args == 1 else ''})), or a single value for all of them. "
+                "Keyword arguments are always mapped over axis 0, as in JAX."
+            )
+        return list(spec)
+    if isinstance(spec, list):
+        raise AxisError(
+            f"treemode.{transform}: {what} is a list; JAX expects a tuple with one entry "
+            f"per positional argument. Use {what}=tuple(...)."
+        )
+    if spec is None or is_leaf(spec):
+        return [spec] * num_args
+    raise AxisError(
+        f"treemode.{transform}: {what} must be {_kinds(is_leaf)}, or a tuple with one "
+        f"entry per positional argument; got {_describe(spec)}. To give a module-shaped "
+        f"prefix for a single argument, wrap it in a tuple: {what}=(prefix,)."
+    )
+
+
+def _kinds(is_leaf: Callable[[Any], bool]) -> str:
+    return "an int or None" if is_leaf is is_axis else "a single specification"
+
+
+def call_axes(
+    call: Call,
+    spec: Any,
+    *,
+    what: str = "in_axes",
+    kwargs_axis: Any = 0,
+    closure_axis: Any = None,
+    is_leaf: Callable[[Any], bool] = is_axis,
+    valid: Callable[[Any], bool] | None = is_axis,
+    expected: str = "an int or None",
+) -> CallAxes:
+    """Resolve a per-positional-argument prefix ``spec`` for ``call``.
+
+    **Arguments:**
+
+    - `call`: the prepared call (`_core.prepare`).
+    - `spec`: a single value, or a tuple with one prefix per positional argument
+      (entries of static arguments are ignored). A prefix may be module-shaped.
+    - `what`: the keyword's name, for error messages.
+    - `kwargs_axis`: the value of every array of a keyword argument.
+    - `closure_axis`: the value of every Variable lifted from the closure.
+    - `is_leaf`: which prefix nodes are specification values (e.g. also accept
+      a `Carry` marker or a `PartitionSpec`).
+    - `valid`: a check of each resolved value (`None` to skip), with
+      `expected` describing the valid values in the error message.
+
+    **Returns:**
+
+    A `CallAxes` with one value per dynamic array and per Variable.
+    """
+    transform = call.transform
+    entries = positional_entries(
+        spec, len(call.args), transform=transform, what=what, is_leaf=is_leaf
+    )
+    traced_entries = [e for i, e in enumerate(entries) if i not in call.static_positional]
+    roots = call.arg_roots()
+    originals = _original_traced_args(call)
+    dynamic: list[Any] = []
+    for k, (flat, (name, tree)) in enumerate(zip(call.arg_flats, roots, strict=True)):
+        if k < len(traced_entries):
+            prefix = traced_entries[k]
+            try:
+                if call.graph:
+                    dynamic += _graph_broadcast(prefix, originals[k], flat, is_leaf, name)
+                else:
+                    dynamic += broadcast_to_dynamic(
+                        prefix,
+                        flat,
+                        tree,
+                        is_prefix_leaf=is_leaf,
+                        where=name,
+                        what=f"treemode.{transform}: {what}",
+                    )
+            except AxisError:
+                raise
+            except ValueError as e:
+                raise AxisError(str(e)) from None
+        else:
+            dynamic += [kwargs_axis] * len(flat.dynamic)
+    dynamic += [closure_axis] * (len(call.dynamic) - len(dynamic))
+    if valid is not None:
+        for i, value in enumerate(dynamic):
+            if not valid(value):
+                path = dynamic_paths(call)[i]
+                raise AxisError(
+                    f"treemode.{transform}: {what} gives {_describe(value)} for {path}; "
+                    f"each value must be {expected}."
+                )
+    variables = tuple(
+        dynamic[r[0]] if len(r) else closure_axis for r in call.variable_dynamic_ranges()
+    )
+    return CallAxes(tuple(dynamic), variables)
+
+
+def _original_traced_args(call: Call) -> list[Any]:
+    pos = [a for i, a in enumerate(call.args) if i not in call.static_positional]
+    return pos + [call.kwargs[name] for name in call.kw_names]
+
+
+def _graph_broadcast(
+    prefix: Any, original: Any, flat: Any, is_leaf: Callable[[Any], bool], name: str
+) -> list[Any]:
+    """Broadcast over the object graph (graph=True), then read off per dynamic leaf."""
+    values = broadcast_to_leaves(
+        prefix, original, is_prefix_leaf=is_leaf, where=name, what="the specification"
+    )
+    leaves = jax.tree_util.tree_leaves(original, is_leaf=is_variable)
+    by_id: dict[int, Any] = {}
+    for leaf, value in zip(leaves, values, strict=True):
+        if id(leaf) in by_id and by_id[id(leaf)] != value and is_variable(leaf):
+            raise AxisError(
+                f"the specification for {name} gives two different values "
+                f"({by_id[id(leaf)]!r} and {value!r}) to one shared {type(leaf).__name__}."
+            )
+        by_id.setdefault(id(leaf), value)
+    out: list[Any] = []
+    for leaf, count in zip(flat.leaves, flat.leaf_dynamic_counts(), strict=True):
+        if count:
+            out += [by_id.get(id(leaf))] * count
+    return out
+
+
+def dynamic_paths(call: Call) -> list[str]:
+    """Display path of every entry of ``call.dynamic`` (compute on error paths only)."""
+    paths: list[str] = []
+    for flat, (root, tree) in zip(call.arg_flats, call.arg_roots(), strict=True):
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
+        for (path, leaf), count in zip(leaves, flat.leaf_dynamic_counts(), strict=True):
+            paths += _leaf_paths(format_path(path, root), leaf, count)
+    for spec, (root, path) in zip(call.lifted_specs, _lifted_leaves(call), strict=True):
+        paths += _leaf_paths(format_path(path, root), None, spec.num_dynamic)
+    return paths
+
+
+def _lifted_leaves(call: Call) -> list[tuple[str, tuple[Any, ...]]]:
+    out: list[tuple[str, tuple[Any, ...]]] = []
+    for root, obj in call.lifted_roots:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(obj, is_leaf=is_variable)[0]:
+            if is_variable(leaf):
+                out.append((root, path))
+    return out
+
+
+def _leaf_paths(where: str, leaf: Any, count: int) -> list[str]:
+    if count == 1:
+        return [where]
+    return [f"{where} (value leaf {j})" for j in range(count)]
+
+
+def check_mapped(
+    call: Call,
+    axes: Sequence[Any],
+    *,
+    what: str = "in_axes",
+    axis_size: int | None = None,
+    require_size: bool = True,
+) -> int | None:
+    """Check integer ``axes`` (one per dynamic array) against the array shapes.
+
+    Returns the mapped size, or ``axis_size`` when nothing is mapped.
+    """
+    transform = call.transform
+    size: int | None = None
+    first = -1
+    for i, (x, axis) in enumerate(zip(call.dynamic, axes, strict=True)):
+        if not is_int_axis(axis):
+            continue
+        shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+        if not -len(shape) <= axis < len(shape):
+            path = dynamic_paths(call)[i]
+            raise AxisError(
+                f"treemode.{transform}: {what} maps {path} over axis {axis}, but it has "
+                f"shape {tuple(shape)} ({len(shape)} dimension(s)). Use an axis in "
+                f"[{-len(shape)}, {len(shape)}) or None to broadcast it."
+            )
+        n = shape[axis]
+        if size is None:
+            size, first = n, i
+        elif n != size:
+            paths = dynamic_paths(call)
+            raise AxisError(
+                f"treemode.{transform}: mapped axes have different sizes: {paths[first]} "
+                f"has size {size} on its mapped axis {axes[first]}, but {paths[i]} has "
+                f"size {n} on axis {axis}. Every mapped array must have the same size "
+                "along its mapped axis."
+            )
+    if size is not None and axis_size is not None and axis_size != size:
+        raise AxisError(
+            f"treemode.{transform}: axis_size={axis_size} but the mapped arguments have "
+            f"size {size} along their mapped axes."
+        )
+    if size is None:
+        if axis_size is None and require_size:
+            raise AxisError(
+                f"treemode.{transform}: no argument is mapped ({what} is None for every "
+                "array), so the size of the mapped axis is unknown. Pass axis_size=n, or "
+                "map at least one argument."
+            )
+        return axis_size
+    return size
+
+
+_BATCHED_UPDATE = re.compile(r"out_axes\[1\]\[(\d+)\].*batched")
+
+
+def batched_update_index(error: Exception) -> int | None:
+    """If ``error`` is JAX's "broadcast output was batched" for an update, its index."""
+    match = _BATCHED_UPDATE.search(str(error))
+    return int(match.group(1)) if match else None
+
+
+def batched_update_error(call: Call, index: int, *, axis_name: Any = None) -> AxisError:
+    """The error for broadcast Variable ``index`` set to a per-example value."""
+    var = call.variables[index]
+    path = call.variable_paths()[index]
+    kind = type(var).__name__
+    reduce = (
+        f"reduce it over the mapped axis first (e.g. jax.lax.pmean(x, {axis_name!r}))"
+        if axis_name is not None
+        else "reduce it over the mapped axis first (give the transform an axis_name and "
+        "use jax.lax.pmean)"
+    )
+    return AxisError(
+        f"treemode.{call.transform}: the {kind} at {path} is broadcast (its in_axes is "
+        f"None), but the function set it to a value that differs across the mapped axis, "
+        "which cannot be written back into a single Variable.\n"
+        f"Fix: map it (e.g. in_axes=treemode.prefix(module, {{nnx.{kind}: 0, ...: None}})), "
+        f"or {reduce}."
+    )
+
+
+def variable_axes(axes: CallAxes) -> tuple[Any, ...]:
+    """``out_axes`` entries for the updates tuple: each Variable's input axis."""
+    return axes.variables
+
+
+__all__ = [
+    "CallAxes",
+    "batched_update_error",
+    "batched_update_index",
+    "call_axes",
+    "check_mapped",
+    "dynamic_paths",
+    "is_axis",
+    "is_int_axis",
+    "positional_entries",
+    "variable_axes",
+]

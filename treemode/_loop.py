@@ -1,0 +1,365 @@
+"""Loop state shared by ``scan``, ``while_loop``, ``fori_loop``, ``cond`` and ``switch``.
+
+A loop over a tree-mode function carries only what changes from one step to the
+next:
+
+- the *free* arrays of the carry argument (arrays in plain containers or
+  Equinox modules, not under an NNX object), which the function returns;
+- the Variables that the function changes, whether they belong to the carry
+  argument, to a broadcast argument or to the function's closure.
+
+Every other array (read-only parameters above all) is a loop constant: JAX
+closes over it, so it is never copied, stacked or returned. Which Variables
+change is found by tracing the function once with ``jax.eval_shape`` before
+building the loop (:func:`probe_changed`).
+
+The carry argument keeps its identity: the function must return the very NNX
+objects and Variables it was given (it changes them in place), and the caller
+gets back the original objects, updated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _core
+from ._errors import StructureError
+from ._flatten import DYNAMIC, VarSpec, variable_dynamic
+from ._graph import GraphNode, SharedRef
+from ._leaves import is_graph_node, is_variable
+from ._paths import format_path
+
+# -- per-dynamic-array helpers ------------------------------------------------------
+
+
+def abstract(x: Any, drop_axis: int | None = None) -> jax.ShapeDtypeStruct:
+    """The abstract value of an array (or tracer), optionally without one axis."""
+    aval = jax.typeof(x)
+    shape = tuple(aval.shape)
+    if drop_axis is not None:
+        axis = drop_axis % len(shape)
+        shape = shape[:axis] + shape[axis + 1 :]
+    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def probe_changed(
+    pure: _core.PureFunction,
+    call: _core.Call,
+    avals: Sequence[Any],
+    *,
+    extra: Sequence[Any] = (),
+    before: Callable[[Sequence[Any]], None] | None = None,
+) -> frozenset[int]:
+    """Indices (into ``call.variables``) of the Variables the function changes.
+
+    Traces ``pure`` once, abstractly, on ``avals`` (one per dynamic array).
+    ``extra`` are further abstract inputs (e.g. the loop index) handed to
+    ``before`` inside the trace, so wrappers can make them visible to ``f``.
+    """
+
+    def run(extra_values: Sequence[Any], dynamic: Sequence[Any]) -> Any:
+        if before is not None:
+            before(extra_values)
+        return pure(*dynamic)[1]
+
+    with _core.bound(pure, call):
+        updates = jax.eval_shape(run, list(extra), list(avals))
+    return frozenset(i for i, u in enumerate(updates) if u is not None)
+
+
+def variable_values(call: _core.Call, index: int, dynamic: Sequence[Any]) -> Any:
+    """The raw value of ``call.variables[index]`` built from ``dynamic``."""
+    spec = variable_specs(call)[index]
+    rng = call.variable_dynamic_ranges()[index]
+    return spec.build([dynamic[j] for j in rng])
+
+
+def variable_specs(call: _core.Call) -> list[VarSpec]:
+    specs = [s for f in call.arg_flats for s in f.specs if type(s) is VarSpec]
+    return specs + list(call.lifted_specs)
+
+
+def check_same_type(
+    transform: str, path: str, what: str, before: Any, after: Any
+) -> None:
+    """Raise if ``after`` cannot replace ``before`` in a loop state."""
+    b_leaves, b_def = jax.tree_util.tree_flatten(before)
+    a_leaves, a_def = jax.tree_util.tree_flatten(after)
+    problem = None
+    if b_def != a_def:
+        problem = f"its structure changed from {b_def} to {a_def}"
+    else:
+        for b, a in zip(b_leaves, a_leaves, strict=True):
+            tb, ta = jax.typeof(b), jax.typeof(a)
+            if tb.shape != ta.shape or tb.dtype != ta.dtype:
+                problem = (
+                    f"it went in as {tb.dtype}{list(tb.shape)} and came out as "
+                    f"{ta.dtype}{list(ta.shape)}"
+                )
+                break
+    if problem is not None:
+        raise StructureError(
+            f"treemode.{transform}: {what} at {path} must keep its shape and dtype "
+            f"from one iteration to the next, but {problem}.\n"
+            "Cast or reshape the new value to the old one's type (e.g. "
+            "`x.astype(old.dtype)`), or make it an output instead of loop state."
+        )
+
+
+# -- the carry argument ----------------------------------------------------------------
+
+
+def _is_coarse_leaf(x: Any) -> bool:
+    return is_variable(x) or is_graph_node(x) or isinstance(x, (GraphNode, SharedRef))
+
+
+def _is_object_leaf(x: Any) -> bool:
+    return is_variable(x) or is_graph_node(x)
+
+
+NODE, FREE, STATIC = "node", "free", "static"
+
+
+@dataclasses.dataclass
+class CarryLayout:
+    """How one carry argument splits into NNX objects, free arrays and static leaves.
+
+    ``kinds`` has one entry per coarse leaf (NNX objects and Variables are
+    coarse leaves, the function must return them as they are); ``free`` holds the
+    indices into ``call.dynamic`` of the free arrays, in coarse-leaf order.
+    """
+
+    root: str
+    kinds: list[str]
+    free: list[int]
+
+
+def carry_layout(call: _core.Call, k: int, root: str) -> CarryLayout:
+    """The layout of traced argument ``k`` (index into ``call.arg_flats``)."""
+    flat = call.arg_flats[k]
+    tree = call.arg_roots()[k][1]
+    start = call.root_dynamic_ranges()[k].start
+    coarse = jax.tree_util.tree_leaves(tree, is_leaf=_is_coarse_leaf)
+    kinds: list[str] = []
+    free: list[int] = []
+    specs = iter(flat.specs)
+    offset = start
+    for leaf in coarse:
+        if _is_coarse_leaf(leaf):
+            kinds.append(NODE)
+            n = 1 if is_variable(leaf) else len(
+                jax.tree_util.tree_leaves(leaf, is_leaf=is_variable)
+            )
+            for _ in range(n):
+                spec = next(specs)
+                offset += spec.num_dynamic if type(spec) is VarSpec else int(spec is DYNAMIC)
+            continue
+        spec = next(specs)
+        if spec is DYNAMIC:
+            kinds.append(FREE)
+            free.append(offset)
+            offset += 1
+        else:
+            kinds.append(STATIC)
+    return CarryLayout(root, kinds, free)
+
+
+def check_carry_out(
+    transform: str, layout: CarryLayout, carry_in: Any, carry_out: Any
+) -> list[Any]:
+    """Check the function's new carry against the carry it received.
+
+    Returns the new values of the free arrays. Raises `StructureError` naming the
+    path when the structure differs, an NNX object or Variable was replaced, or a
+    free array changed shape or dtype.
+    """
+    in_paths, in_def = jax.tree_util.tree_flatten_with_path(carry_in, is_leaf=_is_object_leaf)
+    out_leaves, out_def = jax.tree_util.tree_flatten(carry_out, is_leaf=_is_object_leaf)
+    if in_def != out_def:
+        path, what = _core.describe_structure_change(carry_in, carry_out)
+        raise StructureError(
+            f"treemode.{transform}: the carry returned by the function does not have the "
+            f"structure of the carry it received, at {format_path(path, layout.root)}: "
+            f"{what}.\nReturn the carry with the same structure (the same modules, "
+            "containers and static values); put new things in the outputs instead."
+        )
+    free: list[Any] = []
+    for (path, before), after, kind in zip(in_paths, out_leaves, layout.kinds, strict=True):
+        where = format_path(path, layout.root)
+        if kind == NODE:
+            if after is not before:
+                _raise_replaced(transform, where, before, after)
+        elif kind == FREE:
+            try:
+                after = jnp.asarray(after)
+            except TypeError:
+                raise StructureError(
+                    f"treemode.{transform}: the carry at {where} was an array and the "
+                    f"function returned a {type(after).__name__} in its place. Return an "
+                    "array of the same shape and dtype."
+                ) from None
+            check_same_type(transform, where, "the carry array", before, after)
+            free.append(after)
+        elif not _core._same_static(before, after):
+            raise StructureError(
+                f"treemode.{transform}: the static carry value at {where} changed from "
+                f"{before!r} to {after!r}. Static values (non-array leaves) cannot change "
+                "inside a loop; make it an array or keep it constant."
+            )
+    return free
+
+
+def _raise_replaced(transform: str, where: str, before: Any, after: Any) -> None:
+    kind = "Variable" if is_variable(before) else "object"
+    raise StructureError(
+        f"treemode.{transform}: the carry at {where} must stay the same {kind}, but the "
+        f"function returned a different {type(after).__name__} in its place.\n"
+        "Carry modules and Variables keep their identity across iterations: change "
+        "them in place (e.g. `m.w[...] = new` or `m.count[...] += 1`) and return the "
+        "same object."
+    )
+
+
+def rebuild_carry(original: Any, layout: CarryLayout, free_values: Sequence[Any]) -> Any:
+    """The caller's carry object with new free arrays; NNX objects are kept as they are."""
+    if not layout.free:
+        return original
+    leaves, treedef = jax.tree_util.tree_flatten(original, is_leaf=_is_object_leaf)
+    values = iter(free_values)
+    new = [next(values) if kind == FREE else leaf for leaf, kind in zip(
+        leaves, layout.kinds, strict=True)]
+    return treedef.unflatten(new)
+
+
+def scalars_to_arrays(tree: Any) -> Any:
+    """Python numbers in plain containers become arrays (as ``jax.lax.scan`` does).
+
+    Numbers inside NNX objects, Equinox modules or other pytree nodes stay static.
+    """
+
+    def is_leaf(x: Any) -> bool:
+        return not isinstance(x, (tuple, list, dict)) or _is_object_leaf(x)
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, (bool, int, float, complex)) and not isinstance(x, jax.Array):
+            return jnp.asarray(x)
+        return x
+
+    if isinstance(tree, (bool, int, float, complex)):
+        return convert(tree)
+    if not isinstance(tree, (tuple, list, dict)):
+        return tree
+    return jax.tree_util.tree_map(convert, tree, is_leaf=is_leaf)
+
+
+# -- loop state ------------------------------------------------------------------------
+
+
+class LoopState:
+    """Which arrays go through the loop state and how to rebuild ``dynamic`` from it.
+
+    ``free`` (indices into ``call.dynamic``) are the free carry arrays;
+    ``state_vars`` (indices into ``call.variables``) the Variables the function
+    changes. Everything else in ``call.dynamic`` that is not in ``sliced`` is a
+    constant.
+    """
+
+    def __init__(
+        self,
+        transform: str,
+        call: _core.Call,
+        free: Sequence[int],
+        state_vars: Sequence[int],
+    ):
+        self.transform = transform
+        self.call = call
+        self.free = list(free)
+        self.state_vars = sorted(state_vars)
+        self.ranges = call.variable_dynamic_ranges()
+        self.specs = variable_specs(call)
+
+    def init(self) -> tuple[list[Any], list[Any]]:
+        dynamic = self.call.dynamic
+        values = [
+            self.specs[i].build([dynamic[j] for j in self.ranges[i]]) for i in self.state_vars
+        ]
+        return [dynamic[j] for j in self.free], values
+
+    def assemble(
+        self,
+        state: tuple[Sequence[Any], Sequence[Any]],
+        overrides: dict[int, Any] | None = None,
+    ) -> list[Any]:
+        """``call.dynamic`` with the loop state (and ``overrides``) put in place."""
+        free, values = state
+        dynamic = list(self.call.dynamic)
+        for j, x in zip(self.free, free, strict=True):
+            dynamic[j] = x
+        for i, value in zip(self.state_vars, values, strict=True):
+            leaves = variable_dynamic(_ValueHolder(value), self.specs[i])
+            for j, x in zip(self.ranges[i], leaves, strict=True):
+                dynamic[j] = x
+        if overrides:
+            for j, x in overrides.items():
+                dynamic[j] = x
+        return dynamic
+
+    def next_state(
+        self,
+        state: tuple[Sequence[Any], Sequence[Any]],
+        free_out: Sequence[Any],
+        updates: Sequence[Any],
+        allowed: frozenset[int] = frozenset(),
+    ) -> tuple[list[Any], list[Any]]:
+        """The state after one step; raises if a Variable outside the state changed.
+
+        ``allowed`` are Variables that may change without being state (scanned ones).
+        """
+        state_set = set(self.state_vars)
+        for i, u in enumerate(updates):
+            if u is not None and i not in state_set and i not in allowed:
+                path = self.call.variable_paths()[i]
+                raise StructureError(
+                    f"treemode.{self.transform}: the {type(self.call.variables[i]).__name__} "
+                    f"at {path} was left unchanged when the function was first traced but "
+                    "changed when it was traced again. The set of Variables a loop body "
+                    "changes must not depend on anything but shapes and static values."
+                )
+        paths: list[str] | None = None
+        new_values: list[Any] = []
+        for i, old in zip(self.state_vars, state[1], strict=True):
+            new = updates[i]
+            if new is None:
+                new = old
+            else:
+                try:
+                    check_same_type(self.transform, "", "", old, new)
+                except StructureError:
+                    paths = paths or self.call.variable_paths()
+                    check_same_type(
+                        self.transform, paths[i],
+                        f"the {type(self.call.variables[i]).__name__}", old, new,
+                    )
+            new_values.append(new)
+        return list(free_out), new_values
+
+    def final_updates(self, values: Sequence[Any]) -> list[Any]:
+        """An updates tuple for ``write_back``: the state Variables' final values."""
+        updates: list[Any] = [None] * len(self.call.variables)
+        for i, v in zip(self.state_vars, values, strict=True):
+            updates[i] = v
+        return updates
+
+
+class _ValueHolder:
+    """Quacks like a Variable for :func:`variable_dynamic`."""
+
+    __slots__ = ("_raw_value",)
+
+    def __init__(self, value: Any):
+        self._raw_value = value
