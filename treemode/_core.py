@@ -672,18 +672,28 @@ def write_back(
         for var, new in zip(call.variables, updates, strict=True):
             if new is not None:
                 done.append((var, var._raw_value, var._var_metadata))
-                object.__setattr__(var, "_raw_value", new)
+                store(var, new)
         if metadata_updates:
             for i, metadata in metadata_updates.items():
                 var = call.variables[i]
-                if not done or done[-1][0] is not var:
-                    done.append((var, var._raw_value, var._var_metadata))
-                object.__setattr__(var, "_var_metadata", dict(metadata))
+                done.append((var, var._raw_value, var._var_metadata))
+                store(var, var._raw_value, dict(metadata))
     except BaseException:
         for var, value, metadata in reversed(done):
-            object.__setattr__(var, "_raw_value", value)
-            object.__setattr__(var, "_var_metadata", metadata)
+            _restore(var, value, metadata)
         raise
+
+
+def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:
+    """Write one Variable (bypassing the trace-level check done by ``check_writable``)."""
+    object.__setattr__(var, "_raw_value", value)
+    if metadata is not None:
+        object.__setattr__(var, "_var_metadata", metadata)
+
+
+def _restore(var: Any, value: Any, metadata: dict[str, Any]) -> None:
+    object.__setattr__(var, "_raw_value", value)
+    object.__setattr__(var, "_var_metadata", metadata)
 
 
 @contextlib.contextmanager

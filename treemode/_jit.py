@@ -321,10 +321,13 @@ def _raise_shared_buffer(call: _core.Call, array: Any) -> None:
 
     from ._paths import format_path
 
+    from ._leaves import is_variable
+
     paths: list[str] = []
     for root, tree in call.arg_roots():
-        for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
-            if leaf is array:
+        for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
+            value = leaf.get_raw_value() if is_variable(leaf) else leaf
+            if value is array:
                 paths.append(format_path(path, root))
     raise DonationError(
         "treemode.jit: the same buffer is reachable at "

@@ -1,0 +1,54 @@
+"""clone(arrays=...) and eval_shape."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import treemode
+from helpers import Counter, Stateful, assert_same_state
+
+
+def test_clone_new_variables_shared_buffers_by_default():
+    model = Stateful(nnx.Rngs(0))
+    copy = treemode.clone(model)
+    assert copy.linear.kernel is not model.linear.kernel
+    assert copy.linear.kernel.get_raw_value() is model.linear.kernel.get_raw_value()
+    copy.linear.kernel[...] += 1
+    assert not np.allclose(copy.linear.kernel[...], model.linear.kernel[...])
+
+
+def test_clone_arrays_true_gives_independent_buffers():
+    model = Stateful(nnx.Rngs(0))
+    copy = treemode.clone(model, arrays=True)
+    assert_same_state(model, copy)
+    a = model.linear.kernel.get_raw_value()
+    b = copy.linear.kernel.get_raw_value()
+    assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+
+
+def test_clone_preserves_sharing():
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.enc = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+            self.dec = self.enc
+
+    copy = treemode.clone(Tied(), arrays=True)
+    assert copy.enc is copy.dec
+
+
+def test_eval_shape_never_mutates(tracer_leaks):
+    counter = Counter()
+    before = counter.count.get_raw_value()
+    out = treemode.eval_shape(lambda c, x: c(x), counter, jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert out.shape == (3,) and out.dtype == jnp.float32
+    assert counter.count.get_raw_value() is before
+    assert isinstance(counter.total.get_raw_value(), jax.Array)
+
+
+def test_eval_shape_builds_abstract_model():
+    abstract = treemode.eval_shape(lambda: Stateful(nnx.Rngs(0)))
+    assert isinstance(abstract.linear.kernel.get_raw_value(), jax.ShapeDtypeStruct)
+    assert abstract.linear.kernel.shape == (3, 4)
