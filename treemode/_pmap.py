@@ -1,0 +1,149 @@
+"""``treemode.pmap``: ``jax.pmap`` with per-Variable axes and write-back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from . import _core
+from ._axes import CallAxes, call_axes, check_mapped
+from ._vmap import MappedWrapper, _Entry, _vmap_batched_check
+
+
+def _as_set(x: int | Iterable[int] | None) -> frozenset[int]:
+    if x is None:
+        return frozenset()
+    if isinstance(x, int):
+        return frozenset({x})
+    return frozenset(x)
+
+
+class PmapWrapped(MappedWrapper):
+    """A function parallelized with :func:`treemode.pmap`."""
+
+    transform = "pmap"
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        axis_name: Any = None,
+        in_axes: Any = 0,
+        out_axes: Any = 0,
+        static_broadcasted_argnums: int | Iterable[int] = (),
+        devices: Sequence[Any] | None = None,
+        backend: str | None = None,
+        axis_size: int | None = None,
+        donate_argnums: int | Iterable[int] = (),
+        transform_metadata: Mapping[str, Any] | None = None,
+        graph: bool = False,
+    ):
+        super().__init__(
+            fn,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            graph=graph,
+            static_argnums=_as_set(static_broadcasted_argnums),
+            donate_argnums=_as_set(donate_argnums),
+            transform_metadata=transform_metadata,
+        )
+        self.axis_name = axis_name
+        self.devices = devices
+        self.backend = backend
+        self.axis_size = axis_size
+
+    def resolve(self, call: _core.Call) -> CallAxes:
+        return call_axes(call, self.in_axes)
+
+    def check(self, call: _core.Call, axes: CallAxes) -> None:
+        check_mapped(call, axes.dynamic, axis_size=self.axis_size)
+
+    def build(self, pure: _core.PureFunction, call: _core.Call, axes: CallAxes) -> Any:
+        return jax.pmap(
+            pure,
+            axis_name=self.axis_name,
+            in_axes=axes.dynamic,
+            out_axes=(self.out_axes, axes.variables),
+            devices=self.devices,
+            backend=self.backend,
+            axis_size=self.axis_size,
+            donate_argnums=self.donated_dynamic(call),
+        )
+
+    def first_call_check(self, entry: _Entry, call: _core.Call) -> None:
+        # jax.pmap silently keeps one device's value of an unmapped output; trace
+        # the same function under vmap once to catch a broadcast Variable that the
+        # function sets to a per-device value.
+        if all(axis is not None for axis in entry.axes.variables):
+            return
+        size = check_mapped(call, entry.axes.dynamic, axis_size=self.axis_size)
+        probe = jax.vmap(
+            entry.pure,
+            in_axes=entry.axes.dynamic,
+            out_axes=(self.out_axes, entry.axes.variables),
+            axis_name=self.axis_name,
+            axis_size=size,
+        )
+        try:
+            jax.eval_shape(probe, *call.dynamic)
+        except ValueError as e:
+            _vmap_batched_check(self, e, call, self.axis_name)
+            # Any other problem is reported by jax.pmap itself.
+
+    def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
+        _vmap_batched_check(self, error, call, self.axis_name)
+
+
+def pmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+    """Parallelize ``f`` over devices with ``jax.pmap``, writing Variable updates back.
+
+    The arguments are split along their `in_axes` over devices, exactly as in
+    `jax.pmap`; Variables may be given per-Variable axes with a module-shaped
+    prefix. A Variable the function changes comes back on its input axis (a
+    replicated Variable, `in_axes=None`, must be changed identically on every
+    device, e.g. through `jax.lax.pmean`; otherwise `AxisError` names it).
+
+    **Arguments:**
+
+    - `f`: the function; omit it to use `pmap(...)` as a decorator factory.
+    - `axis_name`, `in_axes`, `out_axes`, `static_broadcasted_argnums`,
+      `devices`, `backend`, `axis_size`, `donate_argnums`: as in `jax.pmap`
+      (`in_axes` entries may be module-shaped; keyword arguments use axis 0).
+    - `transform_metadata`: as in `treemode.vmap`.
+    - `graph`: if `True`, arguments may share Modules/Variables.
+
+    **Returns:**
+
+    The parallelized function.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    n = jax.local_device_count()
+
+    class Stats(nnx.Module):
+        def __init__(self):
+            self.total = nnx.BatchStat(jnp.zeros(()))
+
+    stats = Stats()
+
+    @treemode.pmap(axis_name="d", in_axes=(None, 0))
+    def accumulate(stats, x):
+        stats.total[...] += jax.lax.psum(x.sum(), "d")
+        return x * 2
+
+    accumulate(stats, jnp.ones((n, 3)))
+    assert stats.total[...] == 3 * n
+    ```
+    """
+    if f is None:
+        return lambda g: PmapWrapped(g, **kwargs)
+    return PmapWrapped(f, **kwargs)
+
+
+__all__ = ["PmapWrapped", "pmap"]

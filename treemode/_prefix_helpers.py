@@ -1,0 +1,169 @@
+"""Building module-shaped prefixes: ``treemode.prefix`` and ``treemode.sharding_of``.
+
+A module-shaped prefix is the module itself with each Variable replaced by a
+value (an axis, a sharding). Transforms accept it wherever JAX accepts a prefix
+(``in_axes``, ``out_axes``, ``in_shardings``, ``in_specs``), giving each Variable
+its own specification.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from flax.nnx import filterlib
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ._leaves import is_variable
+from ._paths import format_path
+
+
+def nnx_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A JAX key path as an NNX path (attribute names, indices, dict keys)."""
+    out: list[Any] = []
+    for key in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(key, attr):
+                out.append(getattr(key, attr))
+                break
+        else:
+            out.append(str(key))
+    return tuple(out)
+
+
+def prefix(
+    node: Any,
+    filter_map: Mapping[Any, Any] | Callable[[tuple[Any, ...], Any], Any],
+) -> Any:
+    """Replace every Variable of ``node`` by a value chosen with NNX filters.
+
+    **Arguments:**
+
+    - `node`: a module (or any pytree of modules and Variables).
+    - `filter_map`: a mapping from NNX filters (`nnx.Param`, `'params'`, `...`,
+      a predicate `(path, variable) -> bool`) to values; the first matching
+      filter gives a Variable's value. Or a function `(path, variable) -> value`.
+
+    **Returns:**
+
+    A copy of `node` with the chosen value in place of each Variable: a
+    module-shaped prefix for `in_axes`, `out_axes`, `in_shardings` or `in_specs`.
+    Arrays outside Variables are left in place (they act as prefix leaves only
+    if the transform accepts arrays, so give their container a value instead).
+
+    **Raises:**
+
+    `ValueError` naming the Variable when no filter matches.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    bn = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+    axes = treemode.prefix(bn, {nnx.BatchStat: 0, ...: None})
+    assert axes.mean == 0 and axes.scale is None
+    ```
+    """
+    if isinstance(filter_map, Mapping):
+        pairs = [(filterlib.to_predicate(f), value) for f, value in filter_map.items()]
+        filters = list(filter_map)
+
+        def choose(path: tuple[Any, ...], var: Any, where: str) -> Any:
+            for predicate, value in pairs:
+                if predicate(path, var):
+                    return value
+            raise ValueError(
+                f"treemode.prefix: no filter matches the {type(var).__name__} at {where} "
+                f"(filters: {filters}). Add a catch-all entry, e.g. {{..., ...: None}}."
+            )
+    else:
+        fn = filter_map
+
+        def choose(path: tuple[Any, ...], var: Any, where: str) -> Any:
+            return fn(path, var)
+
+    def replace(path: tuple[Any, ...], leaf: Any) -> Any:
+        if not is_variable(leaf):
+            return leaf
+        return choose(nnx_path(path), leaf, format_path(path, "node"))
+
+    return jax.tree_util.tree_map_with_path(replace, node, is_leaf=is_variable)
+
+
+def partition_spec_of(var: Any) -> PartitionSpec:
+    """The ``PartitionSpec`` recorded in a Variable's ``out_sharding`` (``P()`` if none)."""
+    sharding = var._var_metadata.get("out_sharding")
+    if not sharding:
+        return PartitionSpec()
+    if isinstance(sharding, PartitionSpec):
+        return sharding
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    return PartitionSpec(*sharding)
+
+
+def sharding_of(node: Any, mesh: Mesh) -> Any:
+    """The ``NamedSharding`` of every Variable of ``node``, from its metadata.
+
+    Each Variable's `out_sharding` metadata (e.g. `nnx.Param(..., out_sharding=
+    (None, 'model'))`, or a `nnx.with_partitioning` initializer) becomes a
+    `NamedSharding(mesh, PartitionSpec(*out_sharding))`; Variables without it are
+    replicated.
+
+    **Arguments:**
+
+    - `node`: a module or any pytree of modules and Variables.
+    - `mesh`: the device mesh the axis names refer to.
+
+    **Returns:**
+
+    A module-shaped prefix holding a `NamedSharding` per Variable, usable as
+    `in_shardings`/`out_shardings` of `treemode.jit` or with `jax.device_put`
+    (see `treemode.partition_specs` for `shard_map`).
+
+    ```python
+    import jax
+    import numpy as np
+    import treemode
+    from flax import nnx
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    with nnx.use_eager_sharding(False):
+        layer = nnx.Linear(2, 4, rngs=nnx.Rngs(0),
+                           kernel_init=nnx.with_partitioning(
+                               nnx.initializers.lecun_normal(), (None, "model")))
+    shardings = treemode.sharding_of(layer, mesh)
+    assert shardings.kernel.spec == jax.sharding.PartitionSpec(None, "model")
+    assert shardings.bias.spec == jax.sharding.PartitionSpec()
+    ```
+    """
+    return jax.tree_util.tree_map(
+        lambda x: NamedSharding(mesh, partition_spec_of(x)) if is_variable(x) else x,
+        node,
+        is_leaf=is_variable,
+    )
+
+
+def partition_specs(node: Any) -> Any:
+    """The ``PartitionSpec`` of every Variable of ``node`` (for ``shard_map`` in_specs).
+
+    Like :func:`sharding_of`, without a mesh.
+
+    ```python
+    import jax
+    import treemode
+    from flax import nnx
+
+    layer = nnx.Linear(2, 4, rngs=nnx.Rngs(0))
+    specs = treemode.partition_specs(layer)
+    assert specs.kernel == specs.bias == jax.sharding.PartitionSpec()
+    ```
+    """
+    return jax.tree_util.tree_map(
+        lambda x: partition_spec_of(x) if is_variable(x) else x, node, is_leaf=is_variable
+    )
+
+
+__all__ = ["nnx_path", "partition_spec_of", "partition_specs", "prefix", "sharding_of"]

@@ -1,0 +1,312 @@
+"""``treemode.vmap``, and the wrapper shared by the mapping transforms.
+
+:class:`MappedWrapper` is the pipeline of a transform that maps a function over
+an axis of its arguments (``vmap``, ``pmap``, ``shard_map``): prepare the call,
+resolve the per-argument specification to one entry per traced array, call the
+JAX transform with the updates mapped back on each Variable's input
+specification, and write the changed Variables back. Subclasses only say how to
+resolve and check the specification and which JAX transform to call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, ParamSpec, TypeVar, overload
+
+import jax
+
+from . import _core
+from ._axes import (
+    CallAxes,
+    batched_update_error,
+    batched_update_index,
+    call_axes,
+    check_mapped,
+)
+from ._metadata import with_axis_metadata
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _Entry:
+    """What is built once per call structure."""
+
+    __slots__ = ("pure", "axes", "mapped", "checked")
+
+    def __init__(self, pure: _core.PureFunction, axes: CallAxes, mapped: Any):
+        self.pure = pure
+        self.axes = axes
+        self.mapped = mapped
+        self.checked = False
+
+
+class MappedWrapper:
+    """Base of the wrappers returned by ``vmap``, ``pmap`` and ``shard_map``."""
+
+    transform = "vmap"
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        in_axes: Any,
+        out_axes: Any,
+        graph: bool,
+        static_argnums: frozenset[int] = frozenset(),
+        donate_argnums: frozenset[int] = frozenset(),
+        transform_metadata: Mapping[str, Any] | None = None,
+    ):
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        self.fn = fn
+        self.in_axes = in_axes
+        self.out_axes = out_axes
+        self.graph = graph
+        self.static_argnums = static_argnums
+        self.donate_argnums = donate_argnums
+        self.metadata = dict(transform_metadata) if transform_metadata else None
+        self._cache: dict[_core.CallKey, _Entry] = {}
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    # -- hooks for subclasses -----------------------------------------------------
+
+    def resolve(self, call: _core.Call) -> CallAxes:
+        """One specification per dynamic array and per Variable."""
+        return call_axes(call, self.in_axes)
+
+    def check(self, call: _core.Call, axes: CallAxes) -> None:
+        """Shape checks before calling JAX (raise ``AxisError``)."""
+
+    def build(self, pure: _core.PureFunction, call: _core.Call, axes: CallAxes) -> Any:
+        """The JAX-transformed pure function."""
+        raise NotImplementedError
+
+    def first_call_check(self, entry: _Entry, call: _core.Call) -> None:
+        """Run once per call structure before the first real call."""
+
+    def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
+        """Raise a treemode error for a JAX error, or return to re-raise it."""
+
+    # -- the pipeline ---------------------------------------------------------------
+
+    def _entry(self, call: _core.Call) -> _Entry:
+        entry = self._cache.get(call.key)
+        if entry is None:
+            axes = self.resolve(call)
+            force: frozenset[int] = frozenset()
+            if self.donate_argnums:
+                force = frozenset(self._donated_variables(call))
+            pure = _core.PureFunction(call, force_updates=force)
+            if self.metadata:
+                pure.fn = with_axis_metadata(
+                    pure.fn, self.in_axes, self.out_axes, self.metadata,
+                    transform=self.transform, is_leaf=self.metadata_is_leaf,
+                )
+            entry = _Entry(pure, axes, self.build(pure, call, axes))
+            self._cache[call.key] = entry
+        return entry
+
+    @staticmethod
+    def metadata_is_leaf(x: Any) -> bool:
+        from ._axes import is_axis
+
+        return is_axis(x)
+
+    def _donated_variables(self, call: _core.Call) -> list[int]:
+        out: list[int] = []
+        k = 0
+        ranges = call.root_variable_ranges()
+        for i in range(len(call.args)):
+            if i in call.static_positional:
+                continue
+            if i in self.donate_argnums:
+                out += list(ranges[k])
+            k += 1
+        return out
+
+    def donated_dynamic(self, call: _core.Call) -> tuple[int, ...]:
+        """Indices into ``call.dynamic`` of the donated positional arguments."""
+        out: list[int] = []
+        k = 0
+        ranges = call.root_dynamic_ranges()
+        for i in range(len(call.args)):
+            if i in call.static_positional:
+                continue
+            if i in self.donate_argnums:
+                out += list(ranges[k])
+            k += 1
+        return tuple(out)
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
+        return _core.prepare(
+            self.transform,
+            self.fn,
+            args,
+            kwargs,
+            graph=self.graph,
+            static_argnums=self.static_argnums,
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.prepare(args, kwargs)
+        entry = self._entry(call)
+        self.check(call, entry.axes)
+        with _core.bound(entry.pure, call):
+            try:
+                if not entry.checked:
+                    self.first_call_check(entry, call)
+                out, updates = entry.mapped(*call.dynamic)
+            except ValueError as e:
+                self.translate(e, call, entry)
+                raise
+        entry.checked = True
+        _core.write_back(call, updates, entry.pure.record.metadata_updates)
+        return _core.finish(call, out)
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+
+def _vmap_batched_check(
+    wrapper: MappedWrapper, error: Exception, call: _core.Call, axis_name: Any
+) -> None:
+    index = batched_update_index(error)
+    if index is not None and index < len(call.variables):
+        raise batched_update_error(call, index, axis_name=axis_name) from None
+
+
+class VmapWrapped(MappedWrapper):
+    """A function vectorized with :func:`treemode.vmap`."""
+
+    transform = "vmap"
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        in_axes: Any = 0,
+        out_axes: Any = 0,
+        axis_name: Any = None,
+        axis_size: int | None = None,
+        spmd_axis_name: Any = None,
+        transform_metadata: Mapping[str, Any] | None = None,
+        graph: bool = False,
+    ):
+        super().__init__(
+            fn,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            graph=graph,
+            transform_metadata=transform_metadata,
+        )
+        self.axis_name = axis_name
+        self.axis_size = axis_size
+        self.spmd_axis_name = spmd_axis_name
+
+    def check(self, call: _core.Call, axes: CallAxes) -> None:
+        check_mapped(call, axes.dynamic, axis_size=self.axis_size)
+
+    def build(self, pure: _core.PureFunction, call: _core.Call, axes: CallAxes) -> Any:
+        return jax.vmap(
+            pure,
+            in_axes=axes.dynamic,
+            out_axes=(self.out_axes, axes.variables),
+            axis_name=self.axis_name,
+            axis_size=self.axis_size,
+            spmd_axis_name=self.spmd_axis_name,
+        )
+
+    def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
+        _vmap_batched_check(self, error, call, self.axis_name)
+
+
+@overload
+def vmap(
+    f: Callable[P, R],
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    axis_name: Any = None,
+    axis_size: int | None = None,
+    spmd_axis_name: Any = None,
+    transform_metadata: Mapping[str, Any] | None = None,
+    graph: bool = False,
+) -> VmapWrapped: ...
+
+
+@overload
+def vmap(
+    f: None = None,
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    axis_name: Any = None,
+    axis_size: int | None = None,
+    spmd_axis_name: Any = None,
+    transform_metadata: Mapping[str, Any] | None = None,
+    graph: bool = False,
+) -> Callable[[Callable[P, R]], VmapWrapped]: ...
+
+
+def vmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+    """Vectorize ``f`` with ``jax.vmap``, writing Variable updates back on their axis.
+
+    Every array of the arguments, Variable values included, is mapped over the
+    axis its `in_axes` entry gives (`None`: broadcast). A Variable the function
+    changes is written back stacked along the axis it came in on, so a mapped
+    `BatchStat` keeps one value per example and a stack of layers keeps its layout.
+
+    **Arguments:**
+
+    - `f`: the function; omit it to use `vmap(...)` as a decorator factory.
+    - `in_axes`: an int, `None`, or a tuple with one entry per positional
+      argument. An entry is a prefix of its argument and may be module-shaped
+      (see `treemode.prefix`), giving each Variable its own axis. Keyword
+      arguments are mapped over axis 0, as in `jax.vmap`.
+    - `out_axes`: prefix of the output (may be module-shaped).
+    - `axis_name`, `axis_size`, `spmd_axis_name`: as in `jax.vmap`.
+    - `transform_metadata`: `{nnx.PARTITION_NAME: name}` to add `name` to the
+      `out_sharding` of the Variables stacked by the transform (and to hide the
+      mapped axis from the function), see `treemode.transform_metadata`.
+    - `graph`: if `True`, arguments may share Modules/Variables.
+
+    **Returns:**
+
+    The vectorized function (usable as a method decorator).
+
+    **Raises:**
+
+    `AxisError` for an invalid or mismatched axis specification, or when a
+    broadcast (`in_axes=None`) Variable is set to a per-example value;
+    `AliasError` when a Variable is reachable twice.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    @treemode.vmap
+    def create(rngs):
+        return nnx.Linear(2, 3, rngs=rngs)
+
+    stack = create(treemode.split_rngs(nnx.Rngs(0), splits=4))
+    assert stack.kernel.shape == (4, 2, 3)
+
+    @treemode.vmap(in_axes=(0, None))
+    def forward(layer, x):
+        return layer(x)
+
+    assert forward(stack, jnp.ones((5, 2))).shape == (4, 5, 3)
+    ```
+    """
+    if f is None:
+        return lambda g: VmapWrapped(g, **kwargs)
+    return VmapWrapped(f, **kwargs)
+
+
+__all__ = ["MappedWrapper", "VmapWrapped", "vmap"]
