@@ -84,31 +84,29 @@ def variable_specs(call: _core.Call) -> list[VarSpec]:
     return specs + list(call.lifted_specs)
 
 
-def check_same_type(
-    transform: str, path: str, what: str, before: Any, after: Any
-) -> None:
-    """Raise if ``after`` cannot replace ``before`` in a loop state."""
+def type_problem(before: Any, after: Any) -> str | None:
+    """Why ``after`` cannot replace ``before`` in a loop state (``None`` if it can)."""
     b_leaves, b_def = jax.tree_util.tree_flatten(before)
     a_leaves, a_def = jax.tree_util.tree_flatten(after)
-    problem = None
     if b_def != a_def:
-        problem = f"its structure changed from {b_def} to {a_def}"
-    else:
-        for b, a in zip(b_leaves, a_leaves, strict=True):
-            tb, ta = jax.typeof(b), jax.typeof(a)
-            if tb.shape != ta.shape or tb.dtype != ta.dtype:
-                problem = (
-                    f"it went in as {tb.dtype}{list(tb.shape)} and came out as "
-                    f"{ta.dtype}{list(ta.shape)}"
-                )
-                break
-    if problem is not None:
-        raise StructureError(
-            f"treemode.{transform}: {what} at {path} must keep its shape and dtype "
-            f"from one iteration to the next, but {problem}.\n"
-            "Cast or reshape the new value to the old one's type (e.g. "
-            "`x.astype(old.dtype)`), or make it an output instead of loop state."
-        )
+        return f"its structure changed from {b_def} to {a_def}"
+    for b, a in zip(b_leaves, a_leaves, strict=True):
+        tb, ta = jax.typeof(b), jax.typeof(a)
+        if tb.shape != ta.shape or tb.dtype != ta.dtype:
+            return (
+                f"it went in as {tb.dtype}{list(tb.shape)} and came out as "
+                f"{ta.dtype}{list(ta.shape)}"
+            )
+    return None
+
+
+def type_error(transform: str, path: str, what: str, problem: str) -> StructureError:
+    return StructureError(
+        f"treemode.{transform}: {what} at {path} must keep its shape and dtype "
+        f"from one iteration to the next, but {problem}.\n"
+        "Cast or reshape the new value to the old one's type (e.g. "
+        "`x.astype(old.dtype)`), or return it as an output instead of loop state."
+    )
 
 
 # -- the carry argument ----------------------------------------------------------------
@@ -203,7 +201,9 @@ def check_carry_out(
                     f"function returned a {type(after).__name__} in its place. Return an "
                     "array of the same shape and dtype."
                 ) from None
-            check_same_type(transform, where, "the carry array", before, after)
+            problem = type_problem(before, after)
+            if problem is not None:
+                raise type_error(transform, where, "the carry array", problem)
             free.append(after)
         elif not _core._same_static(before, after):
             raise StructureError(
@@ -330,21 +330,15 @@ class LoopState:
                     "changed when it was traced again. The set of Variables a loop body "
                     "changes must not depend on anything but shapes and static values."
                 )
-        paths: list[str] | None = None
         new_values: list[Any] = []
         for i, old in zip(self.state_vars, state[1], strict=True):
             new = updates[i]
             if new is None:
                 new = old
-            else:
-                try:
-                    check_same_type(self.transform, "", "", old, new)
-                except StructureError:
-                    paths = paths or self.call.variable_paths()
-                    check_same_type(
-                        self.transform, paths[i],
-                        f"the {type(self.call.variables[i]).__name__}", old, new,
-                    )
+            problem = type_problem(old, new)
+            if problem is not None:
+                what = f"the {type(self.call.variables[i]).__name__}"
+                raise type_error(self.transform, self.call.variable_paths()[i], what, problem)
             new_values.append(new)
         return list(free_out), new_values
 

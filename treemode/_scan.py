@@ -1,0 +1,452 @@
+"""``treemode.scan`` and the ``treemode.Carry`` marker."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from . import _core
+from ._axes import call_axes, check_mapped, is_axis, is_int_axis
+from ._errors import AxisError
+from ._leaves import is_variable
+from ._loop import (
+    CarryLayout,
+    LoopState,
+    abstract,
+    carry_layout,
+    check_carry_out,
+    probe_changed,
+    rebuild_carry,
+    scalars_to_arrays,
+)
+from ._metadata import _split_metadata, with_axis_metadata
+from ._prefix import broadcast_to_leaves
+
+
+class Carry:
+    """Marks the loop carry in the `in_axes` / `out_axes` of :func:`treemode.scan`.
+
+    The argument marked `Carry` is threaded from one step to the next; the
+    function returns its new value at the `Carry` position of `out_axes`.
+    `flax.nnx.Carry` is accepted as well.
+    """
+
+    def __init__(self) -> None:
+        raise TypeError("treemode.Carry is a marker: use the class itself, not an instance.")
+
+
+def is_carry(x: Any) -> bool:
+    return x is Carry or x is nnx.Carry
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return is_axis(x) or is_carry(x)
+
+
+_MISSING: Any = object()
+
+
+def _nested_carry(spec: Any, what: str) -> None:
+    """Raise if ``Carry`` appears anywhere inside ``spec`` (it must be a whole entry)."""
+    leaves = jax.tree_util.tree_flatten_with_path(
+        spec, is_leaf=lambda x: x is None or is_carry(x) or is_variable(x)
+    )[0]
+    for path, leaf in leaves:
+        value = leaf.get_raw_value() if is_variable(leaf) else leaf
+        if is_carry(value):
+            raise AxisError(
+                f"treemode.scan: treemode.Carry appears inside {what}{jax.tree_util.keystr(path)}."
+                " Carry marks a whole argument (or the whole new carry in out_axes), it "
+                "cannot be nested in a prefix. Use e.g. in_axes=(Carry, 0) and put "
+                "everything that is carried in that one argument."
+            )
+
+
+def _top_carry(spec: Any, what: str) -> int | None:
+    """Index of the ``Carry`` entry of a tuple spec; checks it appears at most once."""
+    found: int | None = None
+    for i, entry in enumerate(spec):
+        if is_carry(entry):
+            if found is not None:
+                raise AxisError(
+                    f"treemode.scan: treemode.Carry appears twice in {what}, at {what}[{found}]"
+                    f" and {what}[{i}]. A scan has one carry: put everything that is carried "
+                    "in one argument (a tuple or a module)."
+                )
+            found = i
+        else:
+            _nested_carry(entry, f"{what}[{i}]")
+    return found
+
+
+def _check_no_none(spec: Any) -> None:
+    leaves = jax.tree_util.tree_flatten_with_path(
+        spec, is_leaf=lambda x: x is None or is_carry(x) or is_variable(x)
+    )[0]
+    for path, leaf in leaves:
+        value = leaf.get_raw_value() if is_variable(leaf) else leaf
+        if value is None:
+            raise AxisError(
+                f"treemode.scan: out_axes{jax.tree_util.keystr(path)} is None, but scan "
+                "stacks every output along an axis (one slice per step). Give an int axis; "
+                "to get a value out of the last step, return it in the carry."
+            )
+        if not (is_int_axis(value) or is_carry(value)):
+            raise AxisError(
+                f"treemode.scan: out_axes{jax.tree_util.keystr(path)} is {value!r}; each "
+                "entry must be an int axis or treemode.Carry."
+            )
+
+
+class ScanWrapped:
+    """A function scanned with :func:`treemode.scan`."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        length: int | None,
+        reverse: bool,
+        unroll: int | bool,
+        in_axes: Any,
+        out_axes: Any,
+        transform_metadata: Mapping[str, Any] | None,
+        graph: bool,
+    ):
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        self.fn = fn
+        self.length = length
+        self.reverse = reverse
+        self.unroll = unroll
+        self.in_axes = in_axes
+        self.out_axes = out_axes
+        self.graph = graph
+        self.metadata = dict(transform_metadata) if transform_metadata else None
+        if self.metadata is not None:
+            _split_metadata(self.metadata, "scan")
+        # in_axes
+        if isinstance(in_axes, list) or isinstance(out_axes, list):
+            raise AxisError(
+                "treemode.scan: in_axes/out_axes is a list; use a tuple with one entry per "
+                "argument (or returned value), e.g. in_axes=(Carry, 0)."
+            )
+        if is_carry(in_axes):
+            self.in_carry: int | None = 0
+        elif isinstance(in_axes, tuple):
+            self.in_carry = _top_carry(in_axes, "in_axes")
+        else:
+            _nested_carry(in_axes, "in_axes")
+            self.in_carry = None
+        # out_axes: "carry" (f returns the carry), "tuple" (one entry per output,
+        # Carry among them) or "ys" (no carry: a prefix of the outputs).
+        _check_no_none(out_axes)
+        if is_carry(out_axes):
+            self.out_kind, self.out_carry = "carry", 0
+        elif isinstance(out_axes, tuple):
+            self.out_carry = _top_carry(out_axes, "out_axes")
+            self.out_kind = "ys" if self.out_carry is None else "tuple"
+        else:
+            _nested_carry(out_axes, "out_axes")
+            self.out_kind, self.out_carry = "ys", None
+        if (self.in_carry is None) != (self.out_carry is None):
+            where, other = ("in_axes", "out_axes") if self.in_carry is not None else (
+                "out_axes", "in_axes")
+            raise AxisError(
+                f"treemode.scan: {where} has a treemode.Carry but {other} does not "
+                f"(in_axes={in_axes!r}, out_axes={out_axes!r}). The function receives the "
+                "carry and must return its new value: mark it in both, e.g. "
+                "in_axes=(Carry, 0), out_axes=(Carry, 0)."
+            )
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    # -- the pieces of one call ---------------------------------------------------
+
+    def _entries(self, num_args: int) -> Any:
+        if is_carry(self.in_axes):
+            if num_args != 1:
+                raise AxisError(
+                    f"treemode.scan: in_axes=Carry means the function takes exactly one "
+                    f"argument (the carry), but it was called with {num_args}. Use a tuple, "
+                    "e.g. in_axes=(Carry, 0), to scan over further arguments."
+                )
+            return (Carry,)
+        return self.in_axes
+
+    def _split(self, out: Any) -> tuple[Any, Any]:
+        """``(new carry, outputs)`` from what the function returned."""
+        if self.out_kind == "carry":
+            return out, None
+        if self.out_kind == "ys":
+            return None, out
+        n = len(self.out_axes)
+        if not isinstance(out, (tuple, list)) or len(out) != n:
+            got = (
+                f"a {type(out).__name__} of length {len(out)}"
+                if isinstance(out, (tuple, list))
+                else f"a {type(out).__name__}"
+            )
+            raise AxisError(
+                f"treemode.scan: out_axes={self.out_axes!r} has {n} entries, so the function "
+                f"must return a tuple of {n} values (the new carry at position "
+                f"{self.out_carry}); it returned {got}."
+            )
+        c = self.out_carry
+        assert c is not None
+        return out[c], (*out[:c], *out[c + 1 :])
+
+    def _join(self, carry: Any, ys: Any) -> Any:
+        if self.out_kind == "carry":
+            return carry
+        if self.out_kind == "ys":
+            return ys
+        c = self.out_carry
+        assert c is not None
+        return (*ys[:c], carry, *ys[c:])
+
+    def _ys_axes(self) -> Any:
+        if self.out_kind == "tuple":
+            c = self.out_carry
+            assert c is not None
+            return (*self.out_axes[:c], *self.out_axes[c + 1 :])
+        return self.out_axes
+
+    def _body(
+        self, entries: Any, layout: CarryLayout | None, carry_pos: int | None
+    ) -> Callable[..., Any]:
+        fn = self.fn
+        if self.metadata is not None:
+            fn = with_axis_metadata(
+                fn, entries, self.out_axes, self.metadata, transform="scan",
+                kwargs_axis=None, is_leaf=_is_spec_leaf,
+            )
+
+        def body(*args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
+            carry_out, ys = self._split(fn(*args, **kwargs))
+            if layout is None:
+                return [], ys
+            return check_carry_out("scan", layout, args[carry_pos], carry_out), ys
+
+        return body
+
+    def _move_out_axes(self, ys: Any) -> Any:
+        if ys is None:
+            return None
+        axes_prefix = self._ys_axes()
+        try:
+            axes = broadcast_to_leaves(
+                axes_prefix, ys, is_prefix_leaf=is_int_axis, where="the outputs",
+                what="treemode.scan: out_axes",
+            )
+        except ValueError as e:
+            raise AxisError(str(e)) from None
+        leaves, treedef = jax.tree_util.tree_flatten(ys, is_leaf=is_variable)
+        moved = [
+            leaf if axis == 0 else jax.tree_util.tree_map(
+                lambda a, axis=axis: jnp.moveaxis(a, 0, axis), leaf
+            )
+            for leaf, axis in zip(leaves, axes, strict=True)
+        ]
+        return treedef.unflatten(moved)
+
+    # -- calling ---------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        entries = self._entries(len(args))
+        carry_pos = self.in_carry
+        if isinstance(entries, tuple) and len(entries) != len(args):
+            carry_pos = None  # call_axes reports the length mismatch
+        if carry_pos is not None:
+            args = (*args[:carry_pos], scalars_to_arrays(args[carry_pos]), *args[carry_pos + 1 :])
+        call = _core.prepare("scan", self.fn, args, kwargs, graph=self.graph)
+        axes = call_axes(
+            call, entries, kwargs_axis=None, closure_axis=None, is_leaf=_is_spec_leaf,
+            valid=_is_spec_leaf, expected="an int, None or treemode.Carry",
+        )
+        length = self._length(call, axes.dynamic)
+        layout = None
+        if carry_pos is not None:
+            layout = carry_layout(call, carry_pos, f"args[{carry_pos}]")
+        body = self._body(entries, layout, carry_pos)
+
+        scanned = [(j, ax) for j, ax in enumerate(axes.dynamic) if is_int_axis(ax)]
+        scanned_vars = [(i, ax) for i, ax in enumerate(axes.variables) if is_int_axis(ax)]
+        candidates = {i for i, ax in enumerate(axes.variables) if not is_int_axis(ax)}
+        state_vars: frozenset[int] = frozenset()
+        if candidates:
+            probe = _core.PureFunction(call)
+            probe.fn = body
+            avals = [
+                abstract(x, ax if is_int_axis(ax) else None)
+                for x, ax in zip(call.dynamic, axes.dynamic, strict=True)
+            ]
+            state_vars = probe_changed(probe, call, avals) & candidates
+
+        pure = _core.PureFunction(call, force_updates=state_vars)
+        pure.fn = body
+        loop = LoopState("scan", call, layout.free if layout else [], state_vars)
+        allowed = frozenset(i for i, _ in scanned_vars)
+        xs = [
+            call.dynamic[j] if ax == 0 else jnp.moveaxis(call.dynamic[j], ax, 0)
+            for j, ax in scanned
+        ]
+
+        def step(state: Any, x: list[Any]) -> Any:
+            dynamic = loop.assemble(state, {j: xj for (j, _), xj in zip(scanned, x, strict=True)})
+            (free_out, ys), updates = pure(*dynamic)
+            new_state = loop.next_state(state, free_out, updates, allowed)
+            return new_state, (ys, [updates[i] for i, _ in scanned_vars])
+
+        with _core.bound(pure, call):
+            (free, values), (ys, stacked) = jax.lax.scan(
+                step, loop.init(), xs, length=length, reverse=self.reverse, unroll=self.unroll
+            )
+        updates = loop.final_updates(values)
+        for (i, ax), u in zip(scanned_vars, stacked, strict=True):
+            if u is not None:
+                updates[i] = u if ax == 0 else jax.tree_util.tree_map(
+                    lambda a, ax=ax: jnp.moveaxis(a, 0, ax), u
+                )
+        _core.write_back(call, updates, pure.record.metadata_updates)
+        ys = _core.finish(call, self._move_out_axes(ys))
+        carry = None
+        if carry_pos is not None and layout is not None:
+            carry = rebuild_carry(args[carry_pos], layout, free)
+        return self._join(carry, ys)
+
+    def _length(self, call: _core.Call, axes: tuple[Any, ...]) -> int:
+        size = check_mapped(call, axes, what="in_axes", require_size=False)
+        if size is None:
+            if self.length is None:
+                raise AxisError(
+                    "treemode.scan: no argument is scanned (no int in in_axes reaches an "
+                    "array), so the number of steps is unknown. Pass length=n."
+                )
+            return self.length
+        if self.length is not None and self.length != size:
+            raise AxisError(
+                f"treemode.scan: length={self.length} but the scanned arguments have "
+                f"{size} entries along their scanned axes. Drop length= or make them agree."
+            )
+        return size
+
+
+def scan(
+    f: Callable[..., Any] | None = None,
+    init: Any = _MISSING,
+    xs: Any = _MISSING,
+    *,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    in_axes: Any = (Carry, 0),
+    out_axes: Any = (Carry, 0),
+    transform_metadata: Mapping[str, Any] | None = None,
+    graph: bool = False,
+) -> Any:
+    """Scan a function over the leading (or given) axis of some of its arguments.
+
+    `in_axes` says what each positional argument is: `Carry` (threaded from
+    step to step; the function returns its new value), `None` (broadcast: the
+    same in every step) or an int (scanned: step `i` sees slice `i` of that
+    axis). An entry may be a module-shaped prefix mixing `None` and ints per
+    Variable; keyword arguments are broadcast. `out_axes` says what the function
+    returns: `Carry` marks the new carry, ints stack the other outputs along
+    that axis.
+
+    Variables are handled by what the function does with them, not by copying
+    whole modules around:
+
+    - a carried Variable must stay the same object (change it in place, return
+      the same module); its final value is written back;
+    - a broadcast Variable that the function changes is threaded through the
+      loop and its final value written back; read-only ones are loop constants;
+    - a scanned Variable that the function changes comes back stacked on its
+      input axis; read-only scanned parameters are never copied or returned.
+
+    With the defaults `in_axes=(Carry, 0)`, `out_axes=(Carry, 0)` this is
+    `jax.lax.scan`: `f(carry, x) -> (carry, y)`, and the short form
+    `treemode.scan(f, init, xs)` calls it right away, like `jax.lax.scan(f,
+    init, xs)`.
+
+    **Arguments:**
+
+    - `f`: the function to scan. Omit it to use `scan(...)` as a decorator.
+    - `init`, `xs`: if given, call the scanned function on `(init, xs)` at once.
+    - `length`: number of steps (needed when nothing is scanned).
+    - `reverse`, `unroll`: as in `jax.lax.scan`.
+    - `in_axes`: `Carry`, an int or `None` for all arguments, or a tuple with one
+      entry per positional argument.
+    - `out_axes`: `Carry`, an int (or prefix) for all outputs, or a tuple with
+      one entry per returned value (`None` is not allowed: outputs are stacked).
+    - `transform_metadata`: `{nnx.PARTITION_NAME: name}`: inside the scan, the
+      scanned Variables' `out_sharding` loses the scanned axis; Variables created
+      and stacked by the scan gain it.
+    - `graph`: if `True`, arguments may share Modules/Variables.
+
+    **Returns:**
+
+    The scanned function, or its result if `init` was given: the outputs in the
+    shape of `out_axes`, with the new carry at the `Carry` position.
+
+    **Raises:**
+
+    `AxisError` for a wrong `in_axes`/`out_axes` (Carry twice or nested, wrong
+    number of entries, mismatched lengths), `StructureError` when the function
+    replaces a carried object or changes the carry's structure or types,
+    `AliasError` when a Variable is reachable twice. Inputs are left unchanged
+    when an error is raised.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return jax.nn.relu(self.linear(x))
+
+    @treemode.vmap(in_axes=0, out_axes=0)
+    def create(key):
+        return Block(nnx.Rngs(key))
+
+    blocks = create(jax.random.split(jax.random.key(0), 3))
+    assert blocks.linear.kernel.shape == (3, 4, 4)
+
+    @treemode.scan(in_axes=(treemode.Carry, 0), out_axes=treemode.Carry)
+    def forward(x, block):
+        return block(x)
+
+    y = forward(jnp.ones((2, 4)), blocks)
+    assert y.shape == (2, 4)
+
+    # jax.lax.scan's form
+    total, cumsum = treemode.scan(lambda c, x: (c + x, c + x), 0.0, jnp.arange(4.0))
+    assert total == 6.0 and cumsum.tolist() == [0.0, 1.0, 3.0, 6.0]
+    ```
+    """
+    options = dict(
+        length=length, reverse=reverse, unroll=unroll, in_axes=in_axes, out_axes=out_axes,
+        transform_metadata=transform_metadata, graph=graph,
+    )
+    if f is None:
+        return lambda fn: ScanWrapped(fn, **options)
+    wrapped = ScanWrapped(f, **options)
+    if init is _MISSING:
+        return wrapped
+    return wrapped(init, None if xs is _MISSING else xs)
+
+
+__all__ = ["Carry", "ScanWrapped", "is_carry", "scan"]
