@@ -1,9 +1,13 @@
 """treemode: tree-mode transforms for Flax NNX, Equinox and plain pytrees."""
 
+from ._capture import capture as capture
 from ._clone import clone as clone
+from ._custom_vjp import CustomVjp as CustomVjp
+from ._custom_vjp import custom_vjp as custom_vjp
 from ._errors import AliasError as AliasError
 from ._errors import ClosureError as ClosureError
 from ._errors import DonationError as DonationError
+from ._errors import MutationError as MutationError
 from ._errors import StaticArgumentError as StaticArgumentError
 from ._errors import StructureError as StructureError
 from ._errors import TraceContextError as TraceContextError
@@ -17,5 +21,9 @@ from ._graph import to_tree as to_tree
 from ._jit import JitWrapped as JitWrapped
 from ._jit import jit as jit
 from ._jit import jit_partial as jit_partial
+from ._remat import checkpoint as checkpoint
+from ._remat import remat as remat
+from ._vjp import jvp as jvp
+from ._vjp import vjp as vjp
 
 __version__ = "0.1.0"

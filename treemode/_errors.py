@@ -53,11 +53,20 @@ class AxisError(TreemodeError, ValueError):
     """
 
 
+class MutationError(TreemodeError, ValueError):
+    """The function changed a Variable that the transform cannot write back.
+
+    For example a differentiable Variable inside ``treemode.custom_vjp``: its new
+    value would have no cotangent, so gradients would silently be wrong.
+    """
+
+
 __all__ = [
     "AliasError",
     "AxisError",
     "ClosureError",
     "DonationError",
+    "MutationError",
     "StaticArgumentError",
     "StructureError",
     "TraceContextError",

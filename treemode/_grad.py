@@ -108,9 +108,9 @@ def rebuild_arg_trees(call: _core.Call, dynamic: Sequence[Any]) -> list[Any]:
     Variables are new objects of the original types and metadata. With
     ``graph=True`` the shared references are restored.
     """
-    args, kwargs, *_ = _core.PureFunction(call).rebuild_inputs(dynamic)
-    trees = [a for i, a in enumerate(args) if i not in call.static_positional]
-    trees += [kwargs[name] for name in call.kw_names]
+    inputs = _core.PureFunction(call).rebuild_inputs(dynamic)
+    trees = [a for i, a in enumerate(inputs.args) if i not in call.static_positional]
+    trees += [inputs.kwargs[name] for name in call.kw_names]
     return trees
 
 
@@ -197,7 +197,12 @@ def _checked(
         return jnp.zeros_like(primal)
     if np.shape(x) != np.shape(primal):
         _raise_leaf(
-            call, k, index, name, transform, what,
+            call,
+            k,
+            index,
+            name,
+            transform,
+            what,
             f"shape {np.shape(x)} where the argument has shape {np.shape(primal)}",
         )
     return x
@@ -230,9 +235,11 @@ def _numbers_to_arrays(x: Any) -> Any:
         return jnp.asarray(x)
     if isinstance(x, (tuple, list, dict)):
         return jax.tree_util.tree_map(
-            lambda v: jnp.asarray(v)
-            if isinstance(v, (float, complex, int)) and not isinstance(v, bool)
-            else v,
+            lambda v: (
+                jnp.asarray(v)
+                if isinstance(v, (float, complex, int)) and not isinstance(v, bool)
+                else v
+            ),
             x,
             is_leaf=lambda v: is_variable(v) or is_graph_node(v),
         )

@@ -1,0 +1,300 @@
+"""``treemode.custom_vjp``: ``jax.custom_vjp`` over Modules and pytrees.
+
+The user's function, ``fwd`` and ``bwd`` are wrapped around one
+``jax.custom_vjp`` of the flat dynamic arrays of the call:
+
+- the primal function and ``fwd`` run through the core's pure function (fresh
+  Variables, closure lifting, structure and alias checks, update detection);
+- ``fwd`` saves the user's residuals (their arrays go to JAX, their other leaves
+  are kept on the Python side) and the primal arrays, so that ``bwd`` can rebuild
+  the ``nondiff_argnums`` arguments;
+- ``bwd`` gets ``(*nondiff_args, residuals, output_cotangent)`` and returns one
+  cotangent per differentiable argument, of the argument's own type; they are
+  laid back out over the flat arrays (``float0`` for integer and key arrays, zeros
+  for non-differentiable arguments and closure Variables).
+
+Variable updates are an extra output of the JAX function and are written back.
+A differentiable Variable (a floating-point Variable of a differentiable
+argument) must not be changed: its new value would have no cotangent.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+from . import _core, _graph
+from ._errors import MutationError
+from ._grad import DiffSplit, dynamic_like, float0_zeros, is_differentiable
+from ._leaves import ARRAY_TYPES
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class CustomVjp(Generic[P, R]):
+    """A function with a custom VJP, made by :func:`treemode.custom_vjp`."""
+
+    def __init__(
+        self, fn: Callable[P, R], nondiff_argnums: Sequence[int] = (), graph: bool = False
+    ):
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        self.fn = fn
+        self.nondiff_argnums = tuple(sorted(set(nondiff_argnums)))
+        self.graph = graph
+        self.fwd: Callable[..., Any] | None = None
+        self.bwd: Callable[..., Any] | None = None
+
+    def defvjp(
+        self,
+        fwd: Callable[..., tuple[Any, Any]],
+        bwd: Callable[..., tuple[Any, ...]],
+        symbolic_zeros: bool = False,
+    ) -> None:
+        """Define the forward and backward rules.
+
+        **Arguments:**
+
+        - `fwd`: takes the same arguments as the function and returns
+          `(output, residuals)`. Residuals may hold Modules.
+        - `bwd`: takes `(*nondiff_args, residuals, output_cotangent)` and returns a
+          tuple with one cotangent per differentiable argument, of the argument's
+          own type (a Module of the same class for a Module; `None` for zeros).
+        - `symbolic_zeros`: not supported (must be `False`).
+
+        **Returns:**
+
+        `None`; the rules are stored on the function.
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import treemode
+
+        @treemode.custom_vjp
+        def double(x):
+            return 2 * x
+
+        double.defvjp(lambda x: (2 * x, None), lambda res, g: (2 * g,))
+        assert jax.grad(double)(1.0) == 2.0
+        ```
+        """
+        if symbolic_zeros:
+            raise NotImplementedError(
+                "treemode.custom_vjp: symbolic_zeros=True is not supported; use "
+                "jax.custom_vjp directly on arrays for that."
+            )
+        self.fwd = fwd
+        self.bwd = bwd
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self.fwd is None or self.bwd is None:
+            raise TypeError(
+                f"treemode.custom_vjp: no rules defined for {getattr(self.fn, '__name__', '')}"
+                "; call .defvjp(fwd, bwd) before calling the function."
+            )
+        args_t = _resolve_kwargs(self.fn, args, kwargs)
+        for i in self.nondiff_argnums:
+            if not 0 <= i < len(args_t):
+                raise TypeError(
+                    f"treemode.custom_vjp: nondiff_argnums contains {i}, but the function "
+                    f"was called with {len(args_t)} positional argument(s)."
+                )
+        call = _core.prepare("custom_vjp", self.fn, args_t, {}, graph=self.graph)
+        diff_args = [i for i in range(len(args_t)) if i not in self.nondiff_argnums]
+        split = DiffSplit(call, diff_args)
+        protected = _protected_variables(call, split)
+        primal = _core.PureFunction(call)
+        fwd_pure = _core.PureFunction(call, allow_output_variables=True)
+        fwd_pure.fn = self.fwd
+        residual_layout: list[Any] = []
+        user_bwd = self.bwd
+        nondiff = self.nondiff_argnums
+        graph = self.graph
+
+        def run(pure: _core.PureFunction, dynamic: Sequence[Any]) -> tuple[Any, Any]:
+            with _core.bound(pure, call):  # traced now, or lazily by JAX (fwd)
+                out, updates = pure(*dynamic)
+            _check_no_mutation(call, protected, updates)
+            return out, updates
+
+        @jax.custom_vjp
+        def flat(*dynamic: Any) -> tuple[Any, Any]:
+            return run(primal, dynamic)
+
+        def flat_fwd(*dynamic: Any) -> tuple[Any, Any]:
+            out, updates = run(fwd_pure, dynamic)
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(
+                    "treemode.custom_vjp: fwd must return a pair (output, residuals), got "
+                    f"a {type(out).__name__}."
+                )
+            out, residuals = out
+            leaves, treedef = jax.tree_util.tree_flatten(residuals)
+            is_arr = [isinstance(x, ARRAY_TYPES) for x in leaves]
+            residual_layout[:] = [
+                treedef,
+                is_arr,
+                [None if a else x for x, a in zip(leaves, is_arr, strict=True)],
+            ]
+            arrays = [x for x, a in zip(leaves, is_arr, strict=True) if a]
+            return (out, updates), (arrays, list(dynamic))
+
+        def flat_bwd(saved: Any, cotangents: Any) -> tuple[Any, ...]:
+            arrays, dynamic = saved
+            out_ct, _ = cotangents
+            treedef, is_arr, statics = residual_layout
+            it = iter(arrays)
+            residuals = treedef.unflatten(
+                [next(it) if a else s for a, s in zip(is_arr, statics, strict=True)]
+            )
+            inputs = _core.PureFunction(call).rebuild_inputs(dynamic)
+            nondiff_args = [inputs.args[i] for i in nondiff]
+            if graph:
+                out_ct = _graph.from_tree(out_ct)
+            result = user_bwd(*nondiff_args, residuals, out_ct)
+            if not isinstance(result, (tuple, list)) or len(result) != len(diff_args):
+                got = (
+                    f"a {type(result).__name__} of length {len(result)}"
+                    if isinstance(result, (tuple, list))
+                    else f"a {type(result).__name__}"
+                )
+                raise TypeError(
+                    "treemode.custom_vjp: bwd must return a tuple with one cotangent per "
+                    f"differentiable argument ({len(diff_args)}: args "
+                    f"{diff_args}), but it returned {got}."
+                )
+            diff_cts = dynamic_like(
+                call,
+                split,
+                list(result),
+                transform="custom_vjp",
+                what="cotangent",
+                names=[f"args[{i}]" for i in diff_args],
+            )
+            cts: list[Any] = [
+                float0_zeros(x) if not is_differentiable(x) else jnp.zeros_like(x) for x in dynamic
+            ]
+            for j, g in zip(split.diff, diff_cts, strict=True):
+                cts[j] = g
+            return tuple(cts)
+
+        flat.defvjp(flat_fwd, flat_bwd)
+        out, updates = flat(*call.dynamic)
+        record = primal.record.metadata_updates or fwd_pure.record.metadata_updates
+        _core.write_back(call, updates, record)
+        return _core.finish(call, out)
+
+
+def _protected_variables(call: _core.Call, split: DiffSplit) -> list[int]:
+    """Indices (``call.variables`` order) of the differentiable Variables."""
+    diff = set(split.diff)
+    return [i for i, r in enumerate(call.variable_dynamic_ranges()) if any(j in diff for j in r)]
+
+
+def _check_no_mutation(call: _core.Call, protected: list[int], updates: Sequence[Any]) -> None:
+    changed = [i for i in protected if updates[i] is not None]
+    if changed:
+        path = call.variable_paths()[changed[0]]
+        var = call.variables[changed[0]]
+        raise MutationError(
+            f"treemode.custom_vjp: the function changed the differentiable "
+            f"{type(var).__name__} at {path}. Its new value would have no cotangent, so "
+            "the gradient would be silently wrong.\nDo not update differentiable "
+            "Variables inside a custom_vjp function: update them outside, or pass the "
+            "state you need to update in an argument listed in nondiff_argnums (or as "
+            "integer Variables, which are not differentiated)."
+        )
+
+
+def _resolve_kwargs(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, ...]:
+    if not kwargs:
+        return tuple(args)
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"treemode.custom_vjp: {e}") from None
+    bound.apply_defaults()
+    if bound.kwargs:
+        raise TypeError(
+            "treemode.custom_vjp: keyword-only arguments "
+            f"{sorted(bound.kwargs)} are not supported; make them positional."
+        )
+    return tuple(bound.args)
+
+
+def custom_vjp(
+    fn: Callable[P, R] | None = None,
+    nondiff_argnums: Sequence[int] = (),
+    *,
+    graph: bool = False,
+) -> Any:
+    """``jax.custom_vjp`` for functions of Modules and pytrees.
+
+    The backward rule returns cotangents of the inputs' own types: for a Module
+    argument, a Module of the same class holding the cotangents in its Variables
+    (as `jax.custom_vjp` does for any pytree). Integer and key Variables need no
+    cotangent (whatever `bwd` puts there is replaced by `float0` zeros).
+    Variables changed by the function are written back, except that changing a
+    differentiable Variable (floating point, in a differentiable argument) raises
+    `MutationError`: its update would have no gradient. Variables the function
+    reaches through its closure are treated as constants.
+
+    **Arguments:**
+
+    - `fn`: the function. Omit it to use `custom_vjp(nondiff_argnums=...)` as a
+      decorator.
+    - `nondiff_argnums`: positional arguments that are not differentiated; they
+      are passed first to `bwd`, as in JAX.
+    - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).
+
+    **Returns:**
+
+    A `CustomVjp` callable; define its rules with `.defvjp(fwd, bwd)`.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    class Foo(nnx.Module):
+        def __init__(self):
+            self.x = nnx.Param(jnp.array(1.0))
+            self.y = nnx.Param(jnp.array(2.0))
+
+    @treemode.custom_vjp
+    def f(m: Foo):
+        return jnp.sin(m.x[...]) * m.y[...]
+
+    def f_fwd(m: Foo):
+        return f(m), (jnp.cos(m.x[...]), jnp.sin(m.x[...]), m)
+
+    def f_bwd(res, g):
+        cos_x, sin_x, m = res
+        m_g = nnx.clone(m)
+        m_g.x[...] = cos_x * g * m.y[...]
+        m_g.y[...] = sin_x * g
+        return (m_g,)
+
+    f.defvjp(f_fwd, f_bwd)
+    grads = treemode.grad(f)(Foo())
+    assert jnp.allclose(grads.x[...], jnp.cos(1.0) * 2.0)
+    assert jnp.allclose(grads.y[...], jnp.sin(1.0))
+    ```
+    """
+    if fn is None:
+        return lambda f: CustomVjp(f, nondiff_argnums, graph)
+    return CustomVjp(fn, nondiff_argnums, graph)

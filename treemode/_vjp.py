@@ -1,0 +1,158 @@
+"""``treemode.vjp`` and ``treemode.jvp``.
+
+Both differentiate with respect to the floating-point arrays of all primals (the
+same split as :func:`treemode.grad`); integer and key Variables are carried as
+non-differentiated inputs, and their cotangents are ``float0`` zeros. Variable
+updates made by the function ride along as JAX ``aux`` and are written back to
+the primals after the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from . import _core, _graph
+from ._grad import DiffSplit, dynamic_like, split_aux
+
+
+def vjp(
+    fn: Callable[..., Any],
+    *primals: Any,
+    has_aux: bool = False,
+    graph: bool = False,
+) -> tuple[Any, ...]:
+    """``jax.vjp`` over Modules and pytrees, writing Variable updates back.
+
+    **Arguments:**
+
+    - `fn`: the function to differentiate.
+    - `*primals`: its positional arguments (Modules, Variables, pytrees, arrays).
+    - `has_aux`: `fn` returns `(output, aux)`; `aux` is not differentiated.
+    - `graph`: if `True`, primals may share Modules/Variables (see `to_tree`).
+
+    **Returns:**
+
+    `(output, vjp_fn)` or `(output, vjp_fn, aux)`. `vjp_fn(cotangent)` returns a
+    tuple with one cotangent per primal, each of the primal's own type (a Module
+    of the same class for a Module); integer and key Variables get `float0`
+    zeros. Variables changed by `fn` are written back when `vjp` returns.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 2))
+    y, vjp_fn = treemode.vjp(lambda m, x: m(x), model, x)
+    model_ct, x_ct = vjp_fn(jnp.ones_like(y))
+    assert type(model_ct) is nnx.Linear
+    assert x_ct.shape == (1, 2)
+    ```
+    """
+    call = _core.prepare("vjp", fn, primals, {}, graph=graph)
+    split = DiffSplit(call, range(len(call.arg_flats)))
+    pure = _core.PureFunction(call)
+    other = split.other_values()
+
+    def differentiated(*diff: Any) -> tuple[Any, Any]:
+        out, updates = pure(*split.merge(diff, other))
+        if has_aux:
+            out, aux = split_aux("vjp", out)
+        else:
+            aux = None
+        return out, (aux, updates)
+
+    with _core.bound(pure, call):
+        out, raw_vjp, (aux, updates) = jax.vjp(differentiated, *split.diff_values(), has_aux=True)
+    _core.write_back(call, updates, pure.record.metadata_updates)
+
+    def vjp_fn(cotangent: Any) -> tuple[Any, ...]:
+        if graph:
+            cotangent = _graph.to_tree(cotangent)
+        return tuple(split.cotangent_trees(raw_vjp(cotangent)))
+
+    out = _core.finish(call, out)
+    if has_aux:
+        return out, vjp_fn, _core.finish(call, aux)
+    return out, vjp_fn
+
+
+def jvp(
+    fn: Callable[..., Any],
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    has_aux: bool = False,
+    *,
+    graph: bool = False,
+) -> tuple[Any, ...]:
+    """``jax.jvp`` over Modules and pytrees, writing Variable updates back.
+
+    **Arguments:**
+
+    - `fn`: the function to differentiate.
+    - `primals`: tuple of its positional arguments.
+    - `tangents`: tuple with one tangent per primal, of the primal's own type (a
+      Module of the same class for a Module, e.g. `jax.tree.map(jnp.ones_like,
+      model)`); `None` stands for zeros. The tangents of integer and key
+      Variables are ignored (they are not differentiated).
+    - `has_aux`: `fn` returns `(output, aux)`; `aux` is not differentiated.
+    - `graph`: if `True`, primals may share Modules/Variables (see `to_tree`).
+
+    **Returns:**
+
+    `(output, output_tangent)` or `(output, output_tangent, aux)`. Variables
+    changed by `fn` are written back to the primals.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 2))
+    tangent = jax.tree.map(jnp.ones_like, model)
+    y, y_dot = treemode.jvp(lambda m: m(x), (model,), (tangent,))
+    assert y_dot.shape == (1, 3)
+    ```
+    """
+    primals = tuple(primals)
+    tangents = tuple(tangents)
+    if len(primals) != len(tangents):
+        raise TypeError(
+            f"treemode.jvp: got {len(primals)} primal(s) but {len(tangents)} tangent(s); "
+            "give one tangent per primal (None for zeros)."
+        )
+    call = _core.prepare("jvp", fn, primals, {}, graph=graph)
+    split = DiffSplit(call, range(len(call.arg_flats)))
+    names = [f"primals[{i}]" for i in range(len(primals))]
+    diff_tangents = dynamic_like(
+        call, split, tangents, transform="jvp", what="tangent", names=names
+    )
+    pure = _core.PureFunction(call)
+    other = split.other_values()
+
+    def differentiated(diff: list[Any]) -> tuple[Any, Any]:
+        out, updates = pure(*split.merge(diff, other))
+        if has_aux:
+            out, aux = split_aux("jvp", out)
+        else:
+            aux = None
+        return out, (aux, updates)
+
+    with _core.bound(pure, call):
+        out, out_tangent, (aux, updates) = jax.jvp(
+            differentiated, (split.diff_values(),), (diff_tangents,), has_aux=True
+        )
+    _core.write_back(call, updates, pure.record.metadata_updates)
+    out, out_tangent = _core.finish(call, out), _core.finish(call, out_tangent)
+    if has_aux:
+        return out, out_tangent, _core.finish(call, aux)
+    return out, out_tangent
+
+
+__all__ = ["jvp", "vjp"]
