@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint docs clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -25,7 +25,12 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(PIP) install --quiet -e '.[dev]'
 	$(VENV)/bin/ruff check treemode tests benchmarks examples
+	$(VENV)/bin/ruff format --check treemode tests benchmarks examples
 	$(VENV)/bin/pyright
 
+docs: $(STAMP)
+	$(PIP) install --quiet -e '.[docs]'
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info site

@@ -199,13 +199,10 @@ def test_every_public_function_has_a_runnable_example() -> None:
     missing = [
         qualname
         for qualname, obj in public_objects()
-        if qualname.count(".") == 1
-        and inspect.isfunction(obj)
-        and qualname not in with_example
+        if qualname.count(".") == 1 and inspect.isfunction(obj) and qualname not in with_example
     ]
     assert not missing, (
-        "these public functions have no ```python example in their docstring: "
-        + ", ".join(missing)
+        "these public functions have no ```python example in their docstring: " + ", ".join(missing)
     )
 
 

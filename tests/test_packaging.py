@@ -47,8 +47,17 @@ def test_wheel_builds_installs_and_imports(tmp_path: Path) -> None:
 
     target = tmp_path / "site"
     _run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
-         str(wheels[0])],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(target),
+            str(wheels[0]),
+        ],
         cwd=tmp_path,
     )
     check = textwrap.dedent(
