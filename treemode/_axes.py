@@ -14,13 +14,12 @@ specification against a prepared :class:`treemode._core.Call`:
   returns the mapped size;
 - :func:`dynamic_paths` names each dynamic array in user terms (error path only);
 - :func:`batched_update_error` builds the error for a broadcast Variable that
-  the function set to a per-example value.
+  the function set to a per-example value (found by ``_vmap.find_batched_update``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -283,15 +282,6 @@ def check_mapped(
     return size
 
 
-_BATCHED_UPDATE = re.compile(r"out_axes\[1\]\[(\d+)\].*batched")
-
-
-def batched_update_index(error: Exception) -> int | None:
-    """If ``error`` is JAX's "broadcast output was batched" for an update, its index."""
-    match = _BATCHED_UPDATE.search(str(error))
-    return int(match.group(1)) if match else None
-
-
 def batched_update_error(call: Call, index: int, *, axis_name: Any = None) -> AxisError:
     """The error for broadcast Variable ``index`` set to a per-example value."""
     var = call.variables[index]
@@ -320,7 +310,6 @@ def variable_axes(axes: CallAxes) -> tuple[Any, ...]:
 __all__ = [
     "CallAxes",
     "batched_update_error",
-    "batched_update_index",
     "call_axes",
     "check_mapped",
     "dynamic_paths",

@@ -9,7 +9,7 @@ import jax
 
 from . import _core
 from ._axes import CallAxes, call_axes, check_mapped
-from ._vmap import MappedWrapper, _Entry, _vmap_batched_check
+from ._vmap import MappedWrapper, _Entry, find_batched_update
 
 
 def _as_set(x: int | Iterable[int] | None) -> frozenset[int]:
@@ -73,27 +73,18 @@ class PmapWrapped(MappedWrapper):
         )
 
     def first_call_check(self, entry: _Entry, call: _core.Call) -> None:
-        # jax.pmap silently keeps one device's value of an unmapped output; trace
-        # the same function under vmap once to catch a broadcast Variable that the
-        # function sets to a per-device value.
-        if all(axis is not None for axis in entry.axes.variables):
-            return
-        size = check_mapped(call, entry.axes.dynamic, axis_size=self.axis_size)
-        probe = jax.vmap(
-            entry.pure,
-            in_axes=entry.axes.dynamic,
-            out_axes=(self.out_axes, entry.axes.variables),
-            axis_name=self.axis_name,
-            axis_size=size,
+        # jax.pmap silently keeps one device's value of an unmapped output; check
+        # under vmap once that no broadcast Variable gets a per-device value.
+        find_batched_update(
+            entry.pure, call, entry.axes, self.out_axes,
+            axis_name=self.axis_name, axis_size=self.axis_size, check_first=True,
         )
-        try:
-            jax.eval_shape(probe, *call.dynamic)
-        except ValueError as e:
-            _vmap_batched_check(self, e, call, self.axis_name)
-            # Any other problem is reported by jax.pmap itself.
 
     def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
-        _vmap_batched_check(self, error, call, self.axis_name)
+        find_batched_update(
+            entry.pure, call, entry.axes, self.out_axes,
+            axis_name=self.axis_name, axis_size=self.axis_size,
+        )
 
 
 def pmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:

@@ -148,6 +148,15 @@ def _normalize(spec: Any, x: Any) -> tuple[Any, ...]:
     return tuple(entries)
 
 
+def _varying_axes(x: Any) -> set[Any]:
+    """Mesh axes over which a value inside shard_map varies (check_vma typing)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return set(vma)
+
+
 def _check_replication(
     call: _core.Call, updates: tuple[Any, ...], var_specs: tuple[Any, ...]
 ) -> None:
@@ -157,7 +166,7 @@ def _check_replication(
             continue
         allowed = spec_axes(spec)
         for leaf in jax.tree_util.tree_leaves(update):
-            varying = set(getattr(jax.typeof(leaf), "vma", ())) - allowed
+            varying = _varying_axes(leaf) - allowed
             if varying:
                 var = call.variables[i]
                 axis = sorted(map(str, varying))[0]

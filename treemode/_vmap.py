@@ -20,7 +20,6 @@ from . import _core
 from ._axes import (
     CallAxes,
     batched_update_error,
-    batched_update_index,
     call_axes,
     check_mapped,
 )
@@ -172,12 +171,59 @@ class MappedWrapper:
         self._cache.clear()
 
 
-def _vmap_batched_check(
-    wrapper: MappedWrapper, error: Exception, call: _core.Call, axis_name: Any
+def find_batched_update(
+    pure: _core.PureFunction,
+    call: _core.Call,
+    axes: CallAxes,
+    out_axes: Any,
+    *,
+    axis_name: Any = None,
+    axis_size: int | None = None,
+    check_first: bool = False,
 ) -> None:
-    index = batched_update_index(error)
-    if index is not None and index < len(call.variables):
-        raise batched_update_error(call, index, axis_name=axis_name) from None
+    """Raise ``AxisError`` if a broadcast Variable gets a per-example value.
+
+    Called when ``jax.vmap`` failed (or, for ``pmap``, once up front): JAX's own
+    message does not say which output was batched, so re-trace abstractly with
+    the broadcast Variables' updates mapped, then unmapped one at a time.
+    Returns quietly if the problem lies elsewhere. With ``check_first``, first
+    trace once with the real axes and return if that succeeds.
+    """
+    candidates = [i for i, axis in enumerate(axes.variables) if axis is None]
+    if not candidates:
+        return
+    size = check_mapped(call, axes.dynamic, axis_size=axis_size)
+
+    def probe(var_axes: tuple[Any, ...]) -> Any:
+        mapped = jax.vmap(
+            pure,
+            in_axes=axes.dynamic,
+            out_axes=(out_axes, var_axes),
+            axis_name=axis_name,
+            axis_size=size,
+        )
+        return jax.eval_shape(mapped, *call.dynamic)
+
+    if check_first:
+        try:
+            probe(axes.variables)
+            return
+        except ValueError:
+            pass
+    relaxed = tuple(0 if axis is None else axis for axis in axes.variables)
+    try:
+        _, updates = probe(relaxed)
+    except Exception:
+        return
+    for i in candidates:
+        if updates[i] is None:
+            continue
+        trial = list(relaxed)
+        trial[i] = None
+        try:
+            probe(tuple(trial))
+        except ValueError:
+            raise batched_update_error(call, i, axis_name=axis_name) from None
 
 
 class VmapWrapped(MappedWrapper):
@@ -222,7 +268,10 @@ class VmapWrapped(MappedWrapper):
         )
 
     def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
-        _vmap_batched_check(self, error, call, self.axis_name)
+        find_batched_update(
+            entry.pure, call, entry.axes, self.out_axes,
+            axis_name=self.axis_name, axis_size=self.axis_size,
+        )
 
 
 @overload
@@ -309,4 +358,4 @@ def vmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     return VmapWrapped(f, **kwargs)
 
 
-__all__ = ["MappedWrapper", "VmapWrapped", "vmap"]
+__all__ = ["MappedWrapper", "VmapWrapped", "find_batched_update", "vmap"]
