@@ -309,6 +309,32 @@ class LoopState:
                 dynamic[j] = x
         return dynamic
 
+    def assemble_for(
+        self, other: _core.Call, state: tuple[Sequence[Any], Sequence[Any]]
+    ) -> list[Any]:
+        """``other.dynamic`` with the loop state put in place.
+
+        ``other`` was prepared on the same arguments (so its argument arrays are
+        laid out the same way) for another function, e.g. a while loop's
+        ``cond_fun``; its closure Variables that the loop changes are read from
+        the state too.
+        """
+        free, values = state
+        dynamic = list(other.dynamic)
+        for j, x in zip(self.free, free, strict=True):
+            dynamic[j] = x
+        where = {id(v): k for k, v in enumerate(other.variables)}
+        ranges = other.variable_dynamic_ranges()
+        specs = variable_specs(other)
+        for i, value in zip(self.state_vars, values, strict=True):
+            k = where.get(id(self.call.variables[i]))
+            if k is None:
+                continue
+            leaves = variable_dynamic(_ValueHolder(value), specs[k])
+            for j, x in zip(ranges[k], leaves, strict=True):
+                dynamic[j] = x
+        return dynamic
+
     def next_state(
         self,
         state: tuple[Sequence[Any], Sequence[Any]],

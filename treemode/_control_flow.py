@@ -1,0 +1,487 @@
+"""``treemode.while_loop``, ``fori_loop``, ``cond`` and ``switch``.
+
+The loops keep in their state only the free arrays of the loop value and the
+Variables the body changes (see :mod:`treemode._loop`); the branches of
+``cond``/``switch`` return the union of the Variables any branch changes, the
+others passing their input value through, so a Variable changed by one branch
+only is written back correctly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _core
+from ._errors import StructureError, TreemodeError
+from ._loop import (
+    LoopState,
+    abstract,
+    carry_layout,
+    check_carry_out,
+    probe_changed,
+    rebuild_carry,
+    scalars_to_arrays,
+    type_error,
+    type_problem,
+    variable_specs,
+)
+
+
+@contextlib.contextmanager
+def _init_val_paths() -> Iterator[None]:
+    """Name the loop value ``init_val`` (not ``args[0]``) in error messages."""
+    try:
+        yield
+    except TreemodeError as e:
+        if e.args and isinstance(e.args[0], str):
+            e.args = (e.args[0].replace("args[0]", "init_val"), *e.args[1:])
+        raise
+
+
+def _loop_call(
+    transform: str, body_fun: Callable[..., Any], init_val: Any, graph: bool
+) -> tuple[_core.Call, Any]:
+    init_val = scalars_to_arrays(init_val)
+    return _core.prepare(transform, body_fun, (init_val,), {}, graph=graph), init_val
+
+
+def _run_loop(
+    transform: str,
+    call: _core.Call,
+    init_val: Any,
+    body_fun: Callable[..., Any],
+    run: Callable[[LoopState, Callable[..., Any]], Any],
+    *,
+    index_aval: Any = None,
+) -> Any:
+    """Shared by ``while_loop`` and ``fori_loop``.
+
+    ``body_fun`` is called as ``body_fun(val)`` or, with ``index_aval``,
+    ``body_fun(i, val)``. ``run(loop, step)`` runs the JAX loop, where
+    ``step(state, i=None)`` computes one iteration, and returns the final state.
+    """
+    layout = carry_layout(call, 0, "init_val")
+    index: list[Any] = [None]
+
+    def body(val: Any) -> list[Any]:
+        out = body_fun(val) if index_aval is None else body_fun(index[0], val)
+        return check_carry_out(transform, layout, val, out)
+
+    def set_index(extra: Sequence[Any]) -> None:
+        if extra:
+            index[0] = extra[0]
+
+    state_vars: frozenset[int] = frozenset()
+    if call.variables:
+        probe = _core.PureFunction(call)
+        probe.fn = body
+        avals = [abstract(x) for x in call.dynamic]
+        extra = [] if index_aval is None else [index_aval]
+        state_vars = probe_changed(probe, call, avals, extra=extra, before=set_index)
+    pure = _core.PureFunction(call, force_updates=state_vars)
+    pure.fn = body
+    loop = LoopState(transform, call, layout.free, state_vars)
+
+    def step(state: Any, i: Any = None) -> Any:
+        index[0] = i
+        free_out, updates = pure(*loop.assemble(state))
+        return loop.next_state(state, free_out, updates)
+
+    with _core.bound(pure, call):
+        free, values = run(loop, step)
+    _core.write_back(call, loop.final_updates(values), pure.record.metadata_updates)
+    return rebuild_carry(init_val, layout, free)
+
+
+def while_loop(
+    cond_fun: Callable[[Any], Any],
+    body_fun: Callable[[Any], Any],
+    init_val: Any,
+    graph: bool = False,
+) -> Any:
+    """`jax.lax.while_loop` over values that may hold modules, with Variable write-back.
+
+    `body_fun(val)` changes the Variables of `val` in place and returns `val`
+    (the same modules and Variables; arrays in plain containers may be new).
+    Variables of modules that `body_fun` or `cond_fun` reach through their
+    closure work too. Only the Variables that `body_fun` changes are carried
+    through the loop; after it, they hold their final values.
+
+    **Arguments:**
+
+    - `cond_fun`: `val -> bool scalar`; must not change Variables.
+    - `body_fun`: `val -> val`.
+    - `init_val`: the initial value (modules, pytrees, arrays).
+    - `graph`: if `True`, `init_val` may share Modules/Variables.
+
+    **Returns:**
+
+    The final value: the same modules as `init_val`, updated, with the final
+    free arrays.
+
+    **Raises:**
+
+    `AliasError` when a Variable is reachable twice from `init_val` (Flax's tree
+    mode silently loses one of the updates there), `StructureError` when
+    `body_fun` returns different objects, another structure or other types.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.count = nnx.BatchStat(jnp.array(0))
+
+    def body(val):
+        counter, x = val
+        counter.count[...] += 1
+        return counter, x * 2
+
+    counter = Counter()
+    out, x = treemode.while_loop(lambda v: v[1] < 100, body, (counter, 1))
+    assert out is counter and int(counter.count[...]) == 7 and int(x) == 128
+    ```
+    """
+    with _init_val_paths():
+        return _while_loop(cond_fun, body_fun, init_val, graph)
+
+
+def _while_loop(
+    cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any, graph: bool
+) -> Any:
+    call, init_val = _loop_call("while_loop", body_fun, init_val, graph)
+    cond_call = _core.prepare("while_loop", cond_fun, (init_val,), {}, graph=graph)
+    cond_pure = _core.PureFunction(cond_call)
+
+    def run(loop: LoopState, step: Callable[..., Any]) -> Any:
+        def cond(state: Any) -> Any:
+            out, updates = cond_pure(*loop.assemble_for(cond_call, state))
+            changed = [i for i, u in enumerate(updates) if u is not None]
+            if changed:
+                path = cond_call.variable_paths()[changed[0]]
+                raise StructureError(
+                    f"treemode.while_loop: cond_fun changed the "
+                    f"{type(cond_call.variables[changed[0]]).__name__} at {path}. The "
+                    "condition of a loop must only read state; change it in body_fun."
+                )
+            return out
+
+        with _core.bound(cond_pure, cond_call):
+            return jax.lax.while_loop(cond, step, loop.init())
+
+    return _run_loop("while_loop", call, init_val, body_fun, run)
+
+
+def fori_loop(
+    lower: Any,
+    upper: Any,
+    body_fun: Callable[[Any, Any], Any],
+    init_val: Any,
+    *,
+    unroll: int | bool | None = None,
+    graph: bool = False,
+) -> Any:
+    """`jax.lax.fori_loop` over values that may hold modules, with Variable write-back.
+
+    `body_fun(i, val)` changes the Variables of `val` (or of modules in its
+    closure) in place and returns `val`. Like `jax.lax.fori_loop`, static
+    bounds give a scan (reverse-mode differentiable).
+
+    **Arguments:**
+
+    - `lower`, `upper`: loop bounds (`i` runs over `lower <= i < upper`).
+    - `body_fun`: `(i, val) -> val`.
+    - `init_val`: the initial value (modules, pytrees, arrays).
+    - `unroll`: as in `jax.lax.fori_loop`.
+    - `graph`: if `True`, `init_val` may share Modules/Variables.
+
+    **Returns:**
+
+    The final value (the same modules as `init_val`, updated).
+
+    **Raises:**
+
+    As :func:`treemode.while_loop`.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    class Acc(nnx.Module):
+        def __init__(self):
+            self.total = nnx.Variable(jnp.array(0.0))
+
+    def body(i, acc):
+        acc.total[...] += i
+        return acc
+
+    acc = Acc()
+    assert treemode.fori_loop(0, 5, body, acc) is acc
+    assert float(acc.total[...]) == 10.0
+    ```
+    """
+    index_aval = jax.ShapeDtypeStruct((), jnp.result_type(lower, upper))
+
+    def run(loop: LoopState, step: Callable[..., Any]) -> Any:
+        return jax.lax.fori_loop(
+            lower, upper, lambda i, state: step(state, i), loop.init(), unroll=unroll
+        )
+
+    with _init_val_paths():
+        call, init_val = _loop_call("fori_loop", body_fun, init_val, graph)
+        return _run_loop("fori_loop", call, init_val, body_fun, run, index_aval=index_aval)
+
+
+# -- cond / switch ---------------------------------------------------------------------
+
+
+def _branches(
+    transform: str,
+    branches: Sequence[Callable[..., Any]],
+    operands: tuple[Any, ...],
+    graph: bool,
+    run: Callable[[list[Callable[..., Any]], list[Any]], Any],
+) -> Any:
+    calls = [_core.prepare(transform, fn, operands, {}, graph=graph) for fn in branches]
+    main = calls[0]
+    n_arg_dyn = sum(len(f.dynamic) for f in main.arg_flats)
+    n_arg_vars = sum(len(f.variables) for f in main.arg_flats)
+    # The union of every branch's Variables: operands first, then closures.
+    union: list[Any] = list(main.variables[:n_arg_vars])
+    union_dyn: list[range] = list(main.variable_dynamic_ranges()[:n_arg_vars])
+    dynamic: list[Any] = list(main.dynamic[:n_arg_dyn])
+    slot = {id(v): i for i, v in enumerate(union)}
+    for c in calls:
+        ranges = c.variable_dynamic_ranges()
+        for k in range(n_arg_vars, len(c.variables)):
+            var = c.variables[k]
+            if id(var) in slot:
+                continue
+            slot[id(var)] = len(union)
+            union.append(var)
+            union_dyn.append(range(len(dynamic), len(dynamic) + len(ranges[k])))
+            dynamic.extend(c.dynamic[j] for j in ranges[k])
+    to_union = [[slot[id(v)] for v in c.variables] for c in calls]
+
+    def own_dynamic(b: int, combined: Sequence[Any]) -> list[Any]:
+        c = calls[b]
+        out = list(combined[:n_arg_dyn])
+        for k in range(n_arg_vars, len(c.variables)):
+            out.extend(combined[j] for j in union_dyn[to_union[b][k]])
+        return out
+
+    # Which Variables does any branch change? (one abstract trace per branch)
+    pures = [_core.PureFunction(c) for c in calls]
+    changed: set[int] = set()
+    avals = [abstract(x) for x in dynamic]
+    for b, (c, p) in enumerate(zip(calls, pures, strict=True)):
+        changed |= {to_union[b][k] for k in probe_changed(p, c, own_dynamic(b, avals))}
+    written = sorted(changed)
+    pures = [
+        _core.PureFunction(
+            c, force_updates=frozenset(k for k, u in enumerate(to_union[b]) if u in changed)
+        )
+        for b, c in enumerate(calls)
+    ]
+
+    def value_of(u: int, combined: Sequence[Any]) -> Any:
+        spec = _spec_of(calls, to_union, u)
+        return spec.build([combined[j] for j in union_dyn[u]])
+
+    def make_branch(b: int) -> Callable[..., Any]:
+        def branch(*combined: Any) -> tuple[Any, list[Any]]:
+            out, updates = pures[b](*own_dynamic(b, combined))
+            new = {to_union[b][k]: u for k, u in enumerate(updates) if u is not None}
+            values = []
+            for u in written:
+                before = value_of(u, combined)
+                after = new.get(u, before)
+                problem = type_problem(before, after)
+                if problem is not None:
+                    path = _path_of(calls, to_union, u)
+                    raise type_error(transform, path, f"the {type(union[u]).__name__}", problem)
+                values.append(after)
+            extra = set(new) - changed
+            if extra:
+                path = _path_of(calls, to_union, min(extra))
+                raise StructureError(
+                    f"treemode.{transform}: the Variable at {path} was left unchanged when "
+                    "the branch was first traced but changed when it was traced again."
+                )
+            return out, values
+
+        return branch
+
+    fns = [make_branch(b) for b in range(len(calls))]
+    for p, c in zip(pures, calls, strict=True):
+        p.bind(c)
+    try:
+        out, values = run(fns, dynamic)
+    finally:
+        for p in pures:
+            p.bind(None)
+    metadata = _merged_metadata(transform, calls, pures, to_union)
+    by_union = dict(zip(written, values, strict=True))
+    done: set[int] = set()
+    plans = []
+    for b, c in enumerate(calls):
+        ups: list[Any] = []
+        for u in to_union[b]:
+            ups.append(by_union.get(u) if u not in done else None)
+            if u in by_union:
+                done.add(u)
+        meta = {k: metadata[u] for k, u in enumerate(to_union[b]) if u in metadata}
+        plans.append((c, ups, meta))
+    for c, ups, _ in plans:
+        _core.check_writable(c, ups)
+    for c, ups, meta in plans:
+        _core.write_back(c, ups, meta)
+    return _core.finish(main, out)
+
+
+def _spec_of(calls: list[_core.Call], to_union: list[list[int]], u: int) -> Any:
+    for c, mapping in zip(calls, to_union, strict=True):
+        if u in mapping:
+            return variable_specs(c)[mapping.index(u)]
+    raise AssertionError(u)  # pragma: no cover
+
+
+def _path_of(calls: list[_core.Call], to_union: list[list[int]], u: int) -> str:
+    for c, mapping in zip(calls, to_union, strict=True):
+        if u in mapping:
+            return c.variable_paths()[mapping.index(u)]
+    raise AssertionError(u)  # pragma: no cover
+
+
+def _merged_metadata(
+    transform: str,
+    calls: list[_core.Call],
+    pures: list[_core.PureFunction],
+    to_union: list[list[int]],
+) -> dict[int, dict[str, Any]]:
+    merged: list[dict[int, dict[str, Any]]] = [
+        {to_union[b][k]: m for k, m in p.record.metadata_updates.items()}
+        for b, p in enumerate(pures)
+    ]
+    first = merged[0]
+    for other in merged[1:]:
+        if other != first:
+            u = min(set(first) ^ set(other) or set(first) | set(other))
+            raise StructureError(
+                f"treemode.{transform}: the branches change the metadata of the Variable "
+                f"at {_path_of(calls, to_union, u)} differently. Metadata is static, so "
+                "it cannot depend on which branch runs; change it outside the branch."
+            )
+    return first
+
+
+def cond(
+    pred: Any,
+    true_fun: Callable[..., Any],
+    false_fun: Callable[..., Any],
+    *operands: Any,
+    graph: bool = False,
+) -> Any:
+    """`jax.lax.cond` over operands that may hold modules, with Variable write-back.
+
+    A Variable changed by one branch only is handled: the other branch passes
+    its value through, so after the call it holds the value of the branch that
+    ran. Both branches must return outputs of the same structure and types.
+
+    **Arguments:**
+
+    - `pred`: scalar boolean (or integer) selecting `true_fun` when true.
+    - `true_fun`, `false_fun`: called as `fn(*operands)`.
+    - `*operands`: modules, pytrees, arrays.
+    - `graph`: if `True`, operands may share Modules/Variables.
+
+    **Returns:**
+
+    The output of the branch that ran.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.count = nnx.BatchStat(jnp.array(0))
+
+    def bump(c, x):
+        c.count[...] += 1
+        return x + 1
+
+    counter = Counter()
+    y = treemode.cond(jnp.array(True), bump, lambda c, x: x, counter, jnp.array(1.0))
+    assert float(y) == 2.0 and int(counter.count[...]) == 1
+    treemode.cond(jnp.array(False), bump, lambda c, x: x, counter, jnp.array(1.0))
+    assert int(counter.count[...]) == 1
+    ```
+    """
+    return _branches(
+        "cond", [true_fun, false_fun], operands, graph,
+        lambda fns, dyn: jax.lax.cond(pred, fns[0], fns[1], *dyn),
+    )
+
+
+def switch(
+    index: Any,
+    branches: Sequence[Callable[..., Any]],
+    *operands: Any,
+    graph: bool = False,
+) -> Any:
+    """`jax.lax.switch` over operands that may hold modules, with Variable write-back.
+
+    Like :func:`treemode.cond` with any number of branches; `index` is clamped
+    to the valid range as in JAX.
+
+    **Arguments:**
+
+    - `index`: integer scalar selecting the branch.
+    - `branches`: sequence of functions called as `fn(*operands)`.
+    - `*operands`: modules, pytrees, arrays.
+    - `graph`: if `True`, operands may share Modules/Variables.
+
+    **Returns:**
+
+    The output of the selected branch.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    class Acc(nnx.Module):
+        def __init__(self):
+            self.total = nnx.Variable(jnp.array(0.0))
+
+    def add(k):
+        def branch(acc):
+            acc.total[...] += k
+        return branch
+
+    acc = Acc()
+    for i in [0, 2, 2]:
+        treemode.switch(jnp.array(i), [add(1.0), add(10.0), add(100.0)], acc)
+    assert float(acc.total[...]) == 201.0
+    ```
+    """
+    branches = list(branches)
+    if not branches:
+        raise ValueError("treemode.switch: branches is empty; give at least one function.")
+    return _branches(
+        "switch", branches, operands, graph,
+        lambda fns, dyn: jax.lax.switch(index, fns, *dyn),
+    )
+
+
+__all__ = ["cond", "fori_loop", "switch", "while_loop"]
