@@ -278,7 +278,9 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
             return _refresh(entry)
         del _cache[key]
     flat, cacheable = _flatten_uncached(arg, is_dynamic)
-    if cacheable and flat.variables:
+    # Never cache a flattening that holds tracers (an argument built inside an
+    # outer jax.jit/scan trace): the cache would keep them alive past the trace.
+    if cacheable and flat.variables and not any(map(_is_tracer, flat.dynamic)):
         try:
             ref = weakref.ref(arg, lambda r, key=key: _evict(key, r))
         except TypeError:
@@ -286,6 +288,10 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
         flat._ref = ref
         _cache[key] = flat
     return flat
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
 
 
 def _still_valid(entry: ArgFlat) -> bool:
