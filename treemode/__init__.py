@@ -8,11 +8,13 @@ from ._errors import AliasError as AliasError
 from ._errors import ClosureError as ClosureError
 from ._errors import DonationError as DonationError
 from ._errors import MutationError as MutationError
+from ._errors import ProxyError as ProxyError
 from ._errors import StaticArgumentError as StaticArgumentError
 from ._errors import StructureError as StructureError
 from ._errors import TraceContextError as TraceContextError
 from ._errors import TreemodeError as TreemodeError
 from ._eval_shape import eval_shape as eval_shape
+from ._filter import filter as filter
 from ._flatten import check_no_aliases as check_no_aliases
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
@@ -21,6 +23,9 @@ from ._graph import to_tree as to_tree
 from ._jit import JitWrapped as JitWrapped
 from ._jit import jit as jit
 from ._jit import jit_partial as jit_partial
+from ._pytree import ModuleKey as ModuleKey
+from ._pytree import Pytree as Pytree
+from ._pytree import PytreeDef as PytreeDef
 from ._remat import checkpoint as checkpoint
 from ._remat import remat as remat
 from ._vjp import jvp as jvp

@@ -61,12 +61,22 @@ class MutationError(TreemodeError, ValueError):
     """
 
 
+
+class ProxyError(TreemodeError, AttributeError):
+    """A ``treemode.Pytree`` proxy was edited directly, or a stale reference was used.
+
+    The proxy is a pytree whose state changes only through method calls or a
+    ``with proxy as module:`` block, which writes the edits back when it exits.
+    """
+
+
 __all__ = [
     "AliasError",
     "AxisError",
     "ClosureError",
     "DonationError",
     "MutationError",
+    "ProxyError",
     "StaticArgumentError",
     "StructureError",
     "TraceContextError",
