@@ -61,7 +61,6 @@ class MutationError(TreemodeError, ValueError):
     """
 
 
-
 class ProxyError(TreemodeError, AttributeError):
     """A ``treemode.Pytree`` proxy was edited directly, or a stale reference was used.
 
