@@ -46,6 +46,11 @@ def _split_metadata(metadata: Mapping[str, Any], transform: str) -> tuple[Any, d
     return metadata[PARTITION_NAME], rest
 
 
+def check_metadata(metadata: Mapping[str, Any], transform: str) -> None:
+    """Raise ``AxisError`` unless ``metadata`` names the partition of the mapped axis."""
+    _split_metadata(metadata, transform)
+
+
 def _fields(var: Any, extra: Mapping[str, Any]) -> list[tuple[str, tuple[Any, ...], Any]]:
     """``(key, current tuple, entry for the axis)`` for each tuple-valued field to edit."""
     meta = var._var_metadata
@@ -335,6 +340,7 @@ __all__ = [
     "PARTITION_NAME",
     "add_axis",
     "apply_axis_metadata",
+    "check_metadata",
     "remove_axis",
     "transform_metadata",
     "with_axis_metadata",

@@ -23,7 +23,7 @@ from ._axes import (
     call_axes,
     check_mapped,
 )
-from ._metadata import with_axis_metadata
+from ._metadata import check_metadata, with_axis_metadata
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -65,6 +65,8 @@ class MappedWrapper:
         self.static_argnums = static_argnums
         self.donate_argnums = donate_argnums
         self.metadata = dict(transform_metadata) if transform_metadata else None
+        if self.metadata:
+            check_metadata(self.metadata, self.transform)
         self._cache: dict[_core.CallKey, _Entry] = {}
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
