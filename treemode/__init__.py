@@ -5,6 +5,7 @@ from ._clone import clone as clone
 from ._custom_vjp import CustomVjp as CustomVjp
 from ._custom_vjp import custom_vjp as custom_vjp
 from ._errors import AliasError as AliasError
+from ._errors import AxisError as AxisError
 from ._errors import ClosureError as ClosureError
 from ._errors import DonationError as DonationError
 from ._errors import MutationError as MutationError
@@ -23,12 +24,21 @@ from ._graph import to_tree as to_tree
 from ._jit import JitWrapped as JitWrapped
 from ._jit import jit as jit
 from ._jit import jit_partial as jit_partial
+from ._metadata import transform_metadata as transform_metadata
+from ._pmap import pmap as pmap
+from ._prefix_helpers import partition_specs as partition_specs
+from ._prefix_helpers import prefix as prefix
+from ._prefix_helpers import sharding_of as sharding_of
 from ._pytree import ModuleKey as ModuleKey
 from ._pytree import Pytree as Pytree
 from ._pytree import PytreeDef as PytreeDef
 from ._remat import checkpoint as checkpoint
 from ._remat import remat as remat
+from ._rngs import fork_rngs as fork_rngs
+from ._rngs import split_rngs as split_rngs
+from ._shard_map import shard_map as shard_map
 from ._vjp import jvp as jvp
 from ._vjp import vjp as vjp
+from ._vmap import vmap as vmap
 
 __version__ = "0.1.0"
