@@ -83,7 +83,7 @@ def capture(
 
     model = Foo()
     result, intermediates = treemode.capture(model, nnx.Intermediate)(jnp.arange(4.0))
-    assert intermediates["y_mean"][...] == (1.5,)
+    assert intermediates["y_mean"].get_value() == (1.5,)
     assert not hasattr(model, "__captures__")
     ```
     """

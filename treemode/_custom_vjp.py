@@ -139,7 +139,11 @@ class CustomVjp(Generic[P, R]):
                     "treemode.custom_vjp: fwd must return a pair (output, residuals), got "
                     f"a {type(out).__name__}."
                 )
-            out, residuals = out
+            if graph:  # encode the residuals' sharing on their own, for bwd
+                residuals = _graph.to_tree(_graph.from_tree(out)[1])
+                out = out[0]
+            else:
+                out, residuals = out
             leaves, treedef = jax.tree_util.tree_flatten(residuals)
             is_arr = [isinstance(x, ARRAY_TYPES) for x in leaves]
             residual_layout[:] = [
@@ -158,6 +162,8 @@ class CustomVjp(Generic[P, R]):
             residuals = treedef.unflatten(
                 [next(it) if a else s for a, s in zip(is_arr, statics, strict=True)]
             )
+            if graph:
+                residuals = _graph.from_tree(residuals)
             inputs = _core.PureFunction(call).rebuild_inputs(dynamic)
             nondiff_args = [inputs.args[i] for i in nondiff]
             if graph:

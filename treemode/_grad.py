@@ -27,7 +27,7 @@ import numpy as np
 from . import _core, _graph
 from ._errors import StructureError
 from ._flatten import DYNAMIC, StaticLeaf, VarSpec
-from ._leaves import is_graph_node, is_variable
+from ._leaves import ARRAY_TYPES, is_graph_node, is_variable
 from ._paths import format_path
 
 # ---------------------------------------------------------------------------
@@ -325,12 +325,7 @@ def _grad_transform(
         args = to_array_args(args, positions)
         for i in positions:
             a = args[i]
-            if (
-                not allow_int
-                and hasattr(a, "dtype")
-                and not is_variable(a)
-                and not is_differentiable(a)
-            ):
+            if not allow_int and isinstance(a, ARRAY_TYPES) and not is_differentiable(a):
                 raise TypeError(
                     f"treemode.{name}: args[{i}] has dtype {a.dtype}; grad needs floating "
                     "point (or complex) inputs. Pass allow_int=True to get a float0 "

@@ -1,0 +1,222 @@
+"""treemode.capture: sow / perturb without graph updates (FLIP 5310 examples)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import treemode
+
+X = jnp.array([[0.5, -1.0], [1.5, 0.25], [-0.3, 0.8]])
+Y = jnp.array([[1.0], [0.0], [-1.0]])
+
+
+class Foo(nnx.Module):
+    def __call__(self, x):
+        self.sow(nnx.Intermediate, "y_mean", jnp.mean(x))
+        return x
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(2, 3, rngs=rngs)
+        self.l2 = nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.perturb("grad_of_h", self.l1(x))
+        self.sow(nnx.Intermediate, "h", h)
+        return self.l2(jnp.tanh(h))
+
+
+def test_flip_sow_example_eager_and_in_jit():
+    model = Foo()
+    x = jnp.arange(4.0)
+    result, intermediates = treemode.capture(model, nnx.Intermediate)(x)
+    np.testing.assert_allclose(result, x)
+    assert isinstance(intermediates, nnx.State)
+    assert type(intermediates["y_mean"]) is nnx.Intermediate
+    assert intermediates["y_mean"].get_value() == (1.5,)
+
+    @treemode.jit
+    def forward(model, x):
+        return treemode.capture(model, nnx.Intermediate)(x)
+
+    for _ in range(2):
+        result, intermediates = forward(model, x)
+        np.testing.assert_allclose(intermediates["y_mean"].get_value()[0], 1.5)
+    assert "__captures__" not in vars(model)  # no graph update
+
+
+def test_paths_multiple_types_and_repeated_sows():
+    class Inner(nnx.Module):
+        def __call__(self, x):
+            self.sow(nnx.Intermediate, "x", x)
+            return x * 2
+
+    class Outer(nnx.Module):
+        def __init__(self):
+            self.inner = Inner()
+            self.blocks = nnx.List([Inner(), Inner()])
+
+        def __call__(self, x):
+            x = self.inner(self.inner(x))  # sown twice: a tuple of two values
+            for b in self.blocks:
+                x = b(x)
+            self.sow(nnx.Perturbation, "out", x)
+            return x
+
+    model = Outer()
+    out, inter, pert = treemode.capture(model, nnx.Intermediate, nnx.Perturbation)(jnp.ones(2))
+    np.testing.assert_allclose(out, 16.0)
+    assert len(inter["inner"]["x"].get_value()) == 2
+    np.testing.assert_allclose(inter["inner"]["x"].get_value()[1], 2.0)
+    np.testing.assert_allclose(inter["blocks"][1]["x"].get_value()[0], 8.0)
+    np.testing.assert_allclose(pert["out"].get_value()[0], 16.0)
+    # without var_types: only the output
+    np.testing.assert_allclose(treemode.capture(model)(jnp.ones(2)), 16.0)
+
+
+def test_function_and_bound_method_and_decorator_forms():
+    model = Foo()
+    x = jnp.arange(3.0)
+    _, a = treemode.capture(lambda m, x: m(x), nnx.Intermediate)(model, x)
+    _, b = treemode.capture(model.__call__, nnx.Intermediate)(x)
+
+    @treemode.capture(nnx.Intermediate)
+    def run(m, x):
+        return m(x)
+
+    _, c = run(model, x)
+    for s in (a, b, c):
+        np.testing.assert_allclose(s["y_mean"].get_value()[0], 1.0)
+
+
+def test_method_outputs():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(2, 2, rngs=rngs)
+
+        def features(self, x):
+            return self.linear(x)
+
+        def __call__(self, x):
+            return jnp.tanh(self.features(x))
+
+    net = Net(nnx.Rngs(0))
+    out, inter = treemode.capture(net, method_outputs=nnx.Intermediate)(X)
+    np.testing.assert_allclose(inter["features"].get_value()[0], net.linear(X), rtol=1e-6)
+    np.testing.assert_allclose(inter["__call__"].get_value()[0], out)
+    np.testing.assert_allclose(inter["linear"]["__call__"].get_value()[0], net.linear(X), rtol=1e-6)
+    assert not getattr(Net.features, "_treemode_sows", False)  # methods restored
+
+
+def test_flip_perturb_train_step_in_jit_gives_intermediate_gradients():
+    model = Model(nnx.Rngs(0))
+    reference = treemode.clone(model)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @treemode.jit
+    def train_step(model, optimizer, x, y):
+        _, perturbs = treemode.capture(model, nnx.Perturbation)(x)  # init perturbations
+
+        def loss_fn(model, perturbs):
+            y_pred = treemode.capture(model, init=perturbs)(x)
+            return jnp.mean((y_pred - y) ** 2)
+
+        grads, interm_grads = treemode.grad(loss_fn, argnums=(0, 1))(model, perturbs)
+        optimizer.update(model, grads)
+        return interm_grads
+
+    interm_grads = train_step(model, optimizer, X, Y)
+
+    # hand-written: d loss / d h, with h = x @ W1 + b1
+    r1, r2 = reference.l1, reference.l2
+    h = X @ r1.kernel[...] + r1.bias[...]
+
+    def loss_of_h(h):
+        return jnp.mean((jnp.tanh(h) @ r2.kernel[...] + r2.bias[...] - Y) ** 2)
+
+    assert type(interm_grads["grad_of_h"]) is nnx.Perturbation
+    np.testing.assert_allclose(interm_grads["grad_of_h"][...], jax.grad(loss_of_h)(h), rtol=1e-5)
+
+    # the parameter update is the plain gradient step (perturbations are zero)
+    def raw_loss(w1):
+        h = X @ w1 + r1.bias[...]
+        return jnp.mean((jnp.tanh(h) @ r2.kernel[...] + r2.bias[...] - Y) ** 2)
+
+    g_w1 = jax.grad(raw_loss)(r1.kernel[...])
+    np.testing.assert_allclose(model.l1.kernel[...], r1.kernel[...] - 0.1 * g_w1, rtol=1e-5)
+    assert "__captures__" not in vars(model) and "__captures__" not in vars(model.l1)
+
+
+def test_perturb_gradients_with_has_aux_and_intermediates():
+    model = Model(nnx.Rngs(1))
+    _, perturbs = treemode.capture(model, nnx.Perturbation)(X)
+    assert np.all(perturbs["grad_of_h"][...] == 0)
+
+    def loss_fn(model, perturbs):
+        y, inter = treemode.capture(model, nnx.Intermediate, init=perturbs)(X)
+        return jnp.sum(y), inter
+
+    (_, g_pert), inter = treemode.grad(loss_fn, argnums=(0, 1), has_aux=True)(model, perturbs)
+    h = model.l1(X)
+    np.testing.assert_allclose(inter["h"].get_value()[0], h, rtol=1e-6)
+    expected = jax.grad(lambda h: jnp.sum(model.l2(jnp.tanh(h))))(h)
+    np.testing.assert_allclose(g_pert["grad_of_h"][...], expected, rtol=1e-5)
+
+
+def test_closed_over_module_inside_a_transform():
+    model = Model(nnx.Rngs(0))
+    _, perturbs = treemode.capture(model, nnx.Perturbation)(X)
+
+    def loss_fn(perturbs):
+        return jnp.sum(treemode.capture(model, init=perturbs)(X))
+
+    g = treemode.jit(treemode.grad(loss_fn))(perturbs)
+    assert g["grad_of_h"].shape == (3, 3)
+    assert "__captures__" not in vars(model)
+
+
+def test_aliases_rejected_unless_graph():
+    class Twice(nnx.Module):
+        def __init__(self):
+            self.a = Foo()
+            self.b = self.a
+            self.w = nnx.Param(jnp.ones(2))
+            self.w2 = self.w
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    with pytest.raises(treemode.AliasError, match=r"treemode\.capture.*module\.w"):
+        treemode.capture(Twice(), nnx.Intermediate)(jnp.ones(2))
+    _, inter = treemode.capture(Twice(), nnx.Intermediate, graph=True)(jnp.ones(2))
+    assert len(inter["a"]["y_mean"].get_value()) == 2
+
+
+def test_errors_leave_modules_clean():
+    model = Model(nnx.Rngs(0))
+
+    class Boom(nnx.Module):
+        def __init__(self):
+            self.inner = Foo()
+
+        def __call__(self, x):
+            self.inner(x)
+            raise RuntimeError("boom")
+
+    boom = Boom()
+    with pytest.raises(RuntimeError, match="boom"):
+        treemode.capture(boom, nnx.Intermediate)(jnp.ones(2))
+    assert "__captures__" not in vars(boom) and "__captures__" not in vars(boom.inner)
+    with pytest.raises(treemode.TreemodeError, match=r"init has values for module path"):
+        treemode.capture(model, init=nnx.State({"nope": {"x": nnx.Perturbation(1.0)}}))(X)
+    with pytest.raises(TypeError, match=r"first argument must be the Module"):
+        treemode.capture(lambda x: x, nnx.Intermediate)(jnp.ones(2))
+    with pytest.raises(TypeError, match=r"var_types must be nnx.Variable subclasses"):
+        treemode.capture(model, "intermediates")
+    assert "__captures__" not in vars(model)
