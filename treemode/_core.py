@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from . import _graph
+from . import _graph, _pytree
 from ._closure import closure_objects
 from ._errors import AliasError, ClosureError, StructureError, TraceContextError
 from ._flatten import (
@@ -375,7 +375,7 @@ class PureFunction:
         swapped = _swap_in(call.lifted, self.key.lifted, dynamic[inputs.consumed :])
         try:
             out = self.fn(*inputs.args, **inputs.kwargs)
-            self._check_structure(call, inputs)
+            self._check_structure(call, inputs, out)
             out_tree = _graph.to_tree(out) if self.graph else out
             all_vars = inputs.variables + call.lifted
             self._check_outputs(call, out_tree, all_vars)
@@ -386,7 +386,7 @@ class PureFunction:
 
     # -- checks ---------------------------------------------------------------
 
-    def _check_structure(self, call: Call, inputs: Inputs) -> None:
+    def _check_structure(self, call: Call, inputs: Inputs, out: Any = None) -> None:
         args, kwargs = inputs.args, inputs.kwargs
         trees_after = [a for i, a in enumerate(args) if i not in self.static_positional]
         trees_after += [kwargs[name] for name in self.kw_names]
@@ -403,6 +403,7 @@ class PureFunction:
         ):
             leaves, treedef = jax.tree_util.tree_flatten(after, is_leaf=is_variable)
             problem = None
+            owners = returned = None  # treemode.Pytree proxies; computed on a change only
             if treedef != key.treedef:
                 problem = describe_structure_change(before, after)
             else:
@@ -412,6 +413,20 @@ class PureFunction:
                             problem = (_leaf_path(after, j), _replaced(leaf, spec.var_type))
                             break
                     elif spec is DYNAMIC and leaf is not leaves_in[j]:
+                        if owners is None:
+                            owners = _pytree.proxy_leaf_owners(after)
+                            returned = _pytree.returned_proxies(out)
+                        owner = owners[j]
+                        if owner is not None and returned and id(owner[1]) in returned:
+                            continue  # a returned proxy carries its new state itself
+                        if owner is not None:
+                            raise StructureError(
+                                _pytree.unreturned_proxy_message(
+                                    self.transform,
+                                    format_path(owner[0], root),
+                                    format_path(_leaf_path(after, j), root),
+                                )
+                            )
                         what = (
                             "a plain array attribute (not an nnx.Variable) was reassigned; "
                             "wrap it in an nnx.Variable so that its updates are written back"
