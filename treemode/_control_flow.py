@@ -69,7 +69,8 @@ def _run_loop(
     index: list[Any] = [None]
 
     def body(val: Any) -> list[Any]:
-        out = body_fun(val) if index_aval is None else body_fun(index[0], val)
+        i, index[0] = index[0], None  # consume it: never keep a tracer past its trace
+        out = body_fun(val) if index_aval is None else body_fun(i, val)
         return check_carry_out(transform, layout, val, out)
 
     def set_index(extra: Sequence[Any]) -> None:
@@ -82,7 +83,10 @@ def _run_loop(
         probe.fn = body
         avals = [abstract(x) for x in call.dynamic]
         extra = [] if index_aval is None else [index_aval]
-        state_vars = probe_changed(probe, call, avals, extra=extra, before=set_index)
+        try:
+            state_vars = probe_changed(probe, call, avals, extra=extra, before=set_index)
+        finally:
+            index[0] = None  # never keep a tracer alive past its trace
     pure = _core.PureFunction(call, force_updates=state_vars)
     pure.fn = body
     loop = LoopState(transform, call, layout.free, state_vars)
@@ -92,8 +96,11 @@ def _run_loop(
         free_out, updates = pure(*loop.assemble(state))
         return loop.next_state(state, free_out, updates)
 
-    with _core.bound(pure, call):
-        free, values = run(loop, step)
+    try:
+        with _core.bound(pure, call):
+            free, values = run(loop, step)
+    finally:
+        index[0] = None
     _core.write_back(call, loop.final_updates(values), pure.record.metadata_updates)
     return rebuild_carry(init_val, layout, free)
 

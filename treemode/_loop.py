@@ -21,7 +21,7 @@ gets back the original objects, updated.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -274,7 +274,7 @@ class LoopState:
         transform: str,
         call: _core.Call,
         free: Sequence[int],
-        state_vars: Sequence[int],
+        state_vars: Iterable[int],
     ):
         self.transform = transform
         self.call = call

@@ -231,7 +231,7 @@ class ScanWrapped:
 
         def body(*args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
             carry_out, ys = self._split(fn(*args, **kwargs))
-            if layout is None:
+            if layout is None or carry_pos is None:
                 return [], ys
             return check_carry_out("scan", layout, args[carry_pos], carry_out), ys
 
@@ -437,7 +437,7 @@ def scan(
     assert total == 6.0 and cumsum.tolist() == [0.0, 1.0, 3.0, 6.0]
     ```
     """
-    options = dict(
+    options: dict[str, Any] = dict(
         length=length, reverse=reverse, unroll=unroll, in_axes=in_axes, out_axes=out_axes,
         transform_metadata=transform_metadata, graph=graph,
     )
