@@ -238,3 +238,15 @@ def test_extract_blocks_rules() -> None:
         (12, "y = 2\n", True),
         (15, "s = '''\n```\n'''\n", True),
     ]
+
+
+def test_api_reference_lists_every_public_name() -> None:
+    """docs/api.md has a ``::: treemode.NAME`` entry for every public name."""
+    api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^::: treemode\.(\w+)", api, flags=re.MULTILINE))
+    names = getattr(treemode, "__all__", None) or [
+        n for n in vars(treemode) if not n.startswith("_")
+    ]
+    public = {n for n in names if not isinstance(getattr(treemode, n), types.ModuleType)}
+    missing = sorted(public - documented)
+    assert not missing, f"add these to docs/api.md: {missing}"
