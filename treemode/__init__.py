@@ -1,7 +1,12 @@
 """treemode: tree-mode transforms for Flax NNX, Equinox and plain pytrees."""
 
 from ._capture import capture as capture
+from ._checkify import checkify as checkify
 from ._clone import clone as clone
+from ._control_flow import cond as cond
+from ._control_flow import fori_loop as fori_loop
+from ._control_flow import switch as switch
+from ._control_flow import while_loop as while_loop
 from ._custom_vjp import CustomVjp as CustomVjp
 from ._custom_vjp import custom_vjp as custom_vjp
 from ._errors import AliasError as AliasError
@@ -36,6 +41,8 @@ from ._remat import checkpoint as checkpoint
 from ._remat import remat as remat
 from ._rngs import fork_rngs as fork_rngs
 from ._rngs import split_rngs as split_rngs
+from ._scan import Carry as Carry
+from ._scan import scan as scan
 from ._shard_map import shard_map as shard_map
 from ._vjp import jvp as jvp
 from ._vjp import vjp as vjp
