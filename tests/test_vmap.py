@@ -430,3 +430,18 @@ def test_pmap_matches_vmap():
         treemode.pmap(lambda m, x: m(x))(a, x), treemode.vmap(lambda m, x: m(x))(b, x)
     )
     assert_same_state(a, b)
+
+
+def test_plain_jax_vmap_over_modules_leaves_no_tracer(tracer_leaks):
+    layer = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    ys = jax.vmap(lambda m, x: m(x), in_axes=(None, 0))(layer, jnp.ones((4, 3)))
+    assert ys.shape == (4, 2)
+    stack = jax.vmap(lambda k: nnx.Linear(3, 2, rngs=nnx.Rngs(k)))(
+        jax.random.split(jax.random.key(0), 4)
+    )
+    assert stack.kernel.shape == (4, 3, 2)
+    for var in jax.tree_util.tree_leaves(
+        (layer, stack), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    ):
+        assert isinstance(var.get_raw_value(), jax.Array)
+        assert not isinstance(var.get_raw_value(), jax.core.Tracer)

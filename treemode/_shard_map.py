@@ -243,7 +243,7 @@ def shard_map(
     assert y.shape == (2 * n, 3) and counter.seen[...] == 2 * n
     ```
     """
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         mesh=mesh,
         in_specs=in_specs,
         out_specs=out_specs,

@@ -301,7 +301,7 @@ def vmap(
     spmd_axis_name: Any = None,
     transform_metadata: Mapping[str, Any] | None = None,
     graph: bool = False,
-) -> Callable[[Callable[P, R]], VmapWrapped]: ...
+) -> Callable[[Callable[..., Any]], VmapWrapped]: ...
 
 
 def vmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
