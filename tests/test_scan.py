@@ -451,3 +451,43 @@ def test_alias_between_arguments_is_rejected():
     f = treemode.scan(lambda c, a, b: (c, 0.0), in_axes=(Carry, None, None), length=2)
     with pytest.raises(treemode.AliasError, match=r"args\[1\]\.count.*args\[2\]\.count"):
         f(jnp.zeros(()), counter, counter)
+
+
+def test_equinox_module_as_carry_and_as_scanned_stack():
+    import equinox as eqx
+
+    class Wrap(eqx.Module):
+        lin: eqx.nn.Linear
+        act: object = jax.nn.relu  # a non-array leaf: static
+
+    def step(w, x):
+        w = eqx.tree_at(lambda w: w.lin.bias, w, w.lin.bias + 1)
+        return w, w.act(w.lin(x))
+
+    w0 = Wrap(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
+    w1, ys = treemode.scan(step, w0, jnp.ones((4, 3)))
+    np.testing.assert_allclose(w1.lin.bias - w0.lin.bias, 4.0)
+    assert ys.shape == (4, 3) and w1.act is jax.nn.relu
+
+    keys = jax.random.split(jax.random.key(1), 5)
+    stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 3, key=k))(keys)
+    forward = treemode.scan(lambda h, layer: layer(h), in_axes=(Carry, 0), out_axes=Carry)
+    want = jax.lax.scan(lambda h, p: (p[0] @ h + p[1], None), jnp.ones(3),
+                        (stack.weight, stack.bias))[0]
+    np.testing.assert_allclose(forward(jnp.ones(3), stack), want, rtol=1e-6)
+
+
+def test_graph_mode_carry_with_a_shared_module():
+    shared = Counter()
+    pair = {"a": shared, "b": shared}
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=(Carry, 0), graph=True)
+    def step(carry, x):
+        p, h = carry
+        p["a"].count[...] += 1
+        return (p, h + x), p["b"].count[...]
+
+    (p, h), counts = step((pair, 0.0), jnp.arange(3.0))
+    assert p["a"] is shared and p["b"] is shared
+    assert float(h) == 3.0 and counts.tolist() == [1, 2, 3]
+    assert int(shared.count[...]) == 3

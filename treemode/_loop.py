@@ -245,16 +245,18 @@ def scalars_to_arrays(tree: Any) -> Any:
     def is_leaf(x: Any) -> bool:
         return not isinstance(x, (tuple, list, dict)) or _is_object_leaf(x)
 
-    def convert(x: Any) -> Any:
-        if isinstance(x, (bool, int, float, complex)) and not isinstance(x, jax.Array):
-            return jnp.asarray(x)
-        return x
+    def is_number(x: Any) -> bool:
+        return isinstance(x, (bool, int, float, complex)) and not isinstance(x, jax.Array)
 
-    if isinstance(tree, (bool, int, float, complex)):
-        return convert(tree)
+    if is_number(tree):
+        return jnp.asarray(tree)
     if not isinstance(tree, (tuple, list, dict)):
         return tree
-    return jax.tree_util.tree_map(convert, tree, is_leaf=is_leaf)
+    if not any(map(is_number, jax.tree_util.tree_leaves(tree, is_leaf=is_leaf))):
+        return tree  # keep the caller's containers
+    return jax.tree_util.tree_map(
+        lambda x: jnp.asarray(x) if is_number(x) else x, tree, is_leaf=is_leaf
+    )
 
 
 # -- loop state ------------------------------------------------------------------------
