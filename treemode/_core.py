@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import jax
@@ -40,7 +41,7 @@ from ._flatten import (
     alias_error,
     flatten_arg,
     rebuild,
-    variable_spec,
+    variable_dynamic,
 )
 from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable
 from ._paths import format_path
@@ -233,27 +234,40 @@ def prepare(
     call.arg_flats = arg_flats
     call.kw_names = tuple(kw_names)
 
-    variables = [v for f in arg_flats for v in f.variables]
-    dynamic = [x for f in arg_flats for x in f.dynamic]
-    lifted: list[Any] = []
-    lifted_specs: list[VarSpec] = []
+    sources = [f for f in arg_flats if f.variables]
+    dynamic = list(chain.from_iterable(f.dynamic for f in arg_flats))
     call.lifted_roots = []
+    lifted_flats: list[ArgFlat] = []
     if lift_closure:
         call.lifted_roots = [(f"closure {name}", obj) for name, obj in closure_objects(fn)]
         for _, obj in call.lifted_roots:
-            for leaf in jax.tree_util.tree_leaves(obj, is_leaf=is_variable):
-                if is_variable(leaf):
-                    spec, values = variable_spec(leaf)
-                    lifted.append(leaf)
-                    lifted_specs.append(spec)
-                    dynamic.extend(values)
-    call.lifted = lifted
-    call.lifted_specs = tuple(lifted_specs)
-    call.variables = variables + lifted
+            flat = flatten_arg(obj, is_dynamic)
+            if flat.variables:
+                lifted_flats.append(flat)
+    if lifted_flats:
+        call.lifted = list(chain.from_iterable(f.variables for f in lifted_flats))
+        call.lifted_specs = tuple(
+            s for f in lifted_flats for s in f.specs if type(s) is VarSpec
+        )
+        for var, spec in zip(call.lifted, call.lifted_specs, strict=True):
+            dynamic.extend(variable_dynamic(var, spec))
+        sources += lifted_flats
+    else:
+        call.lifted = []
+        call.lifted_specs = ()
+    if len(sources) == 1:
+        call.variables = list(sources[0].variables)
+    else:
+        call.variables = list(chain.from_iterable(f.variables for f in sources))
     call.dynamic = dynamic
     call.key = CallKey(tuple(positional), tuple(keywords), call.lifted_specs, graph)
 
-    if len({id(v) for v in call.variables}) != len(call.variables):
+    # Each ArgFlat is alias-free on its own (checked once when it was built);
+    # only Variables shared between sources remain to be found.
+    if any(f.has_aliases for f in sources) or (
+        len(sources) > 1
+        and len(frozenset().union(*(f.variable_ids for f in sources))) != len(call.variables)
+    ):
         _raise_alias(call)
     return call
 

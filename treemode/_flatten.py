@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import weakref
+from itertools import chain
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -129,8 +130,10 @@ class ArgFlat:
         "var_dynamic_counts",
         "dynamic",
         "key",
-        "_guards",
+        "_guard",
         "_ref",
+        "variable_ids",
+        "has_aliases",
         "__weakref__",
     )
 
@@ -150,7 +153,9 @@ class ArgFlat:
             elif spec is DYNAMIC:
                 self.dynamic.append(leaf)
         self.key = _StructureKey(treedef, specs)
-        self._guards: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = []
+        self.variable_ids = frozenset(map(id, self.variables))
+        self.has_aliases = len(self.variable_ids) != len(self.variables)
+        self._guard: _Guard | None = None
         self._ref: weakref.ref[Any] | None = None
 
     def leaf_dynamic_counts(self) -> list[int]:
@@ -189,24 +194,46 @@ class _StructureKey:
         )
 
 
-def _snapshot(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    if isinstance(obj, dict):
-        return tuple(obj), tuple(obj.values())
-    if isinstance(obj, list):
-        return (), tuple(obj)
-    d = vars(obj)
-    return tuple(d), tuple(d.values())
+class _Guard:
+    """Identity snapshot of every mutable container a flattening walked through.
 
+    Validation compares, with ``is`` only and in bulk, the current values of
+    those containers (NNX objects' ``__dict__``, dicts, lists) against the
+    snapshot, and the Variables' metadata dicts against copies. NNX objects
+    replace their ``_pytree__nodes`` mapping whenever an attribute is added or
+    deleted, so their keys need no separate check; plain dicts' keys do.
+    """
 
-def _guard_holds(obj: Any, keys: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
-    if isinstance(obj, list):
-        current: Any = obj
-    else:
-        d = obj if isinstance(obj, dict) else obj.__dict__
-        if len(d) != len(keys) or not all(map(operator.is_, d, keys)):
+    __slots__ = ("dicts", "lens", "values", "keyed", "metadata", "metadata_copies")
+
+    def __init__(self, containers: list[Any], variables: list[Any]):
+        self.dicts: list[dict[Any, Any]] = []
+        self.keyed: list[tuple[Any, tuple[Any, ...]]] = []
+        values: list[Any] = []
+        for obj in containers:
+            if isinstance(obj, list):
+                self.keyed.append((obj, tuple(obj)))
+                continue
+            d = obj if isinstance(obj, dict) else obj.__dict__
+            if isinstance(obj, dict):
+                self.keyed.append((obj, tuple(obj)))
+            self.dicts.append(d)
+            values.extend(d.values())
+        self.lens = [len(d) for d in self.dicts]
+        self.values = tuple(values)
+        self.metadata = [v._var_metadata for v in variables]
+        self.metadata_copies = [dict(m) for m in self.metadata]
+
+    def holds(self, variables: list[Any]) -> bool:
+        if list(map(len, self.dicts)) != self.lens:
             return False
-        current = d.values()
-    return len(current) == len(values) and all(map(operator.is_, current, values))
+        current = chain.from_iterable(map(dict.values, self.dicts))
+        if not all(map(operator.is_, current, self.values)):
+            return False
+        for obj, snapshot in self.keyed:
+            if len(obj) != len(snapshot) or not all(map(operator.is_, obj, snapshot)):
+                return False
+        return [v._var_metadata for v in variables] == self.metadata_copies
 
 
 # Immutable containers that need no guard: their children are walked instead.
@@ -216,7 +243,7 @@ _IMMUTABLE_NODES: tuple[type, ...] = (tuple, type(None))
 def _flatten_uncached(
     arg: Any, is_dynamic: Callable[[Any], bool]
 ) -> tuple[ArgFlat, bool]:
-    guards: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = []
+    containers: list[Any] = []
     cacheable = True
 
     def is_leaf(x: Any) -> bool:
@@ -224,7 +251,7 @@ def _flatten_uncached(
         if is_variable(x):
             return True
         if is_graph_node(x) or isinstance(x, (dict, list)):
-            guards.append((x, *_snapshot(x)))
+            containers.append(x)
         elif not isinstance(x, _IMMUTABLE_NODES) and not _is_frozen_node(x):
             # A mutable pytree node we cannot guard: never reuse this flattening.
             cacheable = cacheable and _is_plain_leaf(x)
@@ -240,7 +267,10 @@ def _flatten_uncached(
         else:
             specs.append(StaticLeaf(leaf))
     flat = ArgFlat(treedef, tuple(specs), leaves)
-    flat._guards = guards
+    if cacheable and all(s.value_def is None for s in specs if type(s) is VarSpec):
+        flat._guard = _Guard(containers, flat.variables)
+    else:
+        cacheable = False  # pytree-valued Variables are re-flattened every call
     return flat, cacheable
 
 
@@ -255,6 +285,8 @@ def _is_plain_leaf(x: Any) -> bool:
 
 
 _cache: dict[int, ArgFlat] = {}
+_LEAF_TREEDEF = jax.tree_util.tree_structure(0)
+_DYNAMIC_SPECS: tuple[Spec, ...] = (DYNAMIC,)
 
 
 def _evict(key: int, ref: weakref.ref[Any]) -> None:
@@ -271,6 +303,8 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     still holds the same attribute names and values, and that every Variable
     still has the same type, metadata and value layout.
     """
+    if is_dynamic(arg) and not is_variable(arg):
+        return ArgFlat(_LEAF_TREEDEF, _DYNAMIC_SPECS, [arg])
     key = id(arg)
     entry = _cache.get(key)
     if entry is not None and entry._ref is not None and entry._ref() is arg:
@@ -295,23 +329,8 @@ def _is_tracer(x: Any) -> bool:
 
 
 def _still_valid(entry: ArgFlat) -> bool:
-    for obj, keys, values in entry._guards:
-        if not _guard_holds(obj, keys, values):
-            return False
-    for var, spec in zip(entry.variables, _var_specs(entry), strict=True):
-        if type(var) is not spec.var_type:
-            return False
-        if tuple(sorted(var._var_metadata.items())) != spec.metadata:
-            return False
-        if spec.value_def is None and not isinstance(var._raw_value, ARRAY_TYPES):
-            return False
-        if spec.value_def is not None:
-            return False  # pytree-valued Variables are re-flattened every call
-    return True
-
-
-def _var_specs(entry: ArgFlat) -> list[VarSpec]:
-    return [s for s in entry.specs if type(s) is VarSpec]
+    guard = entry._guard
+    return guard is not None and guard.holds(entry.variables)
 
 
 def _refresh(entry: ArgFlat) -> ArgFlat:
@@ -323,7 +342,9 @@ def _refresh(entry: ArgFlat) -> ArgFlat:
     fresh.variables = entry.variables
     fresh.var_dynamic_counts = entry.var_dynamic_counts
     fresh.key = entry.key
-    fresh._guards = entry._guards
+    fresh._guard = entry._guard
+    fresh.variable_ids = entry.variable_ids
+    fresh.has_aliases = entry.has_aliases
     fresh._ref = None
     if len(entry.dynamic) == len(entry.variables):
         fresh.dynamic = [v._raw_value for v in entry.variables]
