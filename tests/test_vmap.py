@@ -445,3 +445,14 @@ def test_plain_jax_vmap_over_modules_leaves_no_tracer(tracer_leaks):
     ):
         assert isinstance(var.get_raw_value(), jax.Array)
         assert not isinstance(var.get_raw_value(), jax.core.Tracer)
+
+
+def test_wrong_out_axes():
+    acc = Acc(jnp.ones(3), jnp.zeros(3))
+    with pytest.raises(treemode.AxisError, match=r"treemode\.vmap: out_axes\[1\] is 'a'"):
+        treemode.vmap(lambda m, x: (x, x), out_axes=(0, "a"))
+    before = snapshot(acc)
+    f = treemode.vmap(lambda m, x: m(x), out_axes={"y": 0})
+    with pytest.raises(treemode.AxisError, match=r"treemode\.vmap: out_axes does not fit"):
+        f(acc, jnp.ones(3))
+    assert_unchanged(acc, before)

@@ -96,6 +96,18 @@ def positional_entries(
     )
 
 
+def check_axes_spec(spec: Any, *, transform: str, what: str = "out_axes") -> None:
+    """Raise ``AxisError`` if a leaf of ``spec`` (a prefix, may be module-shaped)
+    is neither an int nor None."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(spec, is_leaf=is_axis)[0]:
+        if not is_axis(leaf):
+            where = f"{what}{jax.tree_util.keystr(path)}"
+            raise AxisError(
+                f"treemode.{transform}: {where} is {_describe(leaf)}; each axis must be an "
+                "int or None."
+            )
+
+
 def _kinds(is_leaf: Callable[[Any], bool]) -> str:
     return "an int or None" if is_leaf is is_axis else "a single specification"
 
@@ -311,6 +323,7 @@ __all__ = [
     "CallAxes",
     "batched_update_error",
     "call_axes",
+    "check_axes_spec",
     "check_mapped",
     "dynamic_paths",
     "is_axis",

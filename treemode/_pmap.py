@@ -8,8 +8,8 @@ from typing import Any
 import jax
 
 from . import _core
-from ._axes import CallAxes, call_axes, check_mapped
-from ._vmap import MappedWrapper, _Entry, find_batched_update
+from ._axes import CallAxes, call_axes, check_axes_spec, check_mapped
+from ._vmap import MappedWrapper, _Entry, find_batched_update, translate_axis_error
 
 
 def _as_set(x: int | Iterable[int] | None) -> frozenset[int]:
@@ -49,6 +49,7 @@ class PmapWrapped(MappedWrapper):
             donate_argnums=_as_set(donate_argnums),
             transform_metadata=transform_metadata,
         )
+        check_axes_spec(out_axes, transform=self.transform, what="out_axes")
         self.axis_name = axis_name
         self.devices = devices
         self.backend = backend
@@ -81,10 +82,7 @@ class PmapWrapped(MappedWrapper):
         )
 
     def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
-        find_batched_update(
-            entry.pure, call, entry.axes, self.out_axes,
-            axis_name=self.axis_name, axis_size=self.axis_size,
-        )
+        translate_axis_error(error, call, entry, self.out_axes, self.axis_name, self.axis_size)
 
 
 def pmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:

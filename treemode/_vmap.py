@@ -21,8 +21,10 @@ from ._axes import (
     CallAxes,
     batched_update_error,
     call_axes,
+    check_axes_spec,
     check_mapped,
 )
+from ._errors import AxisError
 from ._metadata import check_metadata, with_axis_metadata
 
 P = ParamSpec("P")
@@ -255,6 +257,7 @@ class VmapWrapped(MappedWrapper):
         self.axis_name = axis_name
         self.axis_size = axis_size
         self.spmd_axis_name = spmd_axis_name
+        check_axes_spec(out_axes, transform=self.transform, what="out_axes")
 
     def check(self, call: _core.Call, axes: CallAxes) -> None:
         check_mapped(call, axes.dynamic, axis_size=self.axis_size)
@@ -270,10 +273,27 @@ class VmapWrapped(MappedWrapper):
         )
 
     def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
-        find_batched_update(
-            entry.pure, call, entry.axes, self.out_axes,
-            axis_name=self.axis_name, axis_size=self.axis_size,
-        )
+        translate_axis_error(error, call, entry, self.out_axes, self.axis_name, self.axis_size)
+
+
+def translate_axis_error(
+    error: Exception,
+    call: _core.Call,
+    entry: _Entry,
+    out_axes: Any,
+    axis_name: Any,
+    axis_size: int | None,
+) -> None:
+    """Name the Variable or the spec behind a ``jax.vmap``/``jax.pmap`` ``ValueError``."""
+    find_batched_update(
+        entry.pure, call, entry.axes, out_axes, axis_name=axis_name, axis_size=axis_size
+    )
+    if "out_axes" in str(error):
+        raise AxisError(
+            f"treemode.{call.transform}: out_axes does not fit the function's output (it "
+            "must be a prefix of the output, with an int or None per mapped part).\n"
+            f"JAX says: {error}"
+        ) from None
 
 
 @overload
@@ -360,4 +380,10 @@ def vmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     return VmapWrapped(f, **kwargs)
 
 
-__all__ = ["MappedWrapper", "VmapWrapped", "find_batched_update", "vmap"]
+__all__ = [
+    "MappedWrapper",
+    "VmapWrapped",
+    "find_batched_update",
+    "translate_axis_error",
+    "vmap",
+]
