@@ -210,3 +210,19 @@ def test_graph_mode_shared_module():
     grads = treemode.grad(lambda m: f(m, m))(m)
     np.testing.assert_allclose(grads.x[...], 4.0)
     np.testing.assert_allclose(grads.y[...], 3.0)
+
+
+def test_differentiating_a_closed_over_module_raises():
+    def loss(outer):
+        @treemode.custom_vjp
+        def f(m):
+            return m.x[...] * outer.x[...]
+
+        f.defvjp(lambda m: (f(m), None), lambda res, g: (None,))
+        return f(Foo())
+
+    # the closed-over module is a constant for the custom_vjp function: fine
+    np.testing.assert_allclose(loss(Foo(2.0)), 2.0)
+    # an outer gradient w.r.t. the closed-over module would be lost: error
+    with pytest.raises(TypeError, match=r"Param at closure outer\.x through its closure"):
+        treemode.grad(loss)(Foo(2.0))

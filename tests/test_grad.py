@@ -351,3 +351,23 @@ def test_decorator_form():
         return a * b
 
     assert g(3.0, 2.0) == 3.0
+
+
+def test_no_tracer_leak_and_no_retrace_inside_jit(tracer_leaks):
+    model = Stateful(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    traces = []
+
+    @treemode.jit
+    def step(model, optimizer, x):
+        traces.append(1)
+        loss, grads = treemode.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    for _ in range(3):
+        step(model, optimizer, x)
+    assert len(traces) == 1
+    assert int(optimizer.step[...]) == 3
+    assert int(model.dropout.rngs.count[...]) == 3

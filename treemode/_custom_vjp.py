@@ -27,6 +27,8 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from . import _core, _graph
 from ._errors import MutationError
@@ -132,7 +134,9 @@ class CustomVjp(Generic[P, R]):
         def flat(*dynamic: Any) -> tuple[Any, Any]:
             return run(primal, dynamic)
 
-        def flat_fwd(*dynamic: Any) -> tuple[Any, Any]:
+        def flat_fwd(*primals: Any) -> tuple[Any, Any]:
+            dynamic = [p.value for p in primals]
+            _check_closure_not_differentiated(call, primals)
             out, updates = run(fwd_pure, dynamic)
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise TypeError(
@@ -156,7 +160,7 @@ class CustomVjp(Generic[P, R]):
 
         def flat_bwd(saved: Any, cotangents: Any) -> tuple[Any, ...]:
             arrays, dynamic = saved
-            out_ct, _ = cotangents
+            out_ct = jax.tree_util.tree_map(_instantiate, cotangents[0])
             treedef, is_arr, statics = residual_layout
             it = iter(arrays)
             residuals = treedef.unflatten(
@@ -195,11 +199,38 @@ class CustomVjp(Generic[P, R]):
                 cts[j] = g
             return tuple(cts)
 
-        flat.defvjp(flat_fwd, flat_bwd)
+        # symbolic_zeros: fwd learns which inputs the outer transform differentiates
+        flat.defvjp(flat_fwd, flat_bwd, symbolic_zeros=True)
         out, updates = flat(*call.dynamic)
         record = primal.record.metadata_updates or fwd_pure.record.metadata_updates
         _core.write_back(call, updates, record)
         return _core.finish(call, out)
+
+
+def _instantiate(x: Any) -> Any:
+    if isinstance(x, SymbolicZero):
+        if x.dtype == jax.dtypes.float0:
+            return np.zeros(x.shape, dtype=jax.dtypes.float0)
+        return jnp.zeros(x.shape, x.dtype)
+    return x
+
+
+def _check_closure_not_differentiated(call: _core.Call, primals: Sequence[Any]) -> None:
+    """JAX cannot differentiate a custom_vjp function w.r.t. values it closes over."""
+    n_args = sum(len(f.dynamic) for f in call.arg_flats)
+    closure = call.variable_dynamic_ranges()[len(call.variables) - len(call.lifted) :]
+    for i, r in enumerate(closure):
+        if any(primals[j].perturbed and is_differentiable(primals[j].value) for j in r):
+            assert r.start >= n_args
+            var = call.lifted[i]
+            path = call.variable_paths()[len(call.variables) - len(call.lifted) + i]
+            raise TypeError(
+                f"treemode.custom_vjp: the function reads the {type(var).__name__} at "
+                f"{path} through its closure, and an outer transform differentiates it. "
+                "A custom VJP rule only gives cotangents for the function's arguments, so "
+                "that gradient would be lost.\nPass the module as an argument of the "
+                "custom_vjp function and return its cotangent from bwd."
+            )
 
 
 def _protected_variables(call: _core.Call, split: DiffSplit) -> list[int]:
@@ -256,7 +287,9 @@ def custom_vjp(
     Variables changed by the function are written back, except that changing a
     differentiable Variable (floating point, in a differentiable argument) raises
     `MutationError`: its update would have no gradient. Variables the function
-    reaches through its closure are treated as constants.
+    reaches through its closure are constants for the custom rule; if an outer
+    transform differentiates them, a `TypeError` says so (as JAX does for
+    closed-over tracers) instead of dropping that gradient.
 
     **Arguments:**
 
