@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
 from flax import nnx
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, PyTreeDef, SequenceKey
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from ._errors import ProxyError
 from ._flatten import DYNAMIC, StaticLeaf, VarSpec
@@ -139,8 +139,8 @@ class PytreeDef:
     __slots__ = ("treedef", "specs", "num_leaves", "_hash", "_keys", "_layout", "_var_slots",
                  "_masks", "__weakref__")
 
-    def __init__(self, treedef: PyTreeDef, specs: tuple[Any, ...]):
-        self.treedef = treedef
+    def __init__(self, treedef: Any, specs: tuple[Any, ...]):
+        self.treedef = treedef  # a jax PyTreeDef
         self.specs = specs
         self.num_leaves = sum(_leaf_count(s) for s in specs)
         try:
@@ -674,7 +674,7 @@ def _init(p: Pytree[Any], pdef: PytreeDef, leaves: tuple[Any, ...]) -> None:
     _set(p, "_pt_watch", ())
 
 
-def from_parts(pdef: PytreeDef, leaves: Sequence[Any]) -> Pytree[Any]:
+def from_parts(pdef: PytreeDef, leaves: Iterable[Any]) -> Pytree[Any]:
     """A proxy with the given static part and leaves (no checks, nothing rebuilt)."""
     p = object.__new__(Pytree)
     _init(p, pdef, tuple(leaves))
