@@ -65,13 +65,44 @@ def _resolve_argnums(
 
 
 class _Entry:
-    """The compiled form of one call structure."""
+    """The compiled form of one call structure.
 
-    __slots__ = ("pure", "jitted")
+    The dynamic arrays reach ``jax.jit`` as one tuple (two when some are
+    donated: donated first), which JAX's C++ dispatch handles faster than as
+    many positional arguments.
+    """
 
-    def __init__(self, pure: _core.PureFunction, jitted: Any):
+    __slots__ = ("pure", "jitted", "donated", "kept", "_order")
+
+    def __init__(
+        self, pure: _core.PureFunction, jit_kwargs: dict[str, Any], donated: list[int], n: int
+    ):
         self.pure = pure
-        self.jitted = jitted
+        donated_set = set(donated)
+        self.donated = donated
+        self.kept = [i for i in range(n) if i not in donated_set]
+        # Position of each dynamic array in ``donated + kept``.
+        self._order = sorted(range(n), key=(donated + self.kept).index)
+        if donated:
+            self.jitted = jax.jit(self._call_split, donate_argnums=0, **jit_kwargs)
+        else:
+            self.jitted = jax.jit(self._call_flat, **jit_kwargs)
+
+    def _call_flat(self, dynamic: tuple[Any, ...]) -> Any:
+        return self.pure(*dynamic)
+
+    def _call_split(self, donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
+        joined = donated + kept
+        return self.pure(*(joined[j] for j in self._order))
+
+    def args(self, dynamic: list[Any]) -> tuple[Any, ...]:
+        if not self.donated:
+            return (tuple(dynamic),)
+        return tuple(dynamic[i] for i in self.donated), tuple(dynamic[i] for i in self.kept)
+
+    def split(self, per_dynamic: list[Any]) -> tuple[Any, ...]:
+        """Arrange a per-dynamic-array list (e.g. shardings) like :meth:`args`."""
+        return self.args(per_dynamic)
 
 
 class JitWrapped(Generic[P, R]):
@@ -181,22 +212,21 @@ class JitWrapped(Generic[P, R]):
             var_offset += len(flat.variables)
             dyn_offset += len(flat.dynamic)
         pure = _core.PureFunction(call, force_updates=frozenset(force))
-        jit_kwargs: dict[str, Any] = dict(
-            donate_argnums=tuple(donate_flat),
-            keep_unused=self.keep_unused,
-            inline=self.inline,
-        )
+        jit_kwargs: dict[str, Any] = dict(keep_unused=self.keep_unused, inline=self.inline)
         if self.device is not None:
             jit_kwargs["device"] = self.device
         if self.backend is not None:
             jit_kwargs["backend"] = self.backend
+        layout = _Entry.__new__(_Entry)
+        layout.donated = donate_flat
+        layout.kept = [i for i in range(len(call.dynamic)) if i not in set(donate_flat)]
         if self.in_shardings is not _UNSET:
-            jit_kwargs["in_shardings"] = tuple(self._flat_in_shardings(call))
+            jit_kwargs["in_shardings"] = layout.split(self._flat_in_shardings(call))
         if self.out_shardings is not _UNSET or self.in_shardings is not _UNSET:
             var_shardings = self._variable_shardings(call)
             out = None if self.out_shardings is _UNSET else self.out_shardings
             jit_kwargs["out_shardings"] = (out, tuple(var_shardings))
-        return _Entry(pure, jax.jit(pure, **jit_kwargs))
+        return _Entry(pure, jit_kwargs, donate_flat, len(call.dynamic))
 
     def _positional_roots(self, call: _core.Call) -> list[tuple[ArgFlat, Any]]:
         trees = [t for _, t in call.arg_roots()]
@@ -256,7 +286,7 @@ class JitWrapped(Generic[P, R]):
             _check_donation(call, self._donated_roots(call))
         entry.pure.bind(call)
         try:
-            out, updates = entry.jitted(*call.dynamic)
+            out, updates = entry.jitted(*entry.args(call.dynamic))
         finally:
             entry.pure.bind(None)
         _core.write_back(call, updates, entry.pure.record.metadata_updates)
@@ -270,7 +300,7 @@ class JitWrapped(Generic[P, R]):
         entry = self._entry(call)
         entry.pure.bind(call)
         try:
-            traced = entry.jitted.trace(*call.dynamic)
+            traced = entry.jitted.trace(*entry.args(call.dynamic))
         finally:
             entry.pure.bind(None)
         return Traced(self, traced)
@@ -384,7 +414,7 @@ class Compiled:
         w = self._wrapped
         call = w._prepare(args, kwargs, abstract=False)
         entry = w._entry(call)
-        out, updates = self._compiled(*call.dynamic)
+        out, updates = self._compiled(*entry.args(call.dynamic))
         _core.write_back(call, updates, entry.pure.record.metadata_updates)
         return _core.finish(call, out)
 
