@@ -436,3 +436,18 @@ def test_calls_inside_jit_do_not_touch_the_outer_proxy(tracer_leaks):
     assert_same_leaves(proxy, before)
     assert int(new.calls[...]) == 1
     assert int(proxy.calls[...]) == 0
+
+
+def test_copy_deepcopy_and_pickle():
+    import copy
+    import pickle
+
+    proxy = Pytree(stack())
+    x = jnp.ones((4, 2))
+    for other in (copy.copy(proxy), copy.deepcopy(proxy), pickle.loads(pickle.dumps(proxy))):
+        assert type(other) is Pytree
+        assert jax.tree.structure(other) == jax.tree.structure(proxy)
+        assert_same_leaves(other, proxy)
+        np.testing.assert_allclose(other.encode(x), proxy.to_module().encode(x), rtol=1e-6)
+    restored = pickle.loads(pickle.dumps(proxy))
+    assert jax.tree.structure(restored) == jax.tree.structure(proxy)

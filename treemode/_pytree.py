@@ -173,6 +173,9 @@ class PytreeDef:
     def __repr__(self) -> str:
         return f"PytreeDef({self.num_leaves} leaves)"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _unpickle_def, (self.treedef, self.specs)
+
     def layout(self) -> tuple[LeafInfo, ...]:
         """Per leaf: where it sits in the module and which Variable owns it."""
         if self._layout is None:
@@ -220,6 +223,10 @@ class PytreeDef:
 
 
 _interned: weakref.WeakValueDictionary[int, PytreeDef] = weakref.WeakValueDictionary()
+
+
+def _unpickle_def(treedef: Any, specs: tuple[Any, ...]) -> PytreeDef:
+    return _intern(PytreeDef(treedef, specs))
 
 
 def _intern(pdef: PytreeDef) -> PytreeDef:
@@ -423,6 +430,10 @@ class Pytree(Generic[M]):
 
     The names `to_module`, `graphdef` and `state` belong to the proxy; read module
     attributes with those names through `with proxy as module:`.
+
+    Pass a proxy to transforms as an argument (or a field of one). A proxy read
+    through a jitted function's closure is a constant there, and calling its
+    stateful methods inside the trace would store traced values in it.
 
     **Arguments:**
 
@@ -664,6 +675,18 @@ class Pytree(Generic[M]):
         except Exception:
             inner = f"<{self._pt_def.num_leaves} leaves>"
         return f"treemode.Pytree({inner})"
+
+    def __copy__(self) -> Pytree[M]:
+        return from_parts(*self._pt_flatten())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Pytree[M]:
+        import copy
+
+        pdef, leaves = self._pt_flatten()
+        return from_parts(pdef, copy.deepcopy(leaves, memo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return from_parts, self._pt_flatten()
 
 
 def _init(p: Pytree[Any], pdef: PytreeDef, leaves: tuple[Any, ...]) -> None:
