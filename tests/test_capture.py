@@ -220,3 +220,22 @@ def test_errors_leave_modules_clean():
     with pytest.raises(TypeError, match=r"var_types must be nnx.Variable subclasses"):
         treemode.capture(model, "intermediates")
     assert "__captures__" not in vars(model)
+
+
+def test_sows_inside_nested_transforms_are_collected():
+    class Double(nnx.Module):
+        def __call__(self, x):
+            self.sow(nnx.Intermediate, "y_mean", jnp.mean(x))
+            return x * 2
+
+    model = Double()
+    x = jnp.arange(4.0)
+    jitted = lambda m, x: treemode.jit(lambda m, x: m(x))(m, x)
+    out, inter = treemode.capture(jitted, nnx.Intermediate)(model, x)
+    np.testing.assert_allclose(out, 2 * x)
+    np.testing.assert_allclose(inter["y_mean"].get_value()[0], 1.5)
+    grad_x = lambda m, x: treemode.grad(lambda m, x: jnp.sum(m(x)), argnums=1)(m, x)
+    g, inter = treemode.capture(grad_x, nnx.Intermediate)(model, x)
+    np.testing.assert_allclose(g, 2.0)
+    np.testing.assert_allclose(inter["y_mean"].get_value()[0], 1.5)
+    assert "__captures__" not in vars(model)
