@@ -108,3 +108,31 @@ def test_closed_over_module_mutated_inside_jax_jit_is_reported(tracer_leaks):
         outer_mutating(jnp.ones(2))
     assert isinstance(counter.count.get_raw_value(), jax.Array)
     assert int(counter.count[...]) == 0
+
+
+c = Counter()  # a global whose name is also used as an attribute name below
+
+
+def test_attribute_names_are_not_mistaken_for_globals():
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.c = Counter()
+
+    holder = Holder()
+
+    @treemode.jit
+    def step(h, x):
+        return h.c(x)  # `.c` is an attribute access, not the global `c`
+
+    step(holder, jnp.ones(2))
+    assert int(holder.c.count[...]) == 1
+    assert int(c.count[...]) == 0
+
+
+def test_globals_used_in_nested_comprehension_are_lifted():
+    def step(x):
+        return [GLOBAL_COUNTER(x) for _ in range(2)][-1]
+
+    before = int(GLOBAL_COUNTER.count[...])
+    treemode.jit(step)(jnp.ones(2))
+    assert int(GLOBAL_COUNTER.count[...]) == before + 2

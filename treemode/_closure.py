@@ -10,12 +10,29 @@ the function names, and the function object when it is itself a Module.
 
 from __future__ import annotations
 
+import dis
 import functools
 import types
 from collections.abc import Callable
 from typing import Any
 
 from ._leaves import is_graph_node, is_variable
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names ``code`` (and the functions/comprehensions nested in it) load as globals.
+
+    ``co_names`` alone also lists attribute names, so the bytecode is read once.
+    """
+    names: dict[str, None] = {}
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            names[instruction.argval] = None
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(dict.fromkeys(_global_names(const)))
+    return tuple(names)
 
 
 def _holds_state(x: Any) -> bool:
@@ -63,7 +80,7 @@ def closure_objects(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
                 pass
         module_globals = getattr(f, "__globals__", None)
         if module_globals:
-            for name in code.co_names:
+            for name in _global_names(code):
                 obj = module_globals.get(name)
                 if obj is not None:
                     add(name, obj)

@@ -34,7 +34,7 @@ def eval_shape(fn: Callable[..., Any], *args: Any, graph: bool = False, **kwargs
     from flax import nnx
 
     abstract = treemode.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
-    assert isinstance(abstract.kernel[...], jax.ShapeDtypeStruct)
+    assert isinstance(abstract.kernel.get_raw_value(), jax.ShapeDtypeStruct)
     assert abstract.kernel.shape == (2, 3)
     ```
     """
