@@ -287,3 +287,21 @@ def test_buffers_of_read_only_parameters_are_reused():
     treemode.jit(lambda m, x: m(x))(model, jnp.ones(3))
     after = variable_buffers(model)
     assert all(a is b for a, b in zip(before, after, strict=True))
+
+
+def test_flatten_cache_does_not_keep_modules_alive():
+    import gc
+    import weakref
+
+    from treemode import _flatten
+
+    f = treemode.jit(lambda m, x: m(x))
+    model = Stateful(nnx.Rngs(0))
+    f(model, jnp.ones((2, 3)))
+    assert id(model) in _flatten._cache
+    ref = weakref.ref(model)
+    key = id(model)
+    del model
+    gc.collect()
+    assert ref() is None
+    assert key not in _flatten._cache or _flatten._cache[key]._ref() is not None
