@@ -404,3 +404,46 @@ def test_unreturned_proxy_state_change_is_an_error(transform):
     assert "return y, proxy" in message
     for a, b in zip(jax.tree.leaves(proxy), before, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _forward(m, x):
+    return m(x)
+
+
+_X = jnp.arange(8.0).reshape(4, 2)
+
+# name -> (run the transform on (model, x) and return y, number of forward passes)
+_TRANSFORMS = {
+    "scan": (
+        lambda m, x: treemode.scan(lambda m, x: (m, m(x)), m, jnp.stack([x, x]))[1][-1],
+        2,
+    ),
+    "fori_loop": (
+        lambda m, x: treemode.fori_loop(0, 2, lambda i, c: (c[0], c[0](x)), (m, x * 0))[1],
+        2,
+    ),
+    "while_loop": (
+        lambda m, x: treemode.while_loop(
+            lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1], c[1](x)), (0, m, x * 0)
+        )[2],
+        2,
+    ),
+    "cond": (lambda m, x: treemode.cond(True, _forward, lambda m, x: x * 0, m, x), 1),
+    "switch": (lambda m, x: treemode.switch(0, [_forward, lambda m, x: x * 0], m, x), 1),
+    "remat": (lambda m, x: treemode.remat(_forward)(m, x), 1),
+    "checkify": (lambda m, x: treemode.checkify(_forward)(m, x)[1], 1),
+    "vjp": (lambda m, x: treemode.vjp(_forward, m, x)[0], 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TRANSFORMS))
+def test_equinox_inside_nnx_under_more_treemode_transforms(name):
+    run, passes = _TRANSFORMS[name]
+    model, reference = Hybrid(), Hybrid()
+    y = run(model, _X)
+    for _ in range(passes):
+        expected = reference(_X)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.bn.mean[...], reference.bn.mean[...], rtol=1e-5,
+                               atol=1e-7)
+    assert model.mlp.activation is jax.nn.gelu
