@@ -226,3 +226,24 @@ def test_differentiating_a_closed_over_module_raises():
     # an outer gradient w.r.t. the closed-over module would be lost: error
     with pytest.raises(TypeError, match=r"Param at closure outer\.x through its closure"):
         treemode.grad(loss)(Foo(2.0))
+
+
+def test_unused_outputs_get_zero_cotangents_in_bwd():
+    seen = {}
+
+    @treemode.custom_vjp
+    def f(m):
+        return m.x[...] * 2.0, m.y[...] * 3.0
+
+    def bwd(res, g):
+        seen["g"] = g
+        m_g = jax.tree.map(jnp.zeros_like, res)
+        m_g.x[...] = 2.0 * g[0]
+        m_g.y[...] = 3.0 * g[1]
+        return (m_g,)
+
+    f.defvjp(lambda m: (f(m), m), bwd)
+    grads = treemode.grad(lambda m: f(m)[0])(Foo())
+    np.testing.assert_allclose(grads.x[...], 2.0)
+    np.testing.assert_allclose(grads.y[...], 0.0)
+    np.testing.assert_allclose(seen["g"][1], 0.0)  # a plain zero array, not a symbolic zero

@@ -209,9 +209,10 @@ class CustomVjp(Generic[P, R]):
 
 def _instantiate(x: Any) -> Any:
     if isinstance(x, SymbolicZero):
-        if x.dtype == jax.dtypes.float0:
-            return np.zeros(x.shape, dtype=jax.dtypes.float0)
-        return jnp.zeros(x.shape, x.dtype)
+        aval: Any = x.aval
+        if aval.dtype == jax.dtypes.float0:
+            return np.zeros(aval.shape, dtype=jax.dtypes.float0)
+        return jnp.zeros(aval.shape, aval.dtype)
     return x
 
 
