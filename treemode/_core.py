@@ -28,6 +28,7 @@ from itertools import chain
 from typing import Any
 
 import jax
+from flax.nnx import tracers
 
 from . import _graph, _pytree
 from ._closure import closure_objects
@@ -196,6 +197,22 @@ def prepare(
     call.kwargs = kwargs
     call.static_positional = {}
     call.static_keywords = {}
+    if not (graph or static_argnums or static_argnames):
+        # The hot path (jit calls in a training loop): no static arguments.
+        n_args = len(call.args)
+        kw_names = tuple(sorted(kwargs)) if kwargs else ()
+        arg_flats = [flatten_arg(a, is_dynamic) for a in call.args]
+        if kw_names:
+            arg_flats += [flatten_arg(kwargs[name], is_dynamic) for name in kw_names]
+        call.arg_flats = arg_flats
+        call.kw_names = kw_names
+        return _finish_prepare(
+            call,
+            tuple(f.key for f in arg_flats[:n_args]),
+            tuple(zip(kw_names, [f.key for f in arg_flats[n_args:]], strict=True)),
+            is_dynamic,
+            lift_closure,
+        )
     traced_pos: list[Any] = []
     for i, a in enumerate(call.args):
         if i in static_argnums:
@@ -233,13 +250,24 @@ def prepare(
         keywords.append((name, flat.key))
     call.arg_flats = arg_flats
     call.kw_names = tuple(kw_names)
+    return _finish_prepare(call, tuple(positional), tuple(keywords), is_dynamic, lift_closure)
 
+
+def _finish_prepare(
+    call: Call,
+    positional: tuple[Any, ...],
+    keywords: tuple[tuple[str, Any], ...],
+    is_dynamic: Callable[[Any], bool],
+    lift_closure: bool,
+) -> Call:
+    """Closure lifting, the call key and the alias check, shared by both paths."""
+    arg_flats = call.arg_flats
     sources = [f for f in arg_flats if f.variables]
     dynamic = list(chain.from_iterable(f.dynamic for f in arg_flats))
     call.lifted_roots = []
     lifted_flats: list[ArgFlat] = []
     if lift_closure:
-        call.lifted_roots = [(f"closure {name}", obj) for name, obj in closure_objects(fn)]
+        call.lifted_roots = [(f"closure {name}", obj) for name, obj in closure_objects(call.fn)]
         for _, obj in call.lifted_roots:
             flat = flatten_arg(obj, is_dynamic)
             if flat.variables:
@@ -260,7 +288,7 @@ def prepare(
     else:
         call.variables = list(chain.from_iterable(f.variables for f in sources))
     call.dynamic = dynamic
-    call.key = CallKey(tuple(positional), tuple(keywords), call.lifted_specs, graph)
+    call.key = CallKey(positional, keywords, call.lifted_specs, call.graph)
 
     # Each ArgFlat is alias-free on its own (checked once when it was built);
     # only Variables shared between sources remain to be found.
@@ -678,8 +706,9 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
 
 def check_writable(call: Call, updates: Sequence[Any]) -> None:
     """Raise before writing anything if a target Variable belongs to another trace."""
+    current = tracers.TraceState()  # compared with each target's, as Variable does
     for i, (var, new) in enumerate(zip(call.variables, updates, strict=True)):
-        if new is not None and not var._trace_state.is_valid():
+        if new is not None and not (var.hijax or var._trace_state == current):
             path = call.variable_paths()[i]
             raise TraceContextError(
                 f"treemode.{call.transform}: cannot write the new value of the "

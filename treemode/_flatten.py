@@ -12,6 +12,7 @@ through (see :func:`flatten_arg`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import weakref
 from itertools import chain
@@ -285,14 +286,29 @@ def _is_plain_leaf(x: Any) -> bool:
 
 
 _cache: dict[int, ArgFlat] = {}
-_LEAF_TREEDEF = jax.tree_util.tree_structure(0)
-_DYNAMIC_SPECS: tuple[Spec, ...] = (DYNAMIC,)
+_ARRAY_FLAT = ArgFlat(jax.tree_util.tree_structure(0), (DYNAMIC,), [None])
 
 
-def _evict(key: int, ref: weakref.ref[Any]) -> None:
-    entry = _cache.get(key)
+def _array_flat(arg: Any) -> ArgFlat:
+    """The flattening of a bare array argument (shares one structure key)."""
+    flat = ArgFlat.__new__(ArgFlat)
+    flat.treedef = _ARRAY_FLAT.treedef
+    flat.specs = _ARRAY_FLAT.specs
+    flat.key = _ARRAY_FLAT.key
+    flat.leaves = flat.dynamic = [arg]
+    flat.variables = flat.var_dynamic_counts = []
+    flat.variable_ids = _ARRAY_FLAT.variable_ids
+    flat.has_aliases = False
+    flat._guard = None
+    flat._ref = None
+    return flat
+
+
+def _evict(key: int, cache: dict[int, ArgFlat], ref: weakref.ref[Any]) -> None:
+    # ``cache`` is bound at creation so the callback works during interpreter exit.
+    entry = cache.get(key)
     if entry is not None and entry._ref is ref:
-        del _cache[key]
+        del cache[key]
 
 
 def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
@@ -304,7 +320,7 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     still has the same type, metadata and value layout.
     """
     if is_dynamic(arg) and not is_variable(arg):
-        return ArgFlat(_LEAF_TREEDEF, _DYNAMIC_SPECS, [arg])
+        return _array_flat(arg)
     key = id(arg)
     entry = _cache.get(key)
     if entry is not None and entry._ref is not None and entry._ref() is arg:
@@ -316,7 +332,7 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     # outer jax.jit/scan trace): the cache would keep them alive past the trace.
     if cacheable and flat.variables and not any(map(_is_tracer, flat.dynamic)):
         try:
-            ref = weakref.ref(arg, lambda r, key=key: _evict(key, r))
+            ref = weakref.ref(arg, functools.partial(_evict, key, _cache))
         except TypeError:
             return flat
         flat._ref = ref

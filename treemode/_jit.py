@@ -154,6 +154,7 @@ class JitWrapped(Generic[P, R]):
         self.donate_argnums = donate_nums
         self.donate_argnames = donate_names
         self._n_partial = n_partial
+        self._donates = bool(donate_nums or donate_names)
         self._cache: dict[_core.CallKey, _Entry] = {}
 
     # -- descriptor protocol: methods ------------------------------------------
@@ -282,7 +283,7 @@ class JitWrapped(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         call = self._prepare(args, kwargs, abstract=False)
         entry = self._entry(call)
-        if self.donate_argnums or self.donate_argnames:
+        if self._donates:
             _check_donation(call, self._donated_roots(call))
         entry.pure.bind(call)
         try:
