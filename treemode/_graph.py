@@ -171,7 +171,10 @@ def from_tree(tree: Any) -> Any:
         built.append(None)
         if isinstance(x, GraphNode):
             children = [
-                jax.tree_util.tree_map(build, child, is_leaf=_is_marker) for child in x.children
+                jax.tree_util.tree_map(
+                    lambda c: build(c) if _is_marker(c) else c, child, is_leaf=_is_marker
+                )
+                for child in x.children
             ]
             obj = x.node_def.unflatten(children)
         else:
