@@ -3,17 +3,17 @@
 A mapping transform takes its per-argument specification (``in_axes``,
 ``in_specs``) as a tuple with one entry per positional argument, or a single
 value for all of them. Each entry is a pytree prefix of its argument and may be
-module-shaped (see :func:`treemode.prefix`). This module resolves such a
-specification against a prepared :class:`treemode._core.Call`:
+module-shaped (see `treemode.prefix`). This module resolves such a
+specification against a prepared `treemode._core.Call`:
 
-- :func:`call_axes` gives one value per ``call.dynamic`` entry and one per
+- `call_axes` gives one value per ``call.dynamic`` entry and one per
   ``call.variables`` entry (keyword arguments get ``kwargs_axis``, Variables
   lifted from the function's closure get ``closure_axis``, ``None`` by default:
   broadcast);
-- :func:`check_mapped` checks integer axes against the shapes of the arrays and
+- `check_mapped` checks integer axes against the shapes of the arrays and
   returns the mapped size;
-- :func:`dynamic_paths` names each dynamic array in user terms (error path only);
-- :func:`batched_update_error` builds the error for a broadcast Variable that
+- `dynamic_paths` names each dynamic array in user terms (error path only);
+- `batched_update_error` builds the error for a broadcast Variable that
   the function set to a per-example value (found by ``_vmap.find_batched_update``).
 """
 

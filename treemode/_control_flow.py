@@ -1,7 +1,7 @@
 """``treemode.while_loop``, ``fori_loop``, ``cond`` and ``switch``.
 
 The loops keep in their state only the free arrays of the loop value and the
-Variables the body changes (see :mod:`treemode._loop`); the branches of
+Variables the body changes (see `treemode._loop`); the branches of
 ``cond``/``switch`` return the union of the Variables any branch changes, the
 others passing their input value through, so a Variable changed by one branch
 only is written back correctly.
@@ -215,7 +215,7 @@ def fori_loop(
 
     **Raises:**
 
-    As :func:`treemode.while_loop`.
+    As `treemode.while_loop`.
 
     ```python
     import jax.numpy as jnp
@@ -448,7 +448,7 @@ def switch(
 ) -> Any:
     """`jax.lax.switch` over operands that may hold modules, with Variable write-back.
 
-    Like :func:`treemode.cond` with any number of branches; `index` is clamped
+    Like `treemode.cond` with any number of branches; `index` is clamped
     to the valid range as in JAX.
 
     **Arguments:**

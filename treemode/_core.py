@@ -343,9 +343,9 @@ class TraceRecord:
 class PureFunction:
     """The user function as a pure function of the dynamic arrays.
 
-    Built once per :class:`CallKey`; the current :class:`Call` (needed only while
+    Built once per `CallKey`; the current `Call` (needed only while
     tracing, for the closure Variables and error paths) is set by the caller
-    with :meth:`bind` for the duration of the JAX call.
+    with `bind` for the duration of the JAX call.
     """
 
     def __init__(

@@ -40,7 +40,7 @@ R = TypeVar("R")
 
 
 class CustomVjp(Generic[P, R]):
-    """A function with a custom VJP, made by :func:`treemode.custom_vjp`."""
+    """A function with a custom VJP, made by `treemode.custom_vjp`."""
 
     def __init__(
         self, fn: Callable[P, R], nondiff_argnums: Sequence[int] = (), graph: bool = False

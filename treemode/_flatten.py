@@ -1,12 +1,12 @@
 """One-pass flattening of transform inputs, with Variables as leaves.
 
-Each top-level argument is flattened on its own into an :class:`ArgFlat`: its
+Each top-level argument is flattened on its own into an `ArgFlat`: its
 treedef (which holds the modules' static attributes), one spec per leaf, the
 Variables (kept for write-back and identity checks) and the dynamic arrays that
 are passed to JAX. Flattening NNX modules through their pytree callbacks costs
 microseconds per module, so an ``ArgFlat`` is cached per argument object and
 revalidated on the next call by identity checks on the attribute dicts it walked
-through (see :func:`flatten_arg`).
+through (see `flatten_arg`).
 """
 
 from __future__ import annotations
@@ -377,7 +377,7 @@ def _refresh(entry: ArgFlat) -> ArgFlat:
 
 
 def check_no_aliases(transform: str = "check_no_aliases", /, **trees: Any) -> None:
-    """Raise :class:`AliasError` if one Variable is reachable twice from ``trees``.
+    """Raise `AliasError` if one Variable is reachable twice from ``trees``.
 
     **Arguments:**
 

@@ -57,7 +57,7 @@ class DiffSplit:
     """Which dynamic arrays of a call are differentiated.
 
     ``roots`` are indices into ``call.arg_flats``: the differentiated arguments.
-    Within them, :func:`is_differentiable` arrays form ``diff``; all other dynamic
+    Within them, `is_differentiable` arrays form ``diff``; all other dynamic
     arrays of the call (including the closure's) form ``other``.
     """
 
@@ -436,11 +436,11 @@ def value_and_grad(
     *,
     graph: bool = False,
 ) -> Callable[..., Any]:
-    """Value and gradient of ``fn``; see :func:`treemode.grad` for the semantics.
+    """Value and gradient of ``fn``; see `treemode.grad` for the semantics.
 
     **Arguments:**
 
-    Same as :func:`treemode.grad`.
+    Same as `treemode.grad`.
 
     **Returns:**
 

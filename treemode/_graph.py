@@ -1,10 +1,10 @@
 """``to_tree`` / ``from_tree``: object graphs with sharing <-> pure pytrees.
 
 ``to_tree`` walks a pytree in flatten order. Every NNX object (Module, Rngs,
-Optimizer, ``nnx.List``, ...) becomes a :class:`GraphNode`, a pytree node that
+Optimizer, ``nnx.List``, ...) becomes a `GraphNode`, a pytree node that
 stores the object's one-level structure; every Variable is kept as it is. The
 second and later references to the same object become a static
-:class:`SharedRef` holding the pre-order index of the first one. The result has
+`SharedRef` holding the pre-order index of the first one. The result has
 no aliases, so any JAX transform can consume it. ``from_tree`` rebuilds the
 objects in the same order and resolves each ``SharedRef`` to the object built
 for its index, so the sharing is restored.
@@ -138,7 +138,7 @@ def to_tree(node: Any) -> Any:
 
 
 def from_tree(tree: Any) -> Any:
-    """Rebuild the object graph encoded by :func:`to_tree`.
+    """Rebuild the object graph encoded by `to_tree`.
 
     **Arguments:**
 

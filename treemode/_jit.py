@@ -101,12 +101,12 @@ class _Entry:
         return tuple(dynamic[i] for i in self.donated), tuple(dynamic[i] for i in self.kept)
 
     def split(self, per_dynamic: list[Any]) -> tuple[Any, ...]:
-        """Arrange a per-dynamic-array list (e.g. shardings) like :meth:`args`."""
+        """Arrange a per-dynamic-array list (e.g. shardings) like `args`."""
         return self.args(per_dynamic)
 
 
 class JitWrapped(Generic[P, R]):
-    """A function compiled with :func:`treemode.jit`."""
+    """A function compiled with `treemode.jit`."""
 
     def __init__(
         self,
@@ -370,7 +370,7 @@ def _raise_shared_buffer(call: _core.Call, array: Any) -> None:
 
 
 class Traced:
-    """The result of :meth:`JitWrapped.trace`: wraps ``jax.stages.Traced``."""
+    """The result of `JitWrapped.trace`: wraps ``jax.stages.Traced``."""
 
     def __init__(self, wrapped: JitWrapped[Any, Any], traced: Any):
         self._wrapped = wrapped
@@ -388,7 +388,7 @@ class Traced:
 
 
 class Lowered:
-    """The result of :meth:`JitWrapped.lower`: wraps ``jax.stages.Lowered``."""
+    """The result of `JitWrapped.lower`: wraps ``jax.stages.Lowered``."""
 
     def __init__(self, wrapped: JitWrapped[Any, Any], lowered: Any):
         self._wrapped = wrapped
@@ -536,7 +536,7 @@ def jit_partial(fn: Callable[..., R], *partial_args: Any, **jit_kwargs: Any) -> 
 
     - `fn`: the function to compile.
     - `*partial_args`: leading positional arguments of `fn` to bind.
-    - `**jit_kwargs`: any keyword of :func:`treemode.jit`; argument indices count
+    - `**jit_kwargs`: any keyword of `treemode.jit`; argument indices count
       the bound arguments too.
 
     **Returns:**

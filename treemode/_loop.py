@@ -11,7 +11,7 @@ next:
 Every other array (read-only parameters above all) is a loop constant: JAX
 closes over it, so it is never copied, stacked or returned. Which Variables
 change is found by tracing the function once with ``jax.eval_shape`` before
-building the loop (:func:`probe_changed`).
+building the loop (`probe_changed`).
 
 The carry argument keeps its identity: the function must return the very NNX
 objects and Variables it was given (it changes them in place), and the caller
@@ -379,7 +379,7 @@ class LoopState:
 
 
 class _ValueHolder:
-    """Quacks like a Variable for :func:`variable_dynamic`."""
+    """Quacks like a Variable for `variable_dynamic`."""
 
     __slots__ = ("_raw_value",)
 

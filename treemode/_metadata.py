@@ -5,13 +5,13 @@ stacked along a new axis by the transform; its sharding metadata must grow by on
 entry at that axis (the ``partition`` name, e.g. ``('din', 'dout')``), and a
 function that runs on one slice of a stack must see the metadata without it.
 
-- :func:`add_axis` / :func:`remove_axis` change the metadata of every Variable in
+- `add_axis` / `remove_axis` change the metadata of every Variable in
   a tree for one axis index;
-- :func:`apply_axis_metadata` does it per Variable following an axes prefix;
-- :func:`with_axis_metadata` wraps a function: remove the mapped axis from its
+- `apply_axis_metadata` does it per Variable following an axes prefix;
+- `with_axis_metadata` wraps a function: remove the mapped axis from its
   input Variables, call it, add the axis back to the inputs and to the Variables
   of its output. ``vmap``/``pmap``/``scan`` use it for their
-  ``transform_metadata=`` keyword, and :func:`transform_metadata` is the public
+  ``transform_metadata=`` keyword, and `transform_metadata` is the public
   stand-alone form.
 """
 
@@ -141,7 +141,7 @@ def remove_axis(
 ) -> Any:
     """Remove the partition name at ``index`` from every Variable's sharding metadata.
 
-    The inverse of :func:`add_axis`; raises `AxisError` naming the Variable if
+    The inverse of `add_axis`; raises `AxisError` naming the Variable if
     the entry at `index` is not the partition name. Changes `tree` in place and
     returns it.
     """

@@ -21,7 +21,7 @@ def _as_set(x: int | Iterable[int] | None) -> frozenset[int]:
 
 
 class PmapWrapped(MappedWrapper):
-    """A function parallelized with :func:`treemode.pmap`."""
+    """A function parallelized with `treemode.pmap`."""
 
     transform = "pmap"
 

@@ -149,7 +149,7 @@ def sharding_of(node: Any, mesh: Mesh) -> Any:
 def partition_specs(node: Any) -> Any:
     """The ``PartitionSpec`` of every Variable of ``node`` (for ``shard_map`` in_specs).
 
-    Like :func:`sharding_of`, without a mesh.
+    Like `sharding_of`, without a mesh.
 
     ```python
     import jax

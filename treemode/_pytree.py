@@ -1,7 +1,7 @@
 """``treemode.Pytree``: a proxy that makes any NNX object a pytree of raw arrays.
 
-A :class:`Pytree` stores two things: a :class:`PytreeDef` (the static part:
-the structure of the module as produced by :func:`treemode.to_tree`, with each
+A `Pytree` stores two things: a `PytreeDef` (the static part:
+the structure of the module as produced by `treemode.to_tree`, with each
 Variable's type and metadata) and a tuple of leaves (the raw arrays of the
 Variables, plus any array that sits outside a Variable). Flattening returns the
 stored tuple; unflattening stores whatever leaves it is given. The module is
@@ -50,7 +50,7 @@ _EDIT_HINT = (
 
 
 class ModuleKey(GetAttrKey):
-    """Key of one leaf of a :class:`Pytree`: the attribute path inside the module.
+    """Key of one leaf of a `Pytree`: the attribute path inside the module.
 
     It is a `jax.tree_util.GetAttrKey` whose `name` is the whole path
     (``layers[0].kernel``), so `jax.tree_util.keystr` prints
@@ -126,7 +126,7 @@ class LeafInfo(NamedTuple):
 
 
 class PytreeDef:
-    """The static part of a :class:`Pytree`: hashable and compared by value.
+    """The static part of a `Pytree`: hashable and compared by value.
 
     Holds the module's structure (the treedef of ``to_tree(module)`` with
     Variables as leaves; static attributes and shared references live there) and,
@@ -203,7 +203,7 @@ class PytreeDef:
         return self._layout
 
     def keys(self) -> tuple[ModuleKey, ...]:
-        """One :class:`ModuleKey` per leaf."""
+        """One `ModuleKey` per leaf."""
         if self._keys is None:
             self._keys = tuple(ModuleKey(info.path) for info in self.layout())
         return self._keys
@@ -757,7 +757,7 @@ def _check_fresh(root: Pytree[Any], module: Any) -> None:
 
 
 class _View:
-    """A submodule reached through a :class:`Pytree`: calls on it update the proxy."""
+    """A submodule reached through a `Pytree`: calls on it update the proxy."""
 
     __slots__ = ("_pt_root", "_pt_obj", "_pt_module")
 

@@ -29,7 +29,7 @@ from ._prefix import broadcast_to_leaves
 
 
 class Carry:
-    """Marks the loop carry in the `in_axes` / `out_axes` of :func:`treemode.scan`.
+    """Marks the loop carry in the `in_axes` / `out_axes` of `treemode.scan`.
 
     The argument marked `Carry` is threaded from one step to the next; the
     function returns its new value at the `Carry` position of `out_axes`.
@@ -104,7 +104,7 @@ def _check_no_none(spec: Any) -> None:
 
 
 class ScanWrapped:
-    """A function scanned with :func:`treemode.scan`."""
+    """A function scanned with `treemode.scan`."""
 
     def __init__(
         self,

@@ -44,7 +44,7 @@ def spec_axes(spec: PartitionSpec) -> set[Any]:
 
 
 class ShardMapWrapped(MappedWrapper):
-    """A function wrapped with :func:`treemode.shard_map`."""
+    """A function wrapped with `treemode.shard_map`."""
 
     transform = "shard_map"
 

@@ -1,7 +1,7 @@
 """``treemode.vjp`` and ``treemode.jvp``.
 
 Both differentiate with respect to the floating-point arrays of all primals (the
-same split as :func:`treemode.grad`); integer and key Variables are carried as
+same split as `treemode.grad`); integer and key Variables are carried as
 non-differentiated inputs, and their cotangents are ``float0`` zeros. Variable
 updates made by the function ride along as JAX ``aux`` and are written back to
 the primals after the call.

@@ -1,6 +1,6 @@
 """``treemode.vmap``, and the wrapper shared by the mapping transforms.
 
-:class:`MappedWrapper` is the pipeline of a transform that maps a function over
+`MappedWrapper` is the pipeline of a transform that maps a function over
 an axis of its arguments (``vmap``, ``pmap``, ``shard_map``): prepare the call,
 resolve the per-argument specification to one entry per traced array, call the
 JAX transform with the updates mapped back on each Variable's input
@@ -231,7 +231,7 @@ def find_batched_update(
 
 
 class VmapWrapped(MappedWrapper):
-    """A function vectorized with :func:`treemode.vmap`."""
+    """A function vectorized with `treemode.vmap`."""
 
     transform = "vmap"
 
