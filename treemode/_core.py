@@ -40,11 +40,12 @@ from ._flatten import (
     VarSpec,
     _StructureKey,
     alias_error,
+    first_duplicate,
     flatten_arg,
     rebuild,
     variable_dynamic,
 )
-from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable
+from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable, same_static
 from ._paths import format_path
 
 
@@ -301,24 +302,18 @@ def _finish_prepare(
 
 
 def _raise_alias(call: Call) -> None:
-    seen: dict[int, str] = {}
-    for root, tree in call.arg_roots() + call.lifted_roots:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
-            if not is_variable(leaf):
-                continue
-            where = format_path(path, root)
-            first = seen.setdefault(id(leaf), where)
-            if first != where:
-                if first.startswith("closure") != where.startswith("closure"):
-                    raise ClosureError(
-                        f"treemode.{call.transform}: the {type(leaf).__name__} at {where} "
-                        f"is reachable both as an argument and through the function's "
-                        f"closure ({first}). Pass the module only as an argument (or "
-                        "only through the closure), so that there is one place to write "
-                        "its updates back to."
-                    )
-                raise alias_error(call.transform, leaf, first, where)
-    raise AssertionError("duplicate Variable not found")  # pragma: no cover
+    duplicate = first_duplicate(call.arg_roots() + call.lifted_roots)
+    assert duplicate is not None, "duplicate Variable not found"
+    leaf, first, where = duplicate
+    if first.startswith("closure") != where.startswith("closure"):
+        raise ClosureError(
+            f"treemode.{call.transform}: the {type(leaf).__name__} at {where} "
+            f"is reachable both as an argument and through the function's "
+            f"closure ({first}). Pass the module only as an argument (or "
+            "only through the closure), so that there is one place to write "
+            "its updates back to."
+        )
+    raise alias_error(call.transform, leaf, first, where)
 
 
 @dataclasses.dataclass
@@ -475,7 +470,7 @@ class PureFunction:
                         )
                         problem = (_leaf_path(after, j), what)
                         break
-                    elif isinstance(spec, StaticLeaf) and not _same_static(leaf, spec.value):
+                    elif isinstance(spec, StaticLeaf) and not same_static(leaf, spec.value):
                         what = f"the static value {spec.value!r} was changed to {leaf!r}"
                         problem = (_leaf_path(after, j), what)
                         break
@@ -573,15 +568,6 @@ def _num_dynamic(key: _StructureKey) -> int:
     return n
 
 
-def _same_static(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
 def _value_changed(after: Any, before: Any) -> bool:
     if after is before:
         return False
@@ -667,7 +653,7 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
                 if is_array(a) and is_array(b):
                     return None  # values are compared positionally, not here
                 return path, f"a {type(a).__name__} was replaced by a {type(b).__name__}"
-            if not _same_static(a, b):
+            if not same_static(a, b):
                 return path, f"the static value {a!r} was changed to {b!r}"
             return None
         return path, f"a {type(a).__name__} was replaced by a {type(b).__name__}"
@@ -688,14 +674,14 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
         found = _diff((*path, k), x, y)
         if found is not None:
             return found
-    if not _same_static(aux_a, aux_b):
+    if not same_static(aux_a, aux_b):
         if is_graph_node(a):
             va, vb = vars(a), vars(b)
             for name in va:
                 x = va[name]
                 if is_variable(x) or is_array(x) or _one_level(x) is not None:
                     continue  # data: compared through the children above
-                if name in vb and not _same_static(x, vb[name]):
+                if name in vb and not same_static(x, vb[name]):
                     return (
                         (*path, jax.tree_util.GetAttrKey(name)),
                         f"the static attribute was changed from {va[name]!r} to {vb[name]!r}",

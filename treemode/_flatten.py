@@ -15,15 +15,15 @@ import dataclasses
 import functools
 import operator
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from jax.tree_util import PyTreeDef
 
 from ._errors import AliasError
-from ._leaves import ARRAY_TYPES, is_graph_node, is_variable, is_variable_value_leaf
+from ._leaves import is_graph_node, is_variable, is_variable_value_leaf
 from ._paths import format_path
 
 Variable = Any  # nnx.Variable; kept loose for speed-critical annotations
@@ -85,10 +85,16 @@ Spec = VarSpec | StaticLeaf | _Dynamic
 
 def variable_spec(var: Any) -> tuple[VarSpec, list[Any]]:
     """The spec of a Variable and its dynamic value leaves."""
-    value = var._raw_value
-    metadata = tuple(sorted(var._var_metadata.items()))
-    if isinstance(value, ARRAY_TYPES):
-        return VarSpec(type(var), metadata), [value]
+    return value_spec(type(var), var._var_metadata, var._raw_value)
+
+
+def value_spec(
+    var_type: type, metadata: dict[str, Any], value: Any
+) -> tuple[VarSpec, list[Any]]:
+    """The spec of a Variable of ``var_type`` holding ``value``, and its dynamic leaves."""
+    metadata_key = tuple(sorted(metadata.items()))
+    if is_variable_value_leaf(value):
+        return VarSpec(var_type, metadata_key), [value]
     leaves, value_def = jax.tree_util.tree_flatten(value)
     static: list[StaticLeaf | None] = []
     dynamic: list[Any] = []
@@ -98,7 +104,7 @@ def variable_spec(var: Any) -> tuple[VarSpec, list[Any]]:
             dynamic.append(leaf)
         else:
             static.append(StaticLeaf(leaf))
-    return VarSpec(type(var), metadata, value_def, tuple(static)), dynamic
+    return VarSpec(var_type, metadata_key, value_def, tuple(static)), dynamic
 
 
 def variable_dynamic(var: Any, spec: VarSpec) -> list[Any]:
@@ -400,15 +406,22 @@ def check_no_aliases(transform: str = "check_no_aliases", /, **trees: Any) -> No
         treemode.check_no_aliases(args=(v,), kwargs={"w": v})
     ```
     """
+    duplicate = first_duplicate(trees.items())
+    if duplicate is not None:
+        raise alias_error(transform, *duplicate)
+
+
+def first_duplicate(roots: Iterable[tuple[str, Any]]) -> tuple[Any, str, str] | None:
+    """``(variable, first path, second path)`` of the first Variable reached twice."""
     seen: dict[int, str] = {}
-    for root, tree in trees.items():
+    for root, tree in roots:
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
-            if not is_variable(leaf):
-                continue
-            where = format_path(path, root)
-            first = seen.setdefault(id(leaf), where)
-            if first != where:
-                raise alias_error(transform, leaf, first, where)
+            if is_variable(leaf):
+                where = format_path(path, root)
+                first = seen.setdefault(id(leaf), where)
+                if first != where:
+                    return leaf, first, where
+    return None
 
 
 def alias_error(transform: str, var: Any, first: str, second: str) -> AliasError:

@@ -61,3 +61,13 @@ def is_variable_value_leaf(x: Any) -> bool:
     return isinstance(x, ARRAY_TYPES) or isinstance(x, SCALAR_TYPES) or isinstance(
         x, jax.ShapeDtypeStruct
     )
+
+
+def same_static(a: Any, b: Any) -> bool:
+    """Equality of static values, where a failing ``==`` means different."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False

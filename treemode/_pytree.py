@@ -25,7 +25,7 @@ from flax import nnx
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from ._errors import ProxyError
-from ._flatten import DYNAMIC, StaticLeaf, VarSpec
+from ._flatten import DYNAMIC, StaticLeaf, VarSpec, value_spec
 from ._graph import from_tree, to_tree
 from ._leaves import (
     ARRAY_TYPES,
@@ -33,8 +33,9 @@ from ._leaves import (
     is_abstract_array,
     is_graph_node,
     is_variable,
-    is_variable_value_leaf,
+    same_static,
 )
+from ._paths import format_key
 
 M = TypeVar("M")
 
@@ -72,17 +73,7 @@ class ModuleKey(GetAttrKey):
 
 
 def _format_key(key: Any) -> str:
-    if isinstance(key, ModuleKey):
-        return str(key)
-    if isinstance(key, GetAttrKey):
-        return f".{key.name}"
-    if isinstance(key, SequenceKey):
-        return f"[{key.idx}]"
-    if isinstance(key, DictKey):
-        return f"[{key.key!r}]"
-    if isinstance(key, FlattenedIndexKey):
-        return f"[{key.key}]"
-    return str(key)
+    return str(key) if isinstance(key, ModuleKey) else format_key(key)
 
 
 def nnx_path(keys: Sequence[Any]) -> tuple[Any, ...]:
@@ -283,29 +274,7 @@ def _unwrap(value: Any) -> Any:
 
 
 def _var_spec(var: Any) -> tuple[VarSpec, list[Any]]:
-    value = _unwrap(var._raw_value)
-    metadata = tuple(sorted(var._var_metadata.items()))
-    if is_variable_value_leaf(value):
-        return VarSpec(type(var), metadata), [value]
-    leaves, value_def = jax.tree_util.tree_flatten(value)
-    static: list[StaticLeaf | None] = []
-    dynamic: list[Any] = []
-    for leaf in leaves:
-        if is_variable_value_leaf(leaf):
-            static.append(None)
-            dynamic.append(leaf)
-        else:
-            static.append(StaticLeaf(leaf))
-    return VarSpec(type(var), metadata, value_def, tuple(static)), dynamic
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
+    return value_spec(type(var), var._var_metadata, _unwrap(var._raw_value))
 
 
 def _reuse(flat: list[Any], old: PytreeDef) -> tuple[tuple[Any, ...], list[Any]] | None:
@@ -331,9 +300,9 @@ def _reuse(flat: list[Any], old: PytreeDef) -> tuple[tuple[Any, ...], list[Any]]
             for part, static in zip(parts, spec.value_static, strict=True):
                 if static is None:
                     leaves.append(part)
-                elif not _same(part, static.value):
+                elif not same_static(part, static.value):
                     return None
-        elif not _same(x, spec.value):
+        elif not same_static(x, spec.value):
             return None
     return tuple(leaves), variables
 
