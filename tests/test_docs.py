@@ -250,3 +250,39 @@ def test_api_reference_lists_every_public_name() -> None:
     public = {n for n in names if not isinstance(getattr(treemode, n), types.ModuleType)}
     missing = sorted(public - documented)
     assert not missing, f"add these to docs/api.md: {missing}"
+
+
+def test_errors_page_covers_every_error_class() -> None:
+    """docs/errors.md has a section per error class, with an example that raises it."""
+    from treemode import _errors
+
+    page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+    sections = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^## `(\w+)`\n(.*?)(?=^## |\Z)", page, flags=re.M | re.S)
+    }
+    assert len(sections) >= 2, "docs/errors.md sections are headed ## `ErrorName`"
+    missing = sorted(set(_errors.__all__) - set(sections))
+    assert not missing, f"add a section to docs/errors.md for: {missing}"
+    for name, body in sections.items():
+        if name == "TreemodeError":
+            continue
+        codes = [code for _, code, run in extract_blocks(body) if run]
+        assert any(f"treemode.{name}" in code for code in codes), (
+            f"the {name} section of docs/errors.md needs a runnable example that triggers it"
+        )
+        assert "**Fix.**" in body, f"the {name} section of docs/errors.md needs a **Fix.**"
+
+
+_RST_ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|exc|obj):`")
+
+
+def test_docstrings_use_markdown_not_rst_roles() -> None:
+    """mkdocstrings renders RST roles (``:func:`x` ``) literally: use backticks."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "treemode").glob("*.py"))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if _RST_ROLE.search(line)
+    ]
+    assert not offenders, "replace RST roles with `backticks` in: " + ", ".join(offenders)
