@@ -349,8 +349,17 @@ def _branches(
         plans.append((c, ups, meta))
     for c, ups, _ in plans:
         _core.check_writable(c, ups)
-    for c, ups, meta in plans:
-        _core.write_back(c, ups, meta)
+    # One write-back per branch call (their closure Variables differ): all of
+    # them commit, or none (a failure in a later one undoes the earlier ones).
+    before: list[tuple[Any, Any, Any]] = []
+    try:
+        for c, ups, meta in plans:
+            before.extend((v, v._raw_value, v._var_metadata) for v in c.variables)
+            _core.write_back(c, ups, meta)
+    except BaseException:
+        for var, value, meta in reversed(before):
+            _core._restore(var, value, meta)
+        raise
     return _core.finish(main, out)
 
 
