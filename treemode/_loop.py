@@ -31,7 +31,7 @@ from . import _core
 from ._errors import StructureError
 from ._flatten import DYNAMIC, VarSpec, variable_dynamic
 from ._graph import GraphNode, SharedRef
-from ._leaves import is_graph_node, is_variable
+from ._leaves import is_graph_node, is_variable, same_static
 from ._paths import format_path
 
 # -- per-dynamic-array helpers ------------------------------------------------------
@@ -150,8 +150,10 @@ def carry_layout(call: _core.Call, k: int, root: str) -> CarryLayout:
     for leaf in coarse:
         if _is_coarse_leaf(leaf):
             kinds.append(NODE)
-            n = 1 if is_variable(leaf) else len(
-                jax.tree_util.tree_leaves(leaf, is_leaf=is_variable)
+            n = (
+                1
+                if is_variable(leaf)
+                else len(jax.tree_util.tree_leaves(leaf, is_leaf=is_variable))
             )
             for _ in range(n):
                 spec = next(specs)
@@ -205,7 +207,7 @@ def check_carry_out(
             if problem is not None:
                 raise type_error(transform, where, "the carry array", problem)
             free.append(after)
-        elif not _core._same_static(before, after):
+        elif not same_static(before, after):
             raise StructureError(
                 f"treemode.{transform}: the static carry value at {where} changed from "
                 f"{before!r} to {after!r}. Static values (non-array leaves) cannot change "
@@ -231,8 +233,10 @@ def rebuild_carry(original: Any, layout: CarryLayout, free_values: Sequence[Any]
         return original
     leaves, treedef = jax.tree_util.tree_flatten(original, is_leaf=_is_object_leaf)
     values = iter(free_values)
-    new = [next(values) if kind == FREE else leaf for leaf, kind in zip(
-        leaves, layout.kinds, strict=True)]
+    new = [
+        next(values) if kind == FREE else leaf
+        for leaf, kind in zip(leaves, layout.kinds, strict=True)
+    ]
     return treedef.unflatten(new)
 
 
