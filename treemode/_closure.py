@@ -65,7 +65,7 @@ def closure_objects(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
             return
         if _holds_state(f):
             add(type(f).__name__, f)
-            call = getattr(type(f), "__call__", None)
+            call = getattr(type(f), "__call__", None)  # noqa: B004 - the method itself
             if call is not None:
                 visit(call, depth + 1)
             return

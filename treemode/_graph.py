@@ -37,7 +37,12 @@ class GraphNode:
 
     __slots__ = ("children", "keys", "node_def")
 
-    def __init__(self, node_def: PyTreeDef, keys: tuple[Any, ...], children: list[Any]):
+    def __init__(
+        self,
+        node_def: PyTreeDef,  # pyright: ignore[reportInvalidTypeForm] - jaxlib has no stubs
+        keys: tuple[Any, ...],
+        children: list[Any],
+    ):
         self.node_def = node_def
         self.keys = keys
         self.children = children
