@@ -70,8 +70,10 @@ def main() -> None:
     final = float(eval_loss(model, x, y))
     elapsed = time.perf_counter() - start
     print(f"final eval loss {final:.4f} (first epoch {first_loss:.4f}) in {elapsed:.1f}s")
-    print(f"optimizer steps {int(optimizer.step[...])}, dropout rng count "
-          f"{int(model.dropout.rngs.count[...])}")
+    print(
+        f"optimizer steps {int(optimizer.step[...])}, dropout rng count "
+        f"{int(model.dropout.rngs.count[...])}"
+    )
     assert final < first_loss, "the loss did not fall"
 
 

@@ -24,7 +24,6 @@ class SharedSub(nnx.Module):
         self.dec = self.enc
 
 
-
 @pytest.mark.parametrize(
     "make_call, paths",
     [

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import Stateful, state_arrays, variable_buffers
 
 import treemode
-from helpers import Stateful, state_arrays, variable_buffers
 from treemode import _core
 
 

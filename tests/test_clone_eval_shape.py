@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from helpers import Counter, Stateful, assert_same_state
 
 import treemode
-from helpers import Counter, Stateful, assert_same_state
 
 
 def test_clone_new_variables_shared_buffers_by_default():

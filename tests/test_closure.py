@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import Counter
 
 import treemode
-from helpers import Counter
 
 GLOBAL_COUNTER = Counter()
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import MLP, variable_buffers
 
 import treemode
-from helpers import MLP, variable_buffers
 
 
 def test_donated_module_stays_usable_and_holds_fresh_buffers():

@@ -166,8 +166,9 @@ def test_scan_with_the_proxy_as_carry():
     for i in range(3):
         np.testing.assert_allclose(ys[i], reference(xs[i]), rtol=1e-5, atol=1e-6)
     assert int(final.layers[2].rngs.count[...]) == 3
-    np.testing.assert_allclose(final.layers[1].mean[...], reference.layers[1].mean[...],
-                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        final.layers[1].mean[...], reference.layers[1].mean[...], rtol=1e-5, atol=1e-7
+    )
     assert int(proxy.layers[2].rngs.count[...]) == 0  # the input is untouched
 
 
@@ -288,14 +289,20 @@ def test_filter_on_plain_nnx_modules_and_nnx_filters():
 
     assert picked(nnx.BatchStat) == [".layers[1].mean", ".layers[1].var"]
     assert picked((nnx.BatchStat, nnx.RngCount)) == [
-        ".layers[1].mean", ".layers[1].var", ".layers[2].rngs.count"
+        ".layers[1].mean",
+        ".layers[1].var",
+        ".layers[2].rngs.count",
     ]
     assert picked(nnx.All(nnx.Param, nnx.PathContains(1))) == [
-        ".layers[1].bias", ".layers[1].scale"
+        ".layers[1].bias",
+        ".layers[1].scale",
     ]
     assert picked(lambda path, v: v.shape == (2, 8)) == [".layers[0].kernel"]
     assert picked(nnx.Not(nnx.Param)) == [
-        ".layers[1].mean", ".layers[1].var", ".layers[2].rngs.count", ".layers[2].rngs.key"
+        ".layers[1].mean",
+        ".layers[1].var",
+        ".layers[2].rngs.count",
+        ".layers[2].rngs.key",
     ]
     assert picked(...) == picked(nnx.Variable)
     assert picked(None) == []
@@ -308,9 +315,7 @@ class Hybrid(nnx.Module):
     """An NNX module holding Equinox modules with non-array fields (activations)."""
 
     def __init__(self):
-        self.mlp = nnx.data(
-            eqx.nn.MLP(2, 2, 4, 1, activation=jax.nn.gelu, key=jax.random.key(0))
-        )
+        self.mlp = nnx.data(eqx.nn.MLP(2, 2, 4, 1, activation=jax.nn.gelu, key=jax.random.key(0)))
         self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
         self.bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
 
@@ -345,10 +350,12 @@ def test_equinox_inside_nnx_under_treemode_value_and_grad():
     graphdef, state = nnx.split(Hybrid())
     ref_value, ref = jax.value_and_grad(lambda s: loss(nnx.merge(graphdef, s), x))(state)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    np.testing.assert_allclose(grads.lin.kernel[...], ref["lin"]["kernel"][...], rtol=1e-4,
-                               atol=1e-6)
-    np.testing.assert_allclose(grads.mlp.layers[0].weight, ref["mlp"]["layers"][0]["weight"],
-                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        grads.lin.kernel[...], ref["lin"]["kernel"][...], rtol=1e-4, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        grads.mlp.layers[0].weight, ref["mlp"]["layers"][0]["weight"], rtol=1e-4, atol=1e-6
+    )
     assert grads.mlp.activation is jax.nn.gelu
     eager = Hybrid()
     eager(x)
@@ -381,8 +388,9 @@ def test_pytree_proxy_in_the_aux_of_treemode_grad():
     assert type(grads) is Pytree and type(new) is Pytree
     graphdef, state = nnx.split(Hybrid())
     ref = jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x) ** 2))(state)
-    np.testing.assert_allclose(grads.lin.kernel[...], ref["lin"]["kernel"][...], rtol=1e-4,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        grads.lin.kernel[...], ref["lin"]["kernel"][...], rtol=1e-4, atol=1e-6
+    )
     assert np.abs(np.asarray(new.bn.mean[...])).sum() > 0
 
 
@@ -399,8 +407,10 @@ def test_unreturned_proxy_state_change_is_an_error(transform):
     with pytest.raises(treemode.StructureError) as info:
         fn()
     message = str(info.value)
-    assert message.startswith(f"treemode.{transform}: the function changed the state of the "
-                              "treemode.Pytree at args[0] (first at args[0].bn.mean)")
+    assert message.startswith(
+        f"treemode.{transform}: the function changed the state of the "
+        "treemode.Pytree at args[0] (first at args[0].bn.mean)"
+    )
     assert "return y, proxy" in message
     for a, b in zip(jax.tree.leaves(proxy), before, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -444,6 +454,5 @@ def test_equinox_inside_nnx_under_more_treemode_transforms(name):
     for _ in range(passes):
         expected = reference(_X)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(model.bn.mean[...], reference.bn.mean[...], rtol=1e-5,
-                               atol=1e-7)
+    np.testing.assert_allclose(model.bn.mean[...], reference.bn.mean[...], rtol=1e-5, atol=1e-7)
     assert model.mlp.activation is jax.nn.gelu

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from helpers import Counter
 
 import treemode
-from helpers import Counter
 
 
 class WithEquinox(nnx.Module):

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import Stateful, assert_same_state
 
 import treemode
-from helpers import Stateful, assert_same_state
 
 
 class Shared(nnx.Module):

@@ -8,9 +8,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import MLP, Counter, Stateful, assert_same_state, variable_buffers
 
 import treemode
-from helpers import MLP, Counter, Stateful, assert_same_state, variable_buffers
 
 
 def test_counter_written_back_like_eager():
@@ -143,7 +143,9 @@ def test_static_argnums_and_argnames():
 
 def test_unhashable_static_argument_is_reported():
     f = treemode.jit(lambda x, cfg: x, static_argnums=1)
-    with pytest.raises(treemode.StaticArgumentError, match=r"treemode.jit: static argument args\[1\]"):
+    with pytest.raises(
+        treemode.StaticArgumentError, match=r"treemode.jit: static argument args\[1\]"
+    ):
         f(jnp.ones(1), [1, 2])
 
 

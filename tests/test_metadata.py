@@ -29,9 +29,7 @@ def test_vmap_without_keyword_leaves_metadata():
 
 
 def test_out_axes_1_inserts_at_position_1():
-    create = treemode.vmap(
-        make_param, out_axes=1, transform_metadata={nnx.PARTITION_NAME: "din"}
-    )
+    create = treemode.vmap(make_param, out_axes=1, transform_metadata={nnx.PARTITION_NAME: "din"})
     stack = create(treemode.split_rngs(nnx.Rngs(0), splits=4))
     assert stack.shape == (16, 4)
     assert stack.out_sharding == ("dout", "din")
@@ -60,16 +58,18 @@ def test_standalone_inside_treemode_vmap_and_jax_vmap():
     @treemode.vmap(in_axes=0, out_axes=0)
     @treemode.transform_metadata(in_axes=0, out_axes=0, partition="din")
     def create(key):
-        return nnx.Param(jax.random.uniform(key, (16,)), out_sharding=("dout",),
-                         eager_sharding=False)
+        return nnx.Param(
+            jax.random.uniform(key, (16,)), out_sharding=("dout",), eager_sharding=False
+        )
 
     keys = jax.random.split(jax.random.key(0), 8)
     assert create(keys).out_sharding == ("din", "dout")
 
     create_jax = jax.vmap(
         treemode.transform_metadata(
-            lambda k: nnx.Param(jax.random.uniform(k, (16,)), out_sharding=("dout",),
-                                eager_sharding=False),
+            lambda k: nnx.Param(
+                jax.random.uniform(k, (16,)), out_sharding=("dout",), eager_sharding=False
+            ),
             partition="din",
         )
     )
@@ -87,7 +87,9 @@ def test_pmap_keyword():
 def test_add_and_remove_axis_helpers():
     with nnx.use_eager_sharding(False):
         layer = nnx.Linear(
-            2, 3, rngs=nnx.Rngs(0),
+            2,
+            3,
+            rngs=nnx.Rngs(0),
             kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("a", "b")),
         )
     meta = {nnx.PARTITION_NAME: "layers"}

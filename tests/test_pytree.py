@@ -203,9 +203,7 @@ def test_unflatten_accepts_any_leaves_and_is_lazy(monkeypatch):
         odd = jax.tree.map(make, proxy)
         assert type(odd) is Pytree
         assert built == []  # nothing materialized by unflattening
-    shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), proxy
-    )
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), proxy)
     assert shapes.lin.kernel.shape == (2, 3)
     assert isinstance(shapes.lin.kernel[...], jax.ShapeDtypeStruct)
     assert built == [1]
@@ -258,8 +256,9 @@ def test_method_and_submodule_calls_keep_the_proxy_consistent():
 
 
 def test_iterating_a_list_gives_submodules_that_update_the_proxy():
-    proxy = Pytree(nnx.Sequential(nnx.BatchNorm(2, rngs=nnx.Rngs(0)),
-                                  nnx.BatchNorm(2, rngs=nnx.Rngs(0))))
+    proxy = Pytree(
+        nnx.Sequential(nnx.BatchNorm(2, rngs=nnx.Rngs(0)), nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
+    )
     x = jnp.arange(8.0).reshape(4, 2)
     for layer in proxy.layers:
         layer(x)
@@ -354,7 +353,10 @@ def test_wrapping_a_proxy_or_a_submodule():
     assert jax.tree.structure(again) == jax.tree.structure(proxy)
     sub = Pytree(proxy.bn)
     assert [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]] == [
-        ".bias", ".mean", ".scale", ".var"
+        ".bias",
+        ".mean",
+        ".scale",
+        ".var",
     ]
 
 

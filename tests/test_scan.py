@@ -472,8 +472,9 @@ def test_equinox_module_as_carry_and_as_scanned_stack():
     keys = jax.random.split(jax.random.key(1), 5)
     stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 3, key=k))(keys)
     forward = treemode.scan(lambda h, layer: layer(h), in_axes=(Carry, 0), out_axes=Carry)
-    want = jax.lax.scan(lambda h, p: (p[0] @ h + p[1], None), jnp.ones(3),
-                        (stack.weight, stack.bias))[0]
+    want = jax.lax.scan(
+        lambda h, p: (p[0] @ h + p[1], None), jnp.ones(3), (stack.weight, stack.bias)
+    )[0]
     np.testing.assert_allclose(forward(jnp.ones(3), stack), want, rtol=1e-6)
 
 

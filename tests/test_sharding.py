@@ -44,7 +44,9 @@ def test_sharding_of_and_partition_specs(devices):
     mesh = Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
     with nnx.use_eager_sharding(False):
         layer = nnx.Linear(
-            4, 8, rngs=nnx.Rngs(0),
+            4,
+            8,
+            rngs=nnx.Rngs(0),
             kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model")),
             bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",)),
         )

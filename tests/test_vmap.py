@@ -82,9 +82,7 @@ def test_vmapped_forward_over_a_stack_matches_per_layer_calls():
     x = jnp.arange(10.0).reshape(5, 2)
     y = treemode.vmap(lambda layer, x: layer(x), in_axes=(0, None))(stack, x)
     for i in range(3):
-        np.testing.assert_allclose(
-            y[i], x @ stack.kernel[...][i] + stack.bias[...][i], rtol=1e-6
-        )
+        np.testing.assert_allclose(y[i], x @ stack.kernel[...][i] + stack.bias[...][i], rtol=1e-6)
 
 
 def test_module_shaped_in_axes_per_example_batch_stats():
@@ -120,9 +118,7 @@ def test_updates_return_on_axis_1():
 def test_negative_axis_and_out_axes():
     acc = Acc(jnp.arange(3.0), jnp.zeros((2, 3)))
     axes = treemode.prefix(acc, {nnx.Param: 0, nnx.BatchStat: -1})
-    y = treemode.vmap(lambda m, x: m(x), in_axes=(axes, 0), out_axes=1)(
-        acc, jnp.ones((3, 2))
-    )
+    y = treemode.vmap(lambda m, x: m(x), in_axes=(axes, 0), out_axes=1)(acc, jnp.ones((3, 2)))
     assert y.shape == (2, 3)
     np.testing.assert_allclose(acc.total[...], jnp.broadcast_to(jnp.arange(3.0), (2, 3)))
 
@@ -296,9 +292,7 @@ def test_broadcast_variable_set_to_batched_value_names_path():
 def test_batched_broadcast_error_with_axis_name():
     acc = Acc(jnp.array(1.0), jnp.zeros(()))
     with pytest.raises(treemode.AxisError, match=r"args\[0\]\.total.*\n.*pmean\(x, 'b'\)"):
-        treemode.vmap(lambda m, x: m(x), in_axes=(None, 0), axis_name="b")(
-            acc, jnp.arange(3.0)
-        )
+        treemode.vmap(lambda m, x: m(x), in_axes=(None, 0), axis_name="b")(acc, jnp.arange(3.0))
 
 
 @pytest.mark.parametrize(

@@ -444,7 +444,10 @@ def cond(
     ```
     """
     return _branches(
-        "cond", [true_fun, false_fun], operands, graph,
+        "cond",
+        [true_fun, false_fun],
+        operands,
+        graph,
         lambda fns, dyn: jax.lax.cond(pred, fns[0], fns[1], *dyn),
     )
 
@@ -495,7 +498,10 @@ def switch(
     if not branches:
         raise ValueError("treemode.switch: branches is empty; give at least one function.")
     return _branches(
-        "switch", branches, operands, graph,
+        "switch",
+        branches,
+        operands,
+        graph,
         lambda fns, dyn: jax.lax.switch(index, fns, *dyn),
     )
 

@@ -149,4 +149,3 @@ def _mask_proxy(
             pdef._masks[(cache_key, prefix)] = flags
     out = [bool(other(leaf)) if f is None else f for f, leaf in zip(flags, leaves, strict=True)]
     return from_parts(pdef, out)
-

@@ -58,8 +58,10 @@ def is_abstract_array(x: Any) -> bool:
 
 def is_variable_value_leaf(x: Any) -> bool:
     """Leaves inside a Variable's value that are traced: arrays and Python numbers."""
-    return isinstance(x, ARRAY_TYPES) or isinstance(x, SCALAR_TYPES) or isinstance(
-        x, jax.ShapeDtypeStruct
+    return (
+        isinstance(x, ARRAY_TYPES)
+        or isinstance(x, SCALAR_TYPES)
+        or isinstance(x, jax.ShapeDtypeStruct)
     )
 
 

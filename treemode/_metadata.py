@@ -227,7 +227,12 @@ def with_axis_metadata(
         try:
             for where, tree, axes in targets:
                 apply_axis_metadata(
-                    tree, axes, metadata, add=False, transform=transform, where=where,
+                    tree,
+                    axes,
+                    metadata,
+                    add=False,
+                    transform=transform,
+                    where=where,
                     is_leaf=is_leaf,
                 )
             out = fn(*args, **kwargs)
@@ -237,11 +242,21 @@ def with_axis_metadata(
             raise
         for where, tree, axes in targets:
             apply_axis_metadata(
-                tree, axes, metadata, add=True, transform=transform, where=where,
+                tree,
+                axes,
+                metadata,
+                add=True,
+                transform=transform,
+                where=where,
                 is_leaf=is_leaf,
             )
         apply_axis_metadata(
-            out, out_axes, metadata, add=True, transform=transform, where="output",
+            out,
+            out_axes,
+            metadata,
+            add=True,
+            transform=transform,
+            where="output",
             is_leaf=out_leaf,
         )
         return out

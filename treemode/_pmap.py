@@ -77,8 +77,13 @@ class PmapWrapped(MappedWrapper):
         # jax.pmap silently keeps one device's value of an unmapped output; check
         # under vmap once that no broadcast Variable gets a per-device value.
         find_batched_update(
-            entry.pure, call, entry.axes, self.out_axes,
-            axis_name=self.axis_name, axis_size=self.axis_size, check_first=True,
+            entry.pure,
+            call,
+            entry.axes,
+            self.out_axes,
+            axis_name=self.axis_name,
+            axis_size=self.axis_size,
+            check_first=True,
         )
 
     def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:

@@ -127,8 +127,17 @@ class PytreeDef:
     `jax.jit` cache entry.
     """
 
-    __slots__ = ("treedef", "specs", "num_leaves", "_hash", "_keys", "_layout", "_var_slots",
-                 "_masks", "__weakref__")
+    __slots__ = (
+        "treedef",
+        "specs",
+        "num_leaves",
+        "_hash",
+        "_keys",
+        "_layout",
+        "_var_slots",
+        "_masks",
+        "__weakref__",
+    )
 
     def __init__(self, treedef: Any, specs: tuple[Any, ...]):
         self.treedef = treedef  # a jax PyTreeDef
@@ -338,9 +347,7 @@ def capture(
     return _intern(PytreeDef(treedef, tuple(specs))), tuple(leaves), variables
 
 
-def materialize(
-    pdef: PytreeDef, leaves: Sequence[Any], *, wrap: bool
-) -> tuple[Any, list[Any]]:
+def materialize(pdef: PytreeDef, leaves: Sequence[Any], *, wrap: bool) -> tuple[Any, list[Any]]:
     """Build a new module (and its Variables, in order) from a static part and leaves."""
     tree_leaves: list[Any] = []
     variables: list[Any] = []
@@ -602,8 +609,7 @@ class Pytree(Generic[M]):
             value = getattr(module, name)
         except AttributeError:
             raise AttributeError(
-                f"treemode.Pytree: the wrapped {type(module).__name__} has no attribute "
-                f"{name!r}."
+                f"treemode.Pytree: the wrapped {type(module).__name__} has no attribute {name!r}."
             ) from None
         return self._pt_expose(value)
 

@@ -107,14 +107,24 @@ def _shape(splits: Splits) -> tuple[int, ...]:
 
 @overload
 def split_rngs(
-    node: None = None, /, *, splits: Splits, only: Any = ..., squeeze: bool = False,
+    node: None = None,
+    /,
+    *,
+    splits: Splits,
+    only: Any = ...,
+    squeeze: bool = False,
     graph: bool = False,
 ) -> Callable[[F], F]: ...
 
 
 @overload
 def split_rngs(
-    node: Any, /, *, splits: Splits, only: Any = ..., squeeze: bool = False,
+    node: Any,
+    /,
+    *,
+    splits: Splits,
+    only: Any = ...,
+    squeeze: bool = False,
     graph: bool = False,
 ) -> Any: ...
 
@@ -165,8 +175,9 @@ def split_rngs(
             "it produces one fresh key per stream without a batch axis."
         )
     if node is _MISSING:
-        return _decorator(functools.partial(split_rngs, splits=splits, only=only,
-                                            squeeze=squeeze, graph=graph))
+        return _decorator(
+            functools.partial(split_rngs, splits=splits, only=only, squeeze=squeeze, graph=graph)
+        )
     selected = _stream_predicate(only)
 
     def choose(path: tuple[Any, ...], stream: Any) -> tuple[bool, Splits | None]:
@@ -184,14 +195,20 @@ def split_rngs(
 
 @overload
 def fork_rngs(
-    node: None = None, /, *, split: Mapping[Any, Splits | None] | Splits | None = None,
+    node: None = None,
+    /,
+    *,
+    split: Mapping[Any, Splits | None] | Splits | None = None,
     graph: bool = False,
 ) -> Callable[[F], F]: ...
 
 
 @overload
 def fork_rngs(
-    node: Any, /, *, split: Mapping[Any, Splits | None] | Splits | None = None,
+    node: Any,
+    /,
+    *,
+    split: Mapping[Any, Splits | None] | Splits | None = None,
     graph: bool = False,
 ) -> Any: ...
 

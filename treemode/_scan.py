@@ -154,8 +154,9 @@ class ScanWrapped:
             _nested_carry(out_axes, "out_axes")
             self.out_kind, self.out_carry = "ys", None
         if (self.in_carry is None) != (self.out_carry is None):
-            where, other = ("in_axes", "out_axes") if self.in_carry is not None else (
-                "out_axes", "in_axes")
+            where, other = (
+                ("in_axes", "out_axes") if self.in_carry is not None else ("out_axes", "in_axes")
+            )
             raise AxisError(
                 f"treemode.scan: {where} has a treemode.Carry but {other} does not "
                 f"(in_axes={in_axes!r}, out_axes={out_axes!r}). The function receives the "
@@ -225,8 +226,13 @@ class ScanWrapped:
         fn = self.fn
         if self.metadata is not None:
             fn = with_axis_metadata(
-                fn, entries, self.out_axes, self.metadata, transform="scan",
-                kwargs_axis=None, is_leaf=_is_spec_leaf,
+                fn,
+                entries,
+                self.out_axes,
+                self.metadata,
+                transform="scan",
+                kwargs_axis=None,
+                is_leaf=_is_spec_leaf,
             )
 
         def body(*args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
@@ -243,16 +249,19 @@ class ScanWrapped:
         axes_prefix = self._ys_axes()
         try:
             axes = broadcast_to_leaves(
-                axes_prefix, ys, is_prefix_leaf=is_int_axis, where="the outputs",
+                axes_prefix,
+                ys,
+                is_prefix_leaf=is_int_axis,
+                where="the outputs",
                 what="treemode.scan: out_axes",
             )
         except ValueError as e:
             raise AxisError(str(e)) from None
         leaves, treedef = jax.tree_util.tree_flatten(ys, is_leaf=is_variable)
         moved = [
-            leaf if axis == 0 else jax.tree_util.tree_map(
-                lambda a, axis=axis: jnp.moveaxis(a, 0, axis), leaf
-            )
+            leaf
+            if axis == 0
+            else jax.tree_util.tree_map(lambda a, axis=axis: jnp.moveaxis(a, 0, axis), leaf)
             for leaf, axis in zip(leaves, axes, strict=True)
         ]
         return treedef.unflatten(moved)
@@ -268,8 +277,13 @@ class ScanWrapped:
             args = (*args[:carry_pos], scalars_to_arrays(args[carry_pos]), *args[carry_pos + 1 :])
         call = _core.prepare("scan", self.fn, args, kwargs, graph=self.graph)
         axes = call_axes(
-            call, entries, kwargs_axis=None, closure_axis=None, is_leaf=_is_spec_leaf,
-            valid=_is_spec_leaf, expected="an int, None or treemode.Carry",
+            call,
+            entries,
+            kwargs_axis=None,
+            closure_axis=None,
+            is_leaf=_is_spec_leaf,
+            valid=_is_spec_leaf,
+            expected="an int, None or treemode.Carry",
         )
         length = self._length(call, axes.dynamic)
         layout = None
@@ -312,8 +326,10 @@ class ScanWrapped:
         updates = loop.final_updates(values)
         for (i, ax), u in zip(scanned_vars, stacked, strict=True):
             if u is not None:
-                updates[i] = u if ax == 0 else jax.tree_util.tree_map(
-                    lambda a, ax=ax: jnp.moveaxis(a, 0, ax), u
+                updates[i] = (
+                    u
+                    if ax == 0
+                    else jax.tree_util.tree_map(lambda a, ax=ax: jnp.moveaxis(a, 0, ax), u)
                 )
         _core.write_back(call, updates, pure.record.metadata_updates)
         ys = _core.finish(call, self._move_out_axes(ys))
@@ -438,8 +454,13 @@ def scan(
     ```
     """
     options: dict[str, Any] = dict(
-        length=length, reverse=reverse, unroll=unroll, in_axes=in_axes, out_axes=out_axes,
-        transform_metadata=transform_metadata, graph=graph,
+        length=length,
+        reverse=reverse,
+        unroll=unroll,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        transform_metadata=transform_metadata,
+        graph=graph,
     )
     if f is None:
         return lambda fn: ScanWrapped(fn, **options)

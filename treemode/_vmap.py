@@ -107,8 +107,12 @@ class MappedWrapper:
             pure = _core.PureFunction(call, force_updates=force)
             if self.metadata:
                 pure.fn = with_axis_metadata(
-                    pure.fn, self.in_axes, self.out_axes, self.metadata,
-                    transform=self.transform, is_leaf=self.metadata_is_leaf,
+                    pure.fn,
+                    self.in_axes,
+                    self.out_axes,
+                    self.metadata,
+                    transform=self.transform,
+                    is_leaf=self.metadata_is_leaf,
                 )
             entry = _Entry(pure, axes, self.build(pure, call, axes))
             self._cache[call.key] = entry
