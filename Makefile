@@ -19,8 +19,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q
 
+# The benchmark suite: every case, all peers side by side; writes
+# benchmarks/results/*.md, docs/assets/*.png and the results of docs/performance.md.
+# `make bench BENCH_ARGS=--quick` for a fast run.
 bench: $(STAMP)
-	$(PY) benchmarks/dispatch.py
+	$(PIP) install --quiet -e '.[bench]'
+	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(PIP) install --quiet -e '.[dev]'

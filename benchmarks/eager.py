@@ -1,0 +1,147 @@
+"""Case 3: eager (un-jitted) transforms: ``vmap``, ``scan`` and ``grad`` called directly.
+
+Outside ``jit`` every call traces its function again, so these numbers are
+tracing plus op-by-op execution. Peers: the plain JAX transform on a flat tuple
+of the same arrays (the floor), ``treemode.<transform>``, Flax's tree mode
+(``nnx.<transform>(graph=False)``) and, for reference, Flax's graph mode.
+
+- ``vmap``: a 2-layer MLP broadcast (``in_axes=(None, 0)``) over a batch;
+- ``scan``: 4 stacked layers scanned over (``in_axes=(Carry, 0)``);
+- ``grad``: the gradient of a loss with respect to a 2-layer MLP.
+
+Run: ``python benchmarks/eager.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from _common import (
+    RESULTS,
+    Config,
+    Table,
+    add_config_arguments,
+    config_from,
+    measure,
+    print_tables,
+    ratio_table,
+    write_tables,
+)
+from _models import (
+    BATCH,
+    MLP,
+    WIDTH,
+    Block,
+    loss_of,
+    mlp_flat_forward,
+    raw_arrays,
+    scan_flat_forward,
+)
+from flax import nnx
+
+import treemode
+
+PEERS = ["floor", "treemode", "nnx (graph=False)", "nnx (graph)"]
+SCAN_DEPTH = 4
+
+
+def _stack(depth: int) -> Block:
+    @nnx.split_rngs(splits=depth)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return Block(rngs)
+
+    return create(nnx.Rngs(0))
+
+
+def vmap_peers() -> dict[str, Callable[[], Any]]:
+    x = jnp.ones((BATCH, WIDTH))
+    arrays = raw_arrays(MLP(2, nnx.Rngs(0)))
+
+    def f(m, x):
+        return m(x)
+
+    models = {p: MLP(2, nnx.Rngs(0)) for p in PEERS}
+    tm = treemode.vmap(f, in_axes=(None, 0))
+    tree = nnx.vmap(f, in_axes=(None, 0), graph=False)
+    graph = nnx.vmap(f, in_axes=(None, 0), graph=True)
+    return {
+        "floor": lambda: jax.vmap(mlp_flat_forward, in_axes=(None, 0))(arrays, x),
+        "treemode": lambda: tm(models["treemode"], x),
+        "nnx (graph=False)": lambda: tree(models["nnx (graph=False)"], x),
+        "nnx (graph)": lambda: graph(models["nnx (graph)"], x),
+    }
+
+
+def scan_peers() -> dict[str, Callable[[], Any]]:
+    x = jnp.ones((BATCH, WIDTH))
+    stack = _stack(SCAN_DEPTH)
+    params = (stack.linear.bias[...], stack.linear.kernel[...])
+
+    def f(h, block):
+        return block(h)
+
+    stacks = {p: _stack(SCAN_DEPTH) for p in PEERS}
+    tm = treemode.scan(f, in_axes=(treemode.Carry, 0), out_axes=treemode.Carry)
+    tree = nnx.scan(f, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, graph=False)
+    graph = nnx.scan(f, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, graph=True)
+    return {
+        "floor": lambda: scan_flat_forward(params, x),
+        "treemode": lambda: tm(x, stacks["treemode"]),
+        "nnx (graph=False)": lambda: tree(x, stacks["nnx (graph=False)"]),
+        "nnx (graph)": lambda: graph(x, stacks["nnx (graph)"]),
+    }
+
+
+def grad_peers() -> dict[str, Callable[[], Any]]:
+    x = jnp.ones((BATCH, WIDTH))
+    arrays = raw_arrays(MLP(2, nnx.Rngs(0)))
+    models = {p: MLP(2, nnx.Rngs(0)) for p in PEERS}
+    flat_grad = jax.grad(lambda a, x: jnp.mean(mlp_flat_forward(a, x) ** 2))
+    tm = treemode.grad(loss_of)
+    tree = nnx.grad(loss_of, graph=False)
+    graph = nnx.grad(loss_of, graph=True)
+    return {
+        "floor": lambda: flat_grad(arrays, x),
+        "treemode": lambda: tm(models["treemode"], x),
+        "nnx (graph=False)": lambda: tree(models["nnx (graph=False)"], x),
+        "nnx (graph)": lambda: graph(models["nnx (graph)"], x),
+    }
+
+
+def run(config: Config) -> list[Table]:
+    eager_config = dataclasses.replace(config, repeats=config.eager_repeats)
+    rows = []
+    for name, make in (("vmap", vmap_peers), ("scan", scan_peers), ("grad", grad_peers)):
+        rows.append((f"{name} (eager)", measure(make(), eager_config, warmup=2)))
+        print(f"  measured {rows[-1][0]}", flush=True)
+    return ratio_table(
+        "eager",
+        "Eager transforms: microseconds per call",
+        PEERS,
+        "floor",
+        rows,
+        note="The floor is the plain JAX transform (`jax.vmap`, `jax.lax.scan`, `jax.grad`) "
+        "on a flat tuple of the same arrays, also un-jitted.",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    add_config_arguments(parser)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    config = config_from(args)
+    tables = run(config)
+    print_tables(tables)
+    write_tables(tables, args.out, config)
+
+
+if __name__ == "__main__":
+    main()
