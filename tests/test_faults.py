@@ -1,0 +1,544 @@
+"""Atomicity under faults: a transform that fails leaves its inputs exactly as they were.
+
+A failure is injected at every stage of the pipeline, for every transform:
+inside the user function (after it mutated Variables), during tracing (a JAX
+error), in the alias and structure checks (a natural ``AliasError`` /
+``StructureError`` and an injected failure in the check itself), and in the
+write-back: an ``Exception`` or a ``KeyboardInterrupt``-like ``BaseException``
+raised by the write hook ``treemode._core.store`` before each of its writes.
+Afterwards every input Variable must hold the very same buffer and metadata as
+before (bit for bit) and the inputs must still work: running the transform
+again gives the state the eager program gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import treemode
+from treemode import _core
+
+
+class Model(nnx.Module):
+    """Params, an integer counter, a BatchStat and an Rngs stream."""
+
+    def __init__(self, seed: int = 0):
+        self.w = nnx.Param(jnp.array([1.0, 2.0]))
+        self.steps = nnx.BatchStat(jnp.array(0, jnp.int32))
+        self.mean = nnx.BatchStat(jnp.zeros(2))
+        self.rngs = nnx.Rngs(seed)
+
+
+def step(m: Model, x: jax.Array) -> jax.Array:
+    """Reads and writes every kind of Variable; the write does not depend on x."""
+    m.steps[...] += 1
+    m.mean[...] = m.mean[...] + m.w[...]
+    m.w[...] = m.w[...] * 2.0
+    noise = jax.random.uniform(m.rngs(), (2,))
+    return jnp.sum(m.w[...] * x) + jnp.sum(noise)
+
+
+class Other(nnx.Module):
+    """A module reached through a closure (lifted into the transform's inputs)."""
+
+    def __init__(self):
+        self.total = nnx.Variable(jnp.array(0.0))
+
+
+# -- transforms: each runs ``fn(model, x)`` once (or twice for the loops) -------------
+
+
+_WRAPPED: dict[tuple[str, Any], Any] = {}
+
+
+def _cached(name: str, fn: Any, make: Callable[[], Any]) -> Any:
+    """One wrapper per (transform, function), so its compiled entries are reused."""
+    key = (name, fn)
+    if key not in _WRAPPED:
+        _WRAPPED[key] = make()
+    return _WRAPPED[key]
+
+
+def _jit(fn, m, x):
+    return _cached("jit", fn, lambda: treemode.jit(fn))(m, x)
+
+
+def _vmap(fn, m, x):
+    f = _cached("vmap", fn, lambda: treemode.vmap(fn, in_axes=(None, 0)))
+    return f(m, jnp.stack([x, x]))
+
+
+def _scan(fn, m, x):
+    f = _cached(
+        "scan",
+        fn,
+        lambda: treemode.scan(lambda m, x: (m, fn(m, x)), in_axes=(treemode.Carry, 0)),
+    )
+    return f(m, jnp.stack([x, x]))[1]
+
+
+def _grad(fn, m, x):
+    return treemode.grad(fn)(m, x)
+
+
+def _value_and_grad(fn, m, x):
+    return treemode.value_and_grad(fn)(m, x)[0]
+
+
+def _cond(fn, m, x):
+    return treemode.cond(jnp.array(True), fn, lambda m, x: jnp.sum(x), m, x)
+
+
+def _switch(fn, m, x):
+    return treemode.switch(jnp.array(0), [fn, lambda m, x: jnp.sum(x)], m, x)
+
+
+def _while(fn, m, x):
+    def body(v):
+        m, x, i = v
+        fn(m, x)
+        return m, x, i + 1
+
+    return treemode.while_loop(lambda v: v[2] < 2, body, (m, x, jnp.array(0)))[2]
+
+
+def _fori(fn, m, x):
+    def body(i, v):
+        fn(v[0], v[1])
+        return v
+
+    return treemode.fori_loop(0, 2, body, (m, x))[1]
+
+
+def _remat(fn, m, x):
+    return treemode.remat(fn)(m, x)
+
+
+def _eager_once(fn, m, x):
+    return fn(m, x)
+
+
+def _eager_twice(fn, m, x):
+    fn(m, x)
+    return fn(m, x)
+
+
+TRANSFORMS: dict[str, Callable[..., Any]] = {
+    "jit": _jit,
+    "vmap": _vmap,
+    "scan": _scan,
+    "grad": _grad,
+    "value_and_grad": _value_and_grad,
+    "cond": _cond,
+    "switch": _switch,
+    "while_loop": _while,
+    "fori_loop": _fori,
+    "remat": _remat,
+}
+# How often each runs the function: the eager reference does the same.
+# (vmap runs the update once: it does not depend on the example.)
+TWICE = {"scan", "while_loop", "fori_loop"}
+# Transforms that trace with abstract values (bool() of a Variable fails there).
+ABSTRACT = {"jit", "scan", "cond", "switch", "while_loop", "fori_loop", "remat"}
+
+
+def _reference(name: str, fn=step) -> Model:
+    m = Model()
+    (_eager_twice if name in TWICE else _eager_once)(fn, m, jnp.ones(2))
+    return m
+
+
+# -- snapshots --------------------------------------------------------------------------
+
+
+def _variables(*nodes: Any) -> list[Any]:
+    return [
+        v
+        for v in jax.tree_util.tree_leaves(nodes, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        if isinstance(v, nnx.Variable)
+    ]
+
+
+def _bits(value: Any) -> np.ndarray:
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+        value = jax.random.key_data(value)
+    return np.asarray(value).copy()
+
+
+class Snapshot:
+    """Every Variable's object, buffer, bits and metadata, and each node's structure."""
+
+    def __init__(self, *nodes: Any):
+        self.nodes = nodes
+        self.treedefs = [jax.tree_util.tree_structure(n) for n in nodes]
+        self.variables = _variables(*nodes)
+        self.buffers = [v.get_raw_value() for v in self.variables]
+        self.bits = [_bits(b) for b in self.buffers]
+        self.metadata = [dict(v.get_metadata()) for v in self.variables]
+
+    def assert_unchanged(self) -> None:
+        assert [jax.tree_util.tree_structure(n) for n in self.nodes] == self.treedefs
+        now = _variables(*self.nodes)
+        assert len(now) == len(self.variables)
+        assert all(a is b for a, b in zip(now, self.variables, strict=True))
+        for v, buffer, bits, metadata in zip(
+            now, self.buffers, self.bits, self.metadata, strict=True
+        ):
+            assert v.get_raw_value() is buffer  # the very same buffer...
+            np.testing.assert_array_equal(_bits(v.get_raw_value()), bits)  # ...and bits
+            assert dict(v.get_metadata()) == metadata
+            assert not isinstance(v.get_raw_value(), jax.core.Tracer)
+
+
+def _assert_states_equal(a: Any, b: Any) -> None:
+    xs, ys = _variables(a), _variables(b)
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys, strict=True):
+        np.testing.assert_allclose(_bits(x.get_raw_value()), _bits(y.get_raw_value()), rtol=1e-6)
+
+
+def _still_usable(name: str, model: Model) -> None:
+    """The failed call left ``model`` as new: a clean run gives the reference state."""
+    TRANSFORMS[name](step, model, jnp.ones(2))
+    _assert_states_equal(model, _reference(name))
+
+
+# -- faults inside the user function and during tracing ----------------------------------
+
+
+class UserError(Exception):
+    pass
+
+
+def _raise_after_mutating(m, x):
+    step(m, x)
+    raise UserError("boom")
+
+
+def _concretize_after_mutating(m, x):
+    step(m, x)
+    if m.w[0] > 0:  # bool() of a tracer: a JAX error while tracing
+        return jnp.sum(x)
+    return jnp.sum(x)
+
+
+def _shape_error_after_mutating(m, x):
+    step(m, x)
+    return jnp.sum(x @ jnp.ones((7, 7)))
+
+
+FUNCTION_FAULTS = {
+    "user exception": (_raise_after_mutating, UserError),
+    "tracer bool": (_concretize_after_mutating, jax.errors.ConcretizationTypeError),
+    "shape error": (_shape_error_after_mutating, TypeError),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "fault"),
+    [
+        (name, fault)
+        for name in sorted(TRANSFORMS)
+        for fault in sorted(FUNCTION_FAULTS)
+        if fault != "tracer bool" or name in ABSTRACT
+    ],
+)
+def test_failure_in_the_function_leaves_inputs(name, fault):
+    fn, error = FUNCTION_FAULTS[fault]
+    model = Model()
+    snap = Snapshot(model)
+    with pytest.raises(error):
+        TRANSFORMS[name](fn, model, jnp.ones(2))
+    snap.assert_unchanged()
+    _still_usable(name, model)
+
+
+def _closure_cases(other: Other) -> dict[str, Callable[[Model, jax.Array], Any]]:
+    """Each transform applied to a function that mutates ``other`` through its closure.
+
+    (The closure is lifted from the function given to the transform itself.)
+    """
+
+    def fn(m, x):
+        other.total[...] += 1.0
+        step(m, x)
+        raise UserError("boom")
+
+    def carry_body(m, x):
+        other.total[...] += 1.0
+        step(m, x)
+        raise UserError("boom")
+
+    def while_body(v):
+        other.total[...] += 1.0
+        step(v[0], v[1])
+        raise UserError("boom")
+
+    def fori_body(i, v):
+        other.total[...] += 1.0
+        step(v[0], v[1])
+        raise UserError("boom")
+
+    xs = jnp.ones((2, 2))
+    return {
+        "jit": lambda m, x: treemode.jit(fn)(m, x),
+        "vmap": lambda m, x: treemode.vmap(fn, in_axes=(None, 0))(m, xs),
+        "scan": lambda m, x: treemode.scan(carry_body, in_axes=(treemode.Carry, 0))(m, xs),
+        "grad": lambda m, x: treemode.grad(fn)(m, x),
+        "cond": lambda m, x: treemode.cond(jnp.array(True), fn, fn, m, x),
+        "switch": lambda m, x: treemode.switch(jnp.array(0), [fn, fn], m, x),
+        "while_loop": lambda m, x: treemode.while_loop(lambda v: True, while_body, (m, x)),
+        "fori_loop": lambda m, x: treemode.fori_loop(0, 2, fori_body, (m, x)),
+        "remat": lambda m, x: treemode.remat(fn)(m, x),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_closure_cases(Other())))
+def test_failure_in_the_function_leaves_closure_modules(name):
+    other = Other()
+    model = Model()
+    snap = Snapshot(model, other)
+    with pytest.raises(UserError):
+        _closure_cases(other)[name](model, jnp.ones(2))
+    snap.assert_unchanged()
+
+
+# -- faults in the alias and structure checks -------------------------------------------
+
+
+def _adds_attribute(m, x):
+    step(m, x)
+    m.extra = nnx.Param(jnp.ones(2))
+    return jnp.sum(x)
+
+
+def _replaces_variable(m, x):
+    step(m, x)
+    m.mean = nnx.BatchStat(jnp.ones(2))
+    return jnp.sum(x)
+
+
+@pytest.mark.parametrize("fn", [_adds_attribute, _replaces_variable])
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_structure_error_leaves_inputs(name, fn):
+    model = Model()
+    snap = Snapshot(model)
+    with pytest.raises(treemode.StructureError, match=r"treemode\.\w+:.*(args\[0\]|init_val)"):
+        TRANSFORMS[name](fn, model, jnp.ones(2))
+    snap.assert_unchanged()
+    _still_usable(name, model)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_alias_error_leaves_inputs(name):
+    model = Model()
+    model.alias = model.mean  # one BatchStat reachable twice
+    snap = Snapshot(model)
+    with pytest.raises(treemode.AliasError, match=r"treemode\.\w+: the same BatchStat"):
+        TRANSFORMS[name](step, model, jnp.ones(2))
+    snap.assert_unchanged()
+    del model.alias
+    _still_usable(name, model)
+
+
+class CheckFault(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "check", ["_check_structure", "_check_outputs", "_collect_updates"]
+)
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_failure_inside_a_check_leaves_inputs(name, check, monkeypatch):
+    def broken(self, *args, **kwargs):
+        raise CheckFault(check)
+
+    def fresh(m, x):  # not traced before, so the check runs
+        return step(m, x)
+
+    monkeypatch.setattr(_core.PureFunction, check, broken)
+    model = Model()
+    snap = Snapshot(model)
+    with pytest.raises(CheckFault):
+        TRANSFORMS[name](fresh, model, jnp.ones(2))
+    monkeypatch.undo()
+    snap.assert_unchanged()
+    _still_usable(name, model)
+
+
+def test_failure_in_prepare_leaves_inputs(monkeypatch):
+    """A failure while flattening/lifting (before any tracing)."""
+    real = _core.prepare
+
+    def broken(*args, **kwargs):
+        real(*args, **kwargs)
+        raise CheckFault("prepare")
+
+    monkeypatch.setattr(_core, "prepare", broken)
+    for name in sorted(TRANSFORMS):
+        model = Model()
+        snap = Snapshot(model)
+        with pytest.raises(CheckFault):
+            TRANSFORMS[name](step, model, jnp.ones(2))
+        snap.assert_unchanged()
+
+
+# -- faults in the write-back -----------------------------------------------------------
+
+
+class Interrupt(BaseException):
+    """Like KeyboardInterrupt: not an Exception, so ``except Exception`` misses it."""
+
+
+def _count_writes(name: str, fn: Callable[..., Any], *nodes: Any) -> int:
+    writes = []
+    real = _core.store
+
+    def counting(var, value, metadata=None):
+        writes.append(var)
+        real(var, value, metadata)
+
+    _core.store = counting
+    try:
+        TRANSFORMS[name](fn, *nodes, jnp.ones(2))
+    finally:
+        _core.store = real
+    return len(writes)
+
+
+def _fail_at(k: int, error: type[BaseException]):
+    real = _core.store
+    seen = []
+
+    def failing(var, value, metadata=None):
+        seen.append(var)
+        if len(seen) == k:
+            raise error(f"write {k}")
+        real(var, value, metadata)
+
+    return failing
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_fault_before_every_write_rolls_back(name, monkeypatch):
+    n = _count_writes(name, step, Model())
+    assert n >= 4  # steps, mean, w and the Rngs count are written
+    errors = [Interrupt, RuntimeError, KeyboardInterrupt]
+    for k in range(1, n + 1):
+        error = errors[k % 3]
+        model = Model()
+        snap = Snapshot(model)
+        monkeypatch.setattr(_core, "store", _fail_at(k, error))
+        with pytest.raises(error, match=f"write {k}"):
+            TRANSFORMS[name](step, model, jnp.ones(2))
+        monkeypatch.undo()
+        snap.assert_unchanged()
+    _still_usable(name, model)
+
+
+def test_fault_in_metadata_write_back_rolls_back(monkeypatch):
+    def tag(m, x):
+        m.steps[...] += 1
+        m.mean.set_metadata("tag", "seen")
+        return jnp.sum(x)
+
+    for name in ["jit", "remat", "grad", "vmap"]:
+        n = _count_writes(name, tag, Model())
+        for k in range(1, n + 1):
+            model = Model()
+            snap = Snapshot(model)
+            monkeypatch.setattr(_core, "store", _fail_at(k, Interrupt))
+            with pytest.raises(Interrupt):
+                TRANSFORMS[name](tag, model, jnp.ones(2))
+            monkeypatch.undo()
+            snap.assert_unchanged()
+        TRANSFORMS[name](tag, model, jnp.ones(2))
+        assert model.mean.get_metadata()["tag"] == "seen"
+
+
+@pytest.mark.parametrize("name", ["cond", "switch"])
+def test_branch_write_back_across_closures_is_atomic(name, monkeypatch):
+    """Each branch closes over its own module: all writes commit together or none."""
+    first, second = Other(), Other()
+
+    def a(m, x):
+        first.total[...] += 1.0
+        return step(m, x)
+
+    def b(m, x):
+        second.total[...] += 2.0
+        return step(m, x)
+
+    def run(model):
+        if name == "cond":
+            return treemode.cond(jnp.array(True), a, b, model, jnp.ones(2))
+        return treemode.switch(jnp.array(0), [a, b], model, jnp.ones(2))
+
+    writes = []
+    real = _core.store
+
+    def counting(var, value, metadata=None):
+        writes.append(var)
+        real(var, value, metadata)
+
+    monkeypatch.setattr(_core, "store", counting)
+    probe_first, probe_second = Other(), Other()
+    first, second = probe_first, probe_second
+    run(Model())
+    monkeypatch.undo()
+    n = len(writes)
+    # Every position for cond; for switch the last write (in the last branch's call).
+    for k in range(1, n + 1) if name == "cond" else [n]:
+        first, second = Other(), Other()
+        model = Model()
+        snap = Snapshot(model, first, second)
+        monkeypatch.setattr(_core, "store", _fail_at(k, Interrupt))
+        with pytest.raises(Interrupt):
+            run(model)
+        monkeypatch.undo()
+        snap.assert_unchanged()
+    run(model)
+    assert float(first.total[...]) == 1.0 and float(second.total[...]) == 0.0
+
+
+def test_fault_in_check_writable_leaves_inputs(monkeypatch):
+    def broken(call, updates):
+        raise CheckFault("check_writable")
+
+    monkeypatch.setattr(_core, "check_writable", broken)
+    for name in sorted(TRANSFORMS):
+        model = Model()
+        snap = Snapshot(model)
+        with pytest.raises(CheckFault):
+            TRANSFORMS[name](step, model, jnp.ones(2))
+        snap.assert_unchanged()
+
+
+def test_two_arguments_roll_back_together(monkeypatch):
+    def both(a, b, x):
+        step(a, x)
+        return step(b, x)
+
+    writes = []
+    real = _core.store
+    monkeypatch.setattr(
+        _core, "store", lambda v, val, md=None: (writes.append(v), real(v, val, md))
+    )
+    f = treemode.jit(both)
+    f(Model(), Model(1), jnp.ones(2))
+    monkeypatch.undo()
+    for k in range(1, len(writes) + 1):
+        a, b = Model(), Model(1)
+        snap = Snapshot(a, b)
+        monkeypatch.setattr(_core, "store", _fail_at(k, Interrupt))
+        with pytest.raises(Interrupt):
+            f(a, b, jnp.ones(2))
+        monkeypatch.undo()
+        snap.assert_unchanged()

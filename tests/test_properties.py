@@ -1,0 +1,281 @@
+"""Equivalence by construction: every transform leaves the state eager code leaves.
+
+Hypothesis draws a random tree (nested NNX modules, ``nnx.List``/``nnx.Dict``,
+Python containers, Equinox modules, static fields, Variables of several types,
+``nnx.Rngs``; optionally one object reachable twice) and a random program that
+reads and mutates random Variables. The scenario is built twice: one copy runs
+the program eagerly, the other through a treemode transform that runs it
+exactly once (``vmap`` over a size-1 axis, ``scan`` of length 1, ``cond`` /
+``switch`` selecting it, a loop of one iteration, ...). Both copies must end in
+bit-identical states and the outputs must be equal.
+
+The number of examples comes from the hypothesis profile (``tests/conftest.py``):
+``ci`` (default, derandomized) or ``fuzz`` (``make fuzz``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import strategies as S
+import treemode
+
+BASE = settings().max_examples  # 20 in the ci profile
+
+
+def examples(fraction: float) -> settings:
+    return settings(
+        max_examples=max(3, int(BASE * fraction)),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+def _total(outs: list[jax.Array]) -> jax.Array:
+    total = jnp.zeros((), jnp.float32)
+    for o in outs:
+        total = total + jnp.sum(o)
+    return total
+
+
+def _zeros(template: list[jax.Array]) -> Callable[[Any], list[jax.Array]]:
+    shapes = [(o.shape, o.dtype) for o in template]
+
+    def branch(root: Any) -> list[jax.Array]:
+        return [jnp.zeros(s, d) for s, d in shapes]
+
+    return branch
+
+
+def _unbatch(outs: list[jax.Array]) -> list[jax.Array]:
+    return [o[0] for o in outs]
+
+
+# Each runner runs ``program`` once through a transform and returns its outputs
+# in the eager layout. ``template`` is the eager output (for branches that must
+# return the same structure).
+Runner = Callable[[Callable[..., Any], Any, list[jax.Array], bool], list[jax.Array]]
+
+
+def run_jit(program, root, template, graph):
+    return treemode.jit(program, graph=graph)(root)
+
+
+def run_vmap(program, root, template, graph):
+    f = treemode.vmap(program, in_axes=0, out_axes=0, axis_size=1, graph=graph)
+    return _unbatch(f(root))
+
+
+def run_scan_carry(program, root, template, graph):
+    f = treemode.scan(
+        lambda r: (r, program(r)),
+        in_axes=(treemode.Carry,),
+        out_axes=(treemode.Carry, 0),
+        length=1,
+        graph=graph,
+    )
+    carry, ys = f(root)
+    assert S.variables_of(carry) == S.variables_of(root)  # the same Variable objects
+    return _unbatch(ys)
+
+
+def run_scan_xs(program, root, template, graph):
+    f = treemode.scan(program, in_axes=(0,), out_axes=0, length=1, graph=graph)
+    return _unbatch(f(root))
+
+
+def run_cond(program, root, template, graph):
+    return treemode.cond(jnp.array(True), program, _zeros(template), root, graph=graph)
+
+
+def run_cond_false(program, root, template, graph):
+    return treemode.cond(jnp.array(False), _zeros(template), program, root, graph=graph)
+
+
+def run_switch(program, root, template, graph):
+    zeros = _zeros(template)
+    return treemode.switch(jnp.array(1), [zeros, program, zeros], root, graph=graph)
+
+
+def run_while(program, root, template, graph):
+    def body(val):
+        r, i, _ = val
+        return r, i + 1, program(r)
+
+    init = (root, jnp.array(0), _zeros(template)(None))
+    r, i, outs = treemode.while_loop(lambda v: v[1] < 1, body, init, graph=graph)
+    assert int(i) == 1 and S.variables_of(r) == S.variables_of(root)
+    return outs
+
+
+def run_fori(program, root, template, graph):
+    init = (root, _zeros(template)(None))
+    r, outs = treemode.fori_loop(0, 1, lambda i, v: (v[0], program(v[0])), init, graph=graph)
+    assert S.variables_of(r) == S.variables_of(root)
+    return outs
+
+
+def run_grad(program, root, template, graph):
+    loss, grads = treemode.value_and_grad(lambda r: _total(program(r)), graph=graph)(root)
+    if not graph:
+        assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(root)
+    return [loss]
+
+
+def run_remat(program, root, template, graph):
+    return treemode.remat(program, graph=graph)(root)
+
+
+RUNNERS: dict[str, Runner] = {
+    "jit": run_jit,
+    "vmap": run_vmap,
+    "scan_carry": run_scan_carry,
+    "scan_xs": run_scan_xs,
+    "cond": run_cond,
+    "cond_false": run_cond_false,
+    "switch": run_switch,
+    "while_loop": run_while,
+    "fori_loop": run_fori,
+    "grad": run_grad,
+    "remat": run_remat,
+}
+BATCHED = {"vmap", "scan_xs"}
+
+
+def assert_same_state(expected: list[np.ndarray], actual: list[np.ndarray]) -> None:
+    assert len(expected) == len(actual)
+    for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+        assert e.dtype == a.dtype, i
+        np.testing.assert_array_equal(a, e, err_msg=f"Variable {i}")
+
+
+def assert_same_outputs(expected: list[jax.Array], actual: list[jax.Array]) -> None:
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual, strict=True):
+        assert e.dtype == a.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def assert_no_tracers(root: Any) -> None:
+    for v in S.variables_of(root):
+        assert not isinstance(v.get_raw_value(), jax.core.Tracer)
+
+
+def check_equivalent(scenario: S.Scenario, transform: str, graph: bool) -> None:
+    program = S.make_program(scenario)
+    eager_root = S.build(scenario.tree)
+    eager_out = program(eager_root)
+    if transform == "grad":
+        eager_out = [_total(eager_out)]
+    batched = transform in BATCHED
+    root = S.build(scenario.tree, batch=batched)
+    variables = S.variables_of(root)
+    out = RUNNERS[transform](program, root, eager_out if transform != "grad" else [], graph)
+    assert S.variables_of(root) == variables  # updated in place, never replaced
+    assert_no_tracers(root)
+    assert_same_state(S.state_of(eager_root), S.state_of(root, unbatch=batched))
+    assert_same_outputs(eager_out, out)
+
+
+@pytest.mark.parametrize("transform", sorted(RUNNERS))
+@examples(1)
+@given(scenario=S.scenarios(shared=False), graph=st.booleans())
+def test_transform_matches_eager(transform, scenario, graph):
+    check_equivalent(scenario, transform, graph)
+
+
+def test_jit_twice_matches_eager_twice():
+    # A second call goes through the flatten cache and the compiled function.
+    @examples(1)
+    @given(scenario=S.scenarios(shared=None))
+    def check(scenario):
+        program = S.make_program(scenario)
+        eager_root, root = S.build(scenario.tree), S.build(scenario.tree)
+        f = treemode.jit(program, graph=scenario.shared)
+        for _ in range(2):
+            assert_same_outputs(program(eager_root), f(root))
+            assert_same_state(S.state_of(eager_root), S.state_of(root))
+
+    check()
+
+
+@pytest.mark.parametrize("transform", sorted(RUNNERS))
+@examples(0.5)
+@given(scenario=S.scenarios(shared=True))
+def test_shared_reference_with_graph_true_matches_eager(transform, scenario):
+    check_equivalent(scenario, transform, graph=True)
+
+
+@pytest.mark.parametrize("transform", sorted(RUNNERS))
+@examples(0.25)
+@given(scenario=S.scenarios(shared=True))
+def test_shared_reference_with_graph_false_raises(transform, scenario):
+    program = S.make_program(scenario)
+    batched = transform in BATCHED
+    root = S.build(scenario.tree, batch=batched)
+    before = [v.get_raw_value() for v in S.variables_of(root)]
+    with pytest.raises(treemode.AliasError, match=rf"treemode\.\w+: the same \w+ is reachable"):
+        RUNNERS[transform](program, root, [], False)
+    assert [v.get_raw_value() for v in S.variables_of(root)] == before  # untouched
+
+
+@examples(0.5)
+@given(scenario=S.scenarios(shared=None))
+def test_eval_shape_has_no_effect(scenario):
+    program = S.make_program(scenario)
+    eager_out = program(S.build(scenario.tree))
+    root = S.build(scenario.tree)
+    before = [v.get_raw_value() for v in S.variables_of(root)]
+    out = treemode.eval_shape(program, root, graph=scenario.shared)
+    assert [v.get_raw_value() for v in S.variables_of(root)] == before
+    assert [(o.shape, o.dtype) for o in out] == [(o.shape, o.dtype) for o in eager_out]
+
+
+def _object_paths(root: Any) -> dict[int, list[str]]:
+    """Every NNX object and Variable, by identity, with the paths reaching it."""
+    found: dict[int, list[str]] = {}
+
+    def visit(path: tuple[Any, ...], x: Any) -> None:
+        if treemode._leaves.is_variable_or_graph_node(x):
+            found.setdefault(id(x), []).append(jax.tree_util.keystr(path))
+            if treemode._leaves.is_variable(x):
+                return
+        children, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)
+        if len(children) == 1 and children[0][0] == () and children[0][1] is x:
+            return  # a leaf
+        for p, c in children:
+            visit((*path, *p), c)
+
+    visit((), root)
+    return found
+
+
+@examples(2.5)
+@given(scenario=S.scenarios(shared=None))
+def test_to_tree_from_tree_round_trip(scenario):
+    root = S.build(scenario.tree)
+    tree = treemode.to_tree(root)
+    treemode.check_no_aliases(tree=tree)  # the pure tree has no aliases
+    restored = treemode.from_tree(tree)
+    # structure and values
+    is_var = treemode._leaves.is_variable
+    assert jax.tree_util.tree_structure(restored, is_leaf=is_var) == (
+        jax.tree_util.tree_structure(root, is_leaf=is_var)
+    )
+    leaves = jax.tree_util.tree_leaves(root, is_leaf=is_var)
+    new_leaves = jax.tree_util.tree_leaves(restored, is_leaf=is_var)
+    assert all(a is b for a, b in zip(leaves, new_leaves, strict=True))
+    # sharing: two paths reach one object before iff they do after
+    groups = sorted(map(sorted, _object_paths(root).values()))
+    assert groups == sorted(map(sorted, _object_paths(restored).values()))
+    # a pure tree round-trips through a JAX transform too
+    again = treemode.from_tree(jax.tree_util.tree_map(lambda x: x, tree))
+    groups_again = sorted(map(sorted, _object_paths(again).values()))
+    assert groups_again == groups
