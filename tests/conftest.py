@@ -14,3 +14,19 @@ def tracer_leaks():
     """Run a test with ``jax.check_tracer_leaks`` on."""
     with jax.check_tracer_leaks(True):
         yield
+
+
+# Hypothesis profiles (tests/test_properties.py): "ci" is the default, small and
+# derandomized so every run checks the same examples; "fuzz" (`make fuzz`, or
+# `pytest --hypothesis-profile=fuzz`) runs 50x more, randomly.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    "ci", max_examples=20, derandomize=True, deadline=None, suppress_health_check=_SLOW_OK,
+    print_blob=True,
+)
+settings.register_profile(
+    "fuzz", max_examples=1000, deadline=None, suppress_health_check=_SLOW_OK, print_blob=True,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
