@@ -23,10 +23,18 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile(
-    "ci", max_examples=20, derandomize=True, deadline=None, suppress_health_check=_SLOW_OK,
+    "ci",
+    max_examples=20,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=_SLOW_OK,
     print_blob=True,
 )
 settings.register_profile(
-    "fuzz", max_examples=1000, deadline=None, suppress_health_check=_SLOW_OK, print_blob=True,
+    "fuzz",
+    max_examples=1000,
+    deadline=None,
+    suppress_health_check=_SLOW_OK,
+    print_blob=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
