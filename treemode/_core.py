@@ -201,16 +201,16 @@ def prepare(
     if not (graph or static_argnums or static_argnames):
         # The hot path (jit calls in a training loop): no static arguments.
         n_args = len(call.args)
-        kw_names = tuple(sorted(kwargs)) if kwargs else ()
-        arg_flats = [flatten_arg(a, is_dynamic) for a in call.args]
-        if kw_names:
-            arg_flats += [flatten_arg(kwargs[name], is_dynamic) for name in kw_names]
-        call.arg_flats = arg_flats
-        call.kw_names = kw_names
+        names = tuple(sorted(kwargs)) if kwargs else ()
+        flats = [flatten_arg(a, is_dynamic) for a in call.args]
+        if names:
+            flats += [flatten_arg(kwargs[name], is_dynamic) for name in names]
+        call.arg_flats = flats
+        call.kw_names = names
         return _finish_prepare(
             call,
-            tuple(f.key for f in arg_flats[:n_args]),
-            tuple(zip(kw_names, [f.key for f in arg_flats[n_args:]], strict=True)),
+            tuple(f.key for f in flats[:n_args]),
+            tuple(zip(names, [f.key for f in flats[n_args:]], strict=True)),
             is_dynamic,
             lift_closure,
         )
@@ -275,9 +275,7 @@ def _finish_prepare(
                 lifted_flats.append(flat)
     if lifted_flats:
         call.lifted = list(chain.from_iterable(f.variables for f in lifted_flats))
-        call.lifted_specs = tuple(
-            s for f in lifted_flats for s in f.specs if type(s) is VarSpec
-        )
+        call.lifted_specs = tuple(s for f in lifted_flats for s in f.specs if type(s) is VarSpec)
         for var, spec in zip(call.lifted, call.lifted_specs, strict=True):
             dynamic.extend(variable_dynamic(var, spec))
         sources += lifted_flats
@@ -373,9 +371,7 @@ class PureFunction:
         assert call is not None, "PureFunction traced outside of a treemode call"
         return call
 
-    def rebuild_inputs(
-        self, dynamic: Sequence[Any]
-    ) -> Inputs:
+    def rebuild_inputs(self, dynamic: Sequence[Any]) -> Inputs:
         """Arguments (as the user function sees them) rebuilt from dynamic arrays."""
         offset = 0
         leaves_in: list[list[Any]] = []
@@ -509,6 +505,7 @@ class PureFunction:
             if leaf is var
         ]
         if kind == "input":
+            assert index is not None
             in_path = call.variable_paths()[index]
             raise AliasError(
                 f"treemode.{self.transform}: the function returns the "

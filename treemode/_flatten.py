@@ -20,6 +20,7 @@ from itertools import chain
 from typing import Any
 
 import jax
+from jax.core import Tracer
 from jax.tree_util import PyTreeDef
 
 from ._errors import AliasError
@@ -62,7 +63,7 @@ class VarSpec:
 
     var_type: type
     metadata: tuple[tuple[str, Any], ...]
-    value_def: PyTreeDef | None = None
+    value_def: PyTreeDef | None = None  # pyright: ignore[reportInvalidTypeForm]
     value_static: tuple[StaticLeaf | None, ...] = ()
 
     @property
@@ -88,9 +89,7 @@ def variable_spec(var: Any) -> tuple[VarSpec, list[Any]]:
     return value_spec(type(var), var._var_metadata, var._raw_value)
 
 
-def value_spec(
-    var_type: type, metadata: dict[str, Any], value: Any
-) -> tuple[VarSpec, list[Any]]:
+def value_spec(var_type: type, metadata: dict[str, Any], value: Any) -> tuple[VarSpec, list[Any]]:
     """The spec of a Variable of ``var_type`` holding ``value``, and its dynamic leaves."""
     metadata_key = tuple(sorted(metadata.items()))
     if is_variable_value_leaf(value):
@@ -144,7 +143,12 @@ class ArgFlat:
         "__weakref__",
     )
 
-    def __init__(self, treedef: PyTreeDef, specs: tuple[Spec, ...], leaves: list[Any]):
+    def __init__(
+        self,
+        treedef: PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
+        specs: tuple[Spec, ...],
+        leaves: list[Any],
+    ):
         self.treedef = treedef
         self.specs = specs
         self.leaves = leaves
@@ -182,7 +186,11 @@ class _StructureKey:
 
     __slots__ = ("treedef", "specs", "_hash")
 
-    def __init__(self, treedef: PyTreeDef, specs: tuple[Spec, ...]):
+    def __init__(
+        self,
+        treedef: PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
+        specs: tuple[Spec, ...],
+    ):
         self.treedef = treedef
         self.specs = specs
         self._hash = hash((treedef, specs))
@@ -247,9 +255,7 @@ class _Guard:
 _IMMUTABLE_NODES: tuple[type, ...] = (tuple, type(None))
 
 
-def _flatten_uncached(
-    arg: Any, is_dynamic: Callable[[Any], bool]
-) -> tuple[ArgFlat, bool]:
+def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgFlat, bool]:
     containers: list[Any] = []
     cacheable = True
 
@@ -347,7 +353,7 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
 
 
 def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
+    return isinstance(x, Tracer)
 
 
 def _still_valid(entry: ArgFlat) -> bool:
@@ -441,9 +447,7 @@ def dynamic_ids_unique(flats: Sequence[ArgFlat], extra: Sequence[Any] = ()) -> b
     return len(ids) == sum(len(f.variables) for f in flats) + len(extra)
 
 
-def rebuild(
-    flat_key: _StructureKey, dynamic: Sequence[Any]
-) -> tuple[Any, list[Any], list[Any]]:
+def rebuild(flat_key: _StructureKey, dynamic: Sequence[Any]) -> tuple[Any, list[Any], list[Any]]:
     """Rebuild a pytree from a structure key and its dynamic leaves.
 
     Returns ``(tree, variables, leaves)``.

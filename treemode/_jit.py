@@ -350,9 +350,8 @@ def _check_donation(call: _core.Call, donated: list[int]) -> None:
 def _raise_shared_buffer(call: _core.Call, array: Any) -> None:
     import jax.tree_util as jtu
 
-    from ._paths import format_path
-
     from ._leaves import is_variable
+    from ._paths import format_path
 
     paths: list[str] = []
     for root, tree in call.arg_roots():
