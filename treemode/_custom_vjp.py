@@ -31,7 +31,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from . import _core, _graph
-from ._errors import MutationError
+from ._errors import ClosureError, MutationError
 from ._grad import DiffSplit, dynamic_like, float0_zeros, is_differentiable
 from ._leaves import ARRAY_TYPES
 
@@ -225,7 +225,7 @@ def _check_closure_not_differentiated(call: _core.Call, primals: Sequence[Any]) 
             assert r.start >= n_args
             var = call.lifted[i]
             path = call.variable_paths()[len(call.variables) - len(call.lifted) + i]
-            raise TypeError(
+            raise ClosureError(
                 f"treemode.custom_vjp: the function reads the {type(var).__name__} at "
                 f"{path} through its closure, and an outer transform differentiates it. "
                 "A custom VJP rule only gives cotangents for the function's arguments, so "
