@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(PIP) install --quiet -e '.[dev]'
 	$(VENV)/bin/ruff check treemode tests benchmarks examples
 	$(VENV)/bin/ruff format --check treemode tests benchmarks examples
-	$(VENV)/bin/pyright
+	$(VENV)/bin/pyright --pythonpath $(PY)
 
 docs: $(STAMP)
 	$(PIP) install --quiet -e '.[docs]'
