@@ -42,6 +42,7 @@ from ._flatten import (
     alias_error,
     first_duplicate,
     flatten_arg,
+    recursion_headroom,
     rebuild,
     variable_dynamic,
 )
@@ -202,9 +203,12 @@ def prepare(
         # The hot path (jit calls in a training loop): no static arguments.
         n_args = len(call.args)
         names = tuple(sorted(kwargs)) if kwargs else ()
-        flats = [flatten_arg(a, is_dynamic) for a in call.args]
-        if names:
-            flats += [flatten_arg(kwargs[name], is_dynamic) for name in names]
+        try:
+            flats = [flatten_arg(a, is_dynamic) for a in call.args]
+            if names:
+                flats += [flatten_arg(kwargs[name], is_dynamic) for name in names]
+        except RecursionError:
+            raise _too_deep(call) from None
         call.arg_flats = flats
         call.kw_names = names
         return _finish_prepare(
@@ -228,7 +232,10 @@ def prepare(
             traced_kw[name] = kwargs[name]
     if graph:
         # One to_tree over all arguments, so sharing across arguments is encoded.
-        traced_pos, traced_kw = _graph.to_tree((traced_pos, traced_kw))
+        try:
+            traced_pos, traced_kw = _graph.to_tree((traced_pos, traced_kw))
+        except (RecursionError, _graph.CycleError):
+            raise _too_deep(call) from None
     pos_trees = iter(traced_pos)
     positional: list[Any] = []
     arg_flats: list[ArgFlat] = []
@@ -236,7 +243,10 @@ def prepare(
         if i in call.static_positional:
             positional.append(_static_value(transform, f"args[{i}]", a))
             continue
-        flat = flatten_arg(next(pos_trees), is_dynamic)
+        try:
+            flat = flatten_arg(next(pos_trees), is_dynamic)
+        except RecursionError:
+            raise _too_deep(call) from None
         arg_flats.append(flat)
         positional.append(flat.key)
     keywords: list[tuple[str, Any]] = []
@@ -245,13 +255,23 @@ def prepare(
         if name in call.static_keywords:
             keywords.append((name, _static_value(transform, f"kwargs[{name!r}]", kwargs[name])))
             continue
-        flat = flatten_arg(traced_kw[name], is_dynamic)
+        try:
+            flat = flatten_arg(traced_kw[name], is_dynamic)
+        except RecursionError:
+            raise _too_deep(call) from None
         arg_flats.append(flat)
         kw_names.append(name)
         keywords.append((name, flat.key))
     call.arg_flats = arg_flats
     call.kw_names = tuple(kw_names)
     return _finish_prepare(call, tuple(positional), tuple(keywords), is_dynamic, lift_closure)
+
+
+def _too_deep(call: Call) -> StructureError:
+    """A RecursionError while flattening the arguments: a cycle, or too deep."""
+    roots = [(f"args[{i}]", a) for i, a in enumerate(call.args)]
+    roots += [(f"kwargs[{name!r}]", v) for name, v in sorted(call.kwargs.items())]
+    return _graph.recursion_error(call.transform, roots)
 
 
 def _finish_prepare(
@@ -403,6 +423,11 @@ class PureFunction:
         return Inputs(args, kwargs, pure_trees, inner_vars, leaves_in, offset)
 
     def __call__(self, *dynamic: Any) -> tuple[Any, tuple[Any, ...]]:
+        # Deep modules: rebuilding and checking them recurses like flattening.
+        with recursion_headroom():
+            return self._run(dynamic)
+
+    def _run(self, dynamic: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:
         call = self.call
         inputs = self.rebuild_inputs(dynamic)
         swapped = _swap_in(call.lifted, self.key.lifted, dynamic[inputs.consumed :])

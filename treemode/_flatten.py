@@ -11,11 +11,14 @@ through (see `flatten_arg`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import operator
+import sys
+import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
@@ -255,22 +258,75 @@ class _Guard:
 _IMMUTABLE_NODES: tuple[type, ...] = (tuple, type(None))
 
 
+class CycleFound(RecursionError):
+    """Raised (outside JAX's flattening) for an argument that contains itself."""
+
+
+_headroom_lock = threading.Lock()
+_headroom_users = 0
+_saved_limit = 0
+RECURSION_HEADROOM = 8_000
+
+
+@contextlib.contextmanager
+def recursion_headroom() -> Iterator[None]:
+    """Raise Python's recursion limit to ``RECURSION_HEADROOM`` while flattening.
+
+    JAX flattens pytrees recursively (a few interpreter levels per nesting
+    level), and a RecursionError inside its C++ flattening leaves the
+    interpreter's recursion counter corrupted, so deep modules (hundreds of
+    levels) must not hit the default limit of 1000. The limit is only ever
+    raised, and restored when the last concurrent user leaves.
+    """
+    global _headroom_users, _saved_limit
+    with _headroom_lock:
+        if _headroom_users == 0:
+            _saved_limit = sys.getrecursionlimit()
+            if _saved_limit < RECURSION_HEADROOM:
+                sys.setrecursionlimit(RECURSION_HEADROOM)
+        _headroom_users += 1
+    try:
+        yield
+    finally:
+        with _headroom_lock:
+            _headroom_users -= 1
+            if _headroom_users == 0 and _saved_limit < RECURSION_HEADROOM:
+                sys.setrecursionlimit(_saved_limit)
+
+
 def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgFlat, bool]:
     containers: list[Any] = []
+    seen: set[int] = set()
+    revisited = False
     cacheable = True
 
     def is_leaf(x: Any) -> bool:
-        nonlocal cacheable
+        nonlocal cacheable, revisited
         if is_variable(x):
             return True
         if is_graph_node(x) or isinstance(x, (dict, list)):
+            if id(x) in seen:
+                # Shared, or a cycle: stop here (an exception raised inside JAX's
+                # flattening would corrupt the interpreter) and check below.
+                revisited = True
+                return True
+            seen.add(id(x))
             containers.append(x)
         elif not isinstance(x, _IMMUTABLE_NODES) and not _is_frozen_node(x):
             # A mutable pytree node we cannot guard: never reuse this flattening.
             cacheable = cacheable and _is_plain_leaf(x)
         return False
 
-    leaves, treedef = jax.tree_util.tree_flatten(arg, is_leaf=is_leaf)
+    with recursion_headroom():
+        leaves, treedef = jax.tree_util.tree_flatten(arg, is_leaf=is_leaf)
+        if revisited:
+            from ._graph import find_cycle
+
+            if find_cycle(arg) is not None:
+                raise CycleFound("reference cycle")
+            # Only shared objects (no cycle): flatten them in full.
+            containers.clear()
+            leaves, treedef = jax.tree_util.tree_flatten(arg, is_leaf=_no_cut(containers))
     specs: list[Spec] = []
     for leaf in leaves:
         if is_variable(leaf):
@@ -285,6 +341,17 @@ def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgF
     else:
         cacheable = False  # pytree-valued Variables are re-flattened every call
     return flat, cacheable
+
+
+def _no_cut(containers: list[Any]) -> Callable[[Any], bool]:
+    def is_leaf(x: Any) -> bool:
+        if is_variable(x):
+            return True
+        if is_graph_node(x) or isinstance(x, (dict, list)):
+            containers.append(x)
+        return False
+
+    return is_leaf
 
 
 def _is_frozen_node(x: Any) -> bool:

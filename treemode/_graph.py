@@ -19,6 +19,7 @@ import jax
 from jax.tree_util import PyTreeDef
 
 from ._errors import StructureError
+from ._flatten import recursion_headroom
 from ._leaves import is_graph_node, is_variable
 from ._paths import format_path
 
@@ -68,6 +69,81 @@ def _is_marker(x: Any) -> bool:
     return isinstance(x, (GraphNode, SharedRef)) or is_variable(x)
 
 
+class CycleError(StructureError):
+    """``to_tree`` found an object that contains itself."""
+
+
+def _below(x: Any) -> Any:
+    """``is_leaf`` that flattens ``x`` one level (``x`` itself as a child is a leaf)."""
+    root = [True]
+
+    def is_leaf(child: Any) -> bool:
+        if child is x and root[0]:
+            root[0] = False
+            return False
+        return True
+
+    return is_leaf
+
+
+def _children(x: Any) -> list[tuple[Any, Any]]:
+    """``(key, child)`` one level below a pytree node; ``[]`` for a leaf or a Variable."""
+    if is_variable(x):
+        return []
+    flat, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=_below(x))
+    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is x:
+        return []
+    return [(p[0], c) for p, c in flat]
+
+
+def find_cycle(tree: Any) -> tuple[Any, ...] | None:
+    """The path of the first object that contains itself, without recursion."""
+    on_path: set[int] = set()
+    stack: list[tuple[tuple[Any, ...], Any, bool]] = [((), tree, False)]
+    while stack:
+        path, x, done = stack.pop()
+        if done:
+            on_path.discard(id(x))
+            continue
+        if id(x) in on_path:
+            return path
+        if not (is_graph_node(x) or isinstance(x, (dict, list))):
+            if not _children(x):
+                continue
+        on_path.add(id(x))
+        stack.append((path, x, True))
+        for key, child in reversed(_children(x)):
+            stack.append(((*path, key), child, False))
+    return None
+
+
+def recursion_error(transform: str, roots: list[tuple[str, Any]]) -> StructureError:
+    """A clear error for a RecursionError while flattening ``roots``.
+
+    Names the reference cycle if there is one; otherwise the nesting is deeper
+    than Python's recursion limit allows JAX's (recursive) pytree flattening.
+    """
+    import sys
+
+    for root, tree in roots:
+        path = find_cycle(tree)
+        if path is not None:
+            return StructureError(
+                f"treemode.{transform}: reference cycle at {format_path(path, root)}: the "
+                "object contains itself, so it cannot be flattened into a pytree. Tree "
+                "mode needs an acyclic structure; store the back-reference outside the "
+                "module (or as a static non-NNX attribute)."
+            )
+    names = ", ".join(root for root, _ in roots)
+    return StructureError(
+        f"treemode.{transform}: the inputs ({names}) are nested too deeply to flatten "
+        f"within Python's recursion limit ({sys.getrecursionlimit()}): JAX flattens "
+        "pytrees recursively, each nesting level taking a few stack frames. Raise the "
+        "limit before calling (e.g. sys.setrecursionlimit(10_000) handles about 2,000 "
+        "levels) or store deep stacks of layers in an nnx.List instead of nesting them."
+    )
+
+
 def to_tree(node: Any) -> Any:
     """Convert a pytree that may hold shared NNX objects into a pure pytree.
 
@@ -103,7 +179,7 @@ def to_tree(node: Any) -> Any:
         key = id(x)
         if key in index:
             if key in in_progress:
-                raise StructureError(
+                raise CycleError(
                     f"treemode.to_tree: reference cycle at {format_path(path, 'node')}: "
                     f"a {type(x).__name__} contains itself. Tree mode needs an acyclic "
                     "graph; store the back-reference outside the module (or as a "
@@ -116,9 +192,7 @@ def to_tree(node: Any) -> Any:
             return x
         in_progress.add(key)
         try:
-            flat, node_def = jax.tree_util.tree_flatten_with_path(
-                x, is_leaf=lambda child: child is not x
-            )
+            flat, node_def = jax.tree_util.tree_flatten_with_path(x, is_leaf=_below(x))
             keys = tuple(p[0] for p, _ in flat)
             children = [
                 jax.tree_util.tree_map_with_path(
@@ -135,11 +209,12 @@ def to_tree(node: Any) -> Any:
     def is_variable_or_graph(x: Any) -> bool:
         return is_variable(x) or is_graph_node(x)
 
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: convert(p, x) if is_variable_or_graph(x) else x,
-        node,
-        is_leaf=is_variable_or_graph,
-    )
+    with recursion_headroom():
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: convert(p, x) if is_variable_or_graph(x) else x,
+            node,
+            is_leaf=is_variable_or_graph,
+        )
 
 
 def from_tree(tree: Any) -> Any:
@@ -187,6 +262,7 @@ def from_tree(tree: Any) -> Any:
         built[slot] = obj
         return obj
 
-    return jax.tree_util.tree_map(
-        lambda x: build(x) if _is_marker(x) else x, tree, is_leaf=_is_marker
-    )
+    with recursion_headroom():
+        return jax.tree_util.tree_map(
+            lambda x: build(x) if _is_marker(x) else x, tree, is_leaf=_is_marker
+        )
