@@ -81,8 +81,11 @@ class _Entry:
         donated_set = set(donated)
         self.donated = donated
         self.kept = [i for i in range(n) if i not in donated_set]
-        # Position of each dynamic array in ``donated + kept``.
-        self._order = sorted(range(n), key=(donated + self.kept).index)
+        # Position of each dynamic array in ``donated + kept`` (the inverse
+        # permutation, computed in linear time).
+        self._order = [0] * n
+        for position, i in enumerate(donated + self.kept):
+            self._order[i] = position
         if donated:
             self.jitted = jax.jit(self._call_split, donate_argnums=0, **jit_kwargs)
         else:
