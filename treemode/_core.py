@@ -768,8 +768,49 @@ def bound(pure: PureFunction, call: Call):
     pure.bind(call)
     try:
         yield
+    except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
+        better = explain_failure(call, e)
+        if better is not None:
+            raise better from e
+        raise
     finally:
         pure.bind(None)
+
+
+def explain_failure(call: Call, error: BaseException) -> Exception | None:
+    """A treemode error naming the input behind a JAX failure, if there is one.
+
+    Called only after JAX raised: an input array that was deleted (donated to
+    an earlier call), or an input holding a tracer of a trace that has ended
+    (a module created or changed inside a transform and kept outside it).
+    """
+    from ._errors import DonationError
+
+    for root, tree in call.arg_roots() + call.lifted_roots:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
+            values = jax.tree_util.tree_leaves(leaf._raw_value if is_variable(leaf) else leaf)
+            where = format_path(path, root)
+            what = f"the {type(leaf).__name__} at {where}" if is_variable(leaf) else where
+            for x in values:
+                if isinstance(error, jax.errors.UnexpectedTracerError) and isinstance(
+                    x, jax.core.Tracer
+                ):
+                    return TraceContextError(
+                        f"treemode.{call.transform}: {what} holds a value traced by a JAX "
+                        "transform that has already returned (the module was created or "
+                        "changed inside a transform and kept outside it, e.g. appended to a "
+                        "list). Return new modules from the transform instead of storing "
+                        "them, and rebuild this one outside any transform."
+                    )
+                if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+                    if x.is_deleted():
+                        return DonationError(
+                            f"treemode.{call.transform}: the buffer of {what} was deleted: it "
+                            "was donated to an earlier call (donate_argnums) while this "
+                            "argument shared it. Give each module its own buffers with "
+                            "treemode.clone(module, arrays=True) before donating."
+                        )
+    return None
 
 
 def finish(call: Call, out: Any) -> Any:

@@ -291,6 +291,11 @@ class JitWrapped(Generic[P, R]):
         entry.pure.bind(call)
         try:
             out, updates = entry.jitted(*entry.args(call.dynamic))
+        except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
+            better = _core.explain_failure(call, e)
+            if better is not None:
+                raise better from e
+            raise
         finally:
             entry.pure.bind(None)
         _core.write_back(call, updates, entry.pure.record.metadata_updates)
