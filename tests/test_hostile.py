@@ -1,0 +1,313 @@
+"""Hostile and wrong inputs: each gives a treemode error naming the transform and the path.
+
+Also the extremes: reference cycles, 1,000 nested levels and 100,000 Variables.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import treemode
+from treemode import _flatten
+
+
+class Counter(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(2))
+        self.count = nnx.BatchStat(jnp.array(0))
+
+    def bump(self, x):
+        self.count[...] += 1
+        return self.w[...] * x
+
+
+def _values(module):
+    """The raw value object of every Variable (identity: nothing was written)."""
+    leaves = jax.tree_util.tree_leaves(module, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return [v.get_raw_value() for v in leaves]
+
+
+def _unchanged(module, before):
+    assert all(a is b for a, b in zip(_values(module), before, strict=True))
+
+
+# -- jit arguments -------------------------------------------------------------------
+
+
+def test_bound_method_to_jit_lifts_self_and_writes_back():
+    m = Counter()
+    f = treemode.jit(m.bump)
+    np.testing.assert_array_equal(f(jnp.ones(2)), jnp.ones(2))
+    f(jnp.ones(2))
+    assert int(m.count[...]) == 2
+
+
+def test_bound_method_to_jit_with_self_also_as_argument():
+    m = Counter()
+    before = _values(m)
+    with pytest.raises(treemode.ClosureError, match=r"treemode\.jit: .*closure self\.w.*\(args\[0\]\)"):
+        treemode.jit(m.bump)(m.w)
+    _unchanged(m, before)
+
+
+def test_non_hashable_static_argument():
+    m = Counter()
+    f = treemode.jit(lambda m, s: m.w[...] * len(s), static_argnums=1)
+    with pytest.raises(treemode.StaticArgumentError, match=r"treemode\.jit: .*args\[1\].*list"):
+        f(m, [1, 2])
+
+
+def test_static_argnums_out_of_range():
+    with pytest.raises(treemode.StaticArgumentError, match=r"treemode\.jit: static_argnums .*5"):
+        treemode.jit(lambda m, s: m.w[...], static_argnums=5)
+
+
+def test_donating_a_static_argument():
+    with pytest.raises(treemode.DonationError, match=r"treemode\.jit: argument\(s\) \[0\]"):
+        treemode.jit(lambda m: m.w[...], static_argnums=0, donate_argnums=0)
+
+
+# -- axes and carries ------------------------------------------------------------------
+
+
+def test_vmap_axis_beyond_a_variables_rank():
+    m = Counter()
+    with pytest.raises(treemode.AxisError, match=r"treemode\.vmap: .*args\[0\]\.count"):
+        treemode.vmap(lambda m, x: x, in_axes=(0, 0))(m, jnp.ones((2, 2)))
+
+
+def test_vmap_mapped_sizes_disagree():
+    with pytest.raises(treemode.AxisError, match=r"treemode\.vmap: .*args\[(0|1)\]"):
+        treemode.vmap(lambda a, b: a + b)(jnp.ones(3), jnp.ones(4))
+
+
+def test_vmap_in_axes_of_the_wrong_length():
+    with pytest.raises(treemode.AxisError, match=r"treemode\.vmap: in_axes has 3 entries"):
+        treemode.vmap(lambda m, x: x, in_axes=(0, 0, 0))(Counter(), jnp.ones((3, 2)))
+
+
+def test_carry_nested_in_a_prefix():
+    with pytest.raises(treemode.AxisError, match=r"treemode\.scan: .*in_axes\[0\]\[0\]"):
+        treemode.scan(lambda c, x: (c, x), in_axes=((treemode.Carry, 0),))
+
+
+def test_carry_in_in_axes_only():
+    with pytest.raises(treemode.AxisError, match=r"treemode\.scan: in_axes has a treemode\.Carry"):
+        treemode.scan(lambda c, x: (c, x), in_axes=(treemode.Carry, 0), out_axes=0)
+
+
+def test_carry_in_the_wrong_place():
+    """The module is scanned and the data is the carry: the module cannot be sliced."""
+    m = Counter()
+    before = _values(m)
+    f = treemode.scan(
+        lambda m, c: (c, m.w[...]),
+        in_axes=(0, treemode.Carry),
+        out_axes=(treemode.Carry, 0),
+    )
+    with pytest.raises(treemode.AxisError, match=r"treemode\.scan: .*args\[0\]\.count"):
+        f(m, jnp.ones(2))
+    _unchanged(m, before)
+
+
+def test_carry_replaced_by_another_module():
+    m = Counter()
+    f = treemode.scan(lambda m, x: (Counter(), x), in_axes=(treemode.Carry, 0))
+    with pytest.raises(treemode.StructureError, match=r"treemode\.scan: .*args\[0\]"):
+        f(m, jnp.ones((2, 2)))
+
+
+# -- returned Variables -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda f, m: treemode.jit(f)(m),
+        lambda f, m: treemode.vmap(f, in_axes=None, axis_size=2)(m),
+        lambda f, m: treemode.remat(f)(m),
+        lambda f, m: treemode.cond(jnp.array(True), f, f, m),
+        lambda f, m: treemode.eval_shape(f, m),
+    ],
+    ids=["jit", "vmap", "remat", "cond", "eval_shape"],
+)
+def test_returning_a_variable_of_an_input(run):
+    m = Counter()
+    before = _values(m)
+    with pytest.raises(treemode.AliasError, match=r"treemode\.\w+: .*input args\[0\]\.w"):
+        run(lambda m: m.w, m)
+    _unchanged(m, before)
+
+
+def test_returning_a_closed_over_variable():
+    other = Counter()
+    with pytest.raises(treemode.AliasError, match=r"treemode\.jit: .*closure other\.w"):
+        treemode.jit(lambda x: other.w)(jnp.ones(2))
+
+
+# -- traces ------------------------------------------------------------------------------
+
+
+def test_module_closed_over_by_an_outer_jax_jit():
+    m = Counter()
+    before = _values(m)
+
+    def outer(x):
+        return treemode.jit(lambda m, x: m.bump(x))(m, x)
+
+    with pytest.raises(treemode.TraceContextError, match=r"treemode\.jit: .*args\[0\]\.count"):
+        jax.jit(outer)(jnp.ones(2))
+    _unchanged(m, before)
+
+
+def test_module_leaked_from_a_finished_trace():
+    leaked = []
+
+    @treemode.jit
+    def make(x):
+        leaked.append(Counter())
+        return x
+
+    make(jnp.ones(2))
+    with pytest.raises(treemode.TraceContextError, match=r"treemode\.jit: .*args\[0\]\.count"):
+        treemode.jit(lambda m: m.w[...] * 2)(leaked[0])
+
+
+def test_variable_written_from_a_debug_callback_is_lost_not_leaked():
+    """A host callback that writes a closed-over module during a call.
+
+    The callback runs while the compiled function executes, outside any trace;
+    treemode writes back only what the function itself changed, so the write
+    is kept, no tracer escapes, and the module stays usable.
+    """
+    m = Counter()
+
+    def f(x):
+        jax.debug.callback(lambda v: m.count.set_value(v), jnp.array(5))
+        return x * 2
+
+    treemode.jit(f)(jnp.ones(2))
+    jax.effects_barrier()
+    assert int(m.count[...]) == 5
+    assert not isinstance(m.count.get_raw_value(), jax.core.Tracer)
+    treemode.jit(lambda m: m.bump(1.0))(m)
+    assert int(m.count[...]) == 6
+
+
+# -- donation ------------------------------------------------------------------------------
+
+
+def test_deleted_buffers_reused():
+    a = Counter()
+    b = treemode.clone(a)  # shares a's buffers
+    step = treemode.jit(lambda m: m.bump(1.0), donate_argnums=0)
+    step(a)  # deletes the shared buffers
+    with pytest.raises(treemode.DonationError, match=r"treemode\.jit: .*args\[0\]\.(w|count)"):
+        treemode.jit(lambda m: m.bump(1.0))(b)
+    step(a)  # the donated module itself got fresh buffers
+    assert int(a.count[...]) == 2
+
+
+# -- cycles, depth and width ---------------------------------------------------------------
+
+
+def test_reference_cycle_with_graph_false():
+    m = Counter()
+    m.parent = m
+    with pytest.raises(treemode.StructureError, match=r"treemode\.jit: reference cycle at args\[0\]\.parent"):
+        treemode.jit(lambda m: m.w[...])(m)
+    assert sys.getrecursionlimit() < 5000  # restored
+    # The interpreter is still healthy: a JAX RecursionError would have broken it.
+    del m.parent
+    assert float(treemode.jit(lambda m: m.w[...].sum())(m)) == 2.0
+
+
+def test_reference_cycle_through_a_list_with_graph_false():
+    m = Counter()
+    m.items = nnx.data([1])
+    m.items.append(m.items)
+    with pytest.raises(treemode.StructureError, match=r"treemode\.vmap: reference cycle at args\[0\]\.items\[1\]"):
+        treemode.vmap(lambda m: m.w[...], in_axes=None, axis_size=1)(m)
+
+
+def test_reference_cycle_with_graph_true():
+    m = Counter()
+    m.parent = m
+    with pytest.raises(treemode.StructureError, match=r"treemode\.jit: reference cycle at args\[0\]\.parent"):
+        treemode.jit(lambda m: m.w[...], graph=True)(m)
+    with pytest.raises(treemode.StructureError, match=r"treemode\.to_tree: reference cycle"):
+        treemode.to_tree(m)
+
+
+def test_shared_but_acyclic_objects_are_not_a_cycle():
+    m = Counter()
+    act = nnx.Module()
+    m.a, m.b = nnx.data([act]), nnx.data([act])  # one stateless module twice: allowed
+    assert float(treemode.jit(lambda m: m.w[...].sum())(m)) == 2.0
+
+
+class Link(nnx.Module):
+    def __init__(self, child):
+        self.w = nnx.Param(jnp.zeros(()))
+        self.child = child
+
+
+def _chain(n):
+    m = None
+    for _ in range(n):
+        m = Link(m)
+    return m
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_thousand_nested_levels(graph):
+    deep = _chain(1000)
+    limit = sys.getrecursionlimit()
+
+    def touch(m):
+        for _ in range(999):
+            m = m.child
+        m.w[...] += 1.0  # the innermost Variable
+
+    f = treemode.jit(touch, graph=graph)
+    f(deep)
+    f(deep)
+    node = deep
+    for _ in range(999):
+        assert float(node.w[...]) == 0.0
+        node = node.child
+    assert float(node.w[...]) == 2.0
+    assert sys.getrecursionlimit() == limit
+
+
+def test_hundred_thousand_variables(monkeypatch):
+    n = 100_000
+    values = np.zeros((n, 1), np.float32)
+
+    class Wide(nnx.Module):
+        def __init__(self):
+            self.params = nnx.data([nnx.Param(values[i]) for i in range(n)])
+
+    wide = Wide()
+    specs = []
+    real = _flatten.value_spec
+    monkeypatch.setattr(
+        _flatten, "value_spec", lambda v, *a, **k: (specs.append(1), real(v, *a, **k))[1]
+    )
+
+    def f(m):
+        m.params[n - 1][...] += 1.0
+        return m.params[0][...]
+
+    g = treemode.jit(f)
+    g(wide)
+    assert len(specs) == n  # one spec per Variable: linear work on the first call
+    g(wide)
+    assert len(specs) == n  # the second call reuses the cached flattening
+    assert float(wide.params[n - 1][...][0]) == 2.0
