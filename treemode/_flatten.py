@@ -387,7 +387,7 @@ def _evict(key: int, cache: dict[int, ArgFlat], ref: weakref.ref[Any]) -> None:
     # ``cache`` is bound at creation so the callback works during interpreter exit.
     entry = cache.get(key)
     if entry is not None and entry._ref is ref:
-        del cache[key]
+        cache.pop(key, None)  # another thread may have removed it meanwhile
 
 
 def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
@@ -405,7 +405,7 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     if entry is not None and entry._ref is not None and entry._ref() is arg:
         if _still_valid(entry):
             return _refresh(entry)
-        del _cache[key]
+        _cache.pop(key, None)  # not ``del``: another thread may have removed it
     flat, cacheable = _flatten_uncached(arg, is_dynamic)
     # Never cache a flattening that holds tracers (an argument built inside an
     # outer jax.jit/scan trace): the cache would keep them alive past the trace.
