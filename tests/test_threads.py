@@ -138,8 +138,8 @@ def test_other_transforms_from_several_threads():
         expected = _sequential(call, shared)
         got = _concurrent(call, shared)
         for a, b in zip(expected[1], got[1], strict=True):
-            for x, y in zip(_state(a), _state(b), strict=True):
-                np.testing.assert_array_equal(x, y)
+            for want, have in zip(_state(a), _state(b), strict=True):
+                np.testing.assert_array_equal(have, want)
 
 
 def test_structure_change_of_a_shared_module_between_concurrent_calls():
