@@ -38,3 +38,23 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# Tracer-leak mode: `pytest --tracer-leaks` (or TREEMODE_TRACER_LEAKS=1) runs
+# every test under jax.check_tracer_leaks(True), which fails a test whose
+# traces leave a tracer referenced anywhere (see docs/contributing.md).
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tracer-leaks",
+        action="store_true",
+        help="run every test under jax.check_tracer_leaks(True)",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _tracer_leak_mode(request):
+    if request.config.getoption("--tracer-leaks") or os.environ.get("TREEMODE_TRACER_LEAKS"):
+        with jax.check_tracer_leaks(True):
+            yield
+    else:
+        yield
