@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint docs clean
+.PHONY: demo test fuzz test-leaks bench lint docs clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -18,6 +18,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q
+
+# Property tests with the "fuzz" hypothesis profile (tests/conftest.py): 1,000
+# random examples per test instead of CI's 20 derandomized ones (about an hour).
+fuzz: $(STAMP)
+	$(PY) -m pytest tests/test_properties.py -n 2 -q --hypothesis-profile=fuzz
+
+# The whole suite with jax.check_tracer_leaks(True) around every test.
+test-leaks: $(STAMP)
+	$(PY) -m pytest -n 2 -q --tracer-leaks
 
 # The benchmark suite: every case, all peers side by side; writes
 # benchmarks/results/*.md, docs/assets/*.png and the results of docs/performance.md.
