@@ -42,8 +42,8 @@ from ._flatten import (
     alias_error,
     first_duplicate,
     flatten_arg,
-    recursion_headroom,
     rebuild,
+    recursion_headroom,
     variable_dynamic,
 )
 from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable, same_static

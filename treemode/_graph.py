@@ -13,13 +13,14 @@ for its index, so the sharing is restored.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import jax
 from jax.tree_util import PyTreeDef
 
 from ._errors import StructureError
-from ._flatten import recursion_headroom
+from ._flatten import RECURSION_HEADROOM, recursion_headroom
 from ._leaves import is_graph_node, is_variable
 from ._paths import format_path
 
@@ -123,8 +124,6 @@ def recursion_error(transform: str, roots: list[tuple[str, Any]]) -> StructureEr
     Names the reference cycle if there is one; otherwise the nesting is deeper
     than Python's recursion limit allows JAX's (recursive) pytree flattening.
     """
-    import sys
-
     for root, tree in roots:
         path = find_cycle(tree)
         if path is not None:
@@ -135,12 +134,13 @@ def recursion_error(transform: str, roots: list[tuple[str, Any]]) -> StructureEr
                 "module (or as a static non-NNX attribute)."
             )
     names = ", ".join(root for root, _ in roots)
+    limit = max(sys.getrecursionlimit(), RECURSION_HEADROOM)
     return StructureError(
         f"treemode.{transform}: the inputs ({names}) are nested too deeply to flatten "
-        f"within Python's recursion limit ({sys.getrecursionlimit()}): JAX flattens "
-        "pytrees recursively, each nesting level taking a few stack frames. Raise the "
-        "limit before calling (e.g. sys.setrecursionlimit(10_000) handles about 2,000 "
-        "levels) or store deep stacks of layers in an nnx.List instead of nesting them."
+        f"within a recursion limit of {limit}: JAX flattens pytrees recursively, each "
+        "nesting level taking a few interpreter levels (about six with graph=True). "
+        "Raise the limit before calling (sys.setrecursionlimit) or store deep stacks "
+        "of layers in an nnx.List instead of nesting them."
     )
 
 
@@ -174,18 +174,29 @@ def to_tree(node: Any) -> Any:
     index: dict[int, int] = {}
     in_progress: set[int] = set()
     keepalive: list[Any] = []
+    # convert runs inside JAX's C++ tree_map: an exception raised through it
+    # corrupts the interpreter's recursion counter, so errors are raised after.
+    errors: list[Exception] = []
 
     def convert(path: tuple[Any, ...], x: Any) -> Any:
         key = id(x)
+        if errors:
+            return None
         if key in index:
             if key in in_progress:
-                raise CycleError(
-                    f"treemode.to_tree: reference cycle at {format_path(path, 'node')}: "
-                    f"a {type(x).__name__} contains itself. Tree mode needs an acyclic "
-                    "graph; store the back-reference outside the module (or as a "
-                    "static non-NNX attribute)."
+                errors.append(
+                    CycleError(
+                        f"treemode.to_tree: reference cycle at {format_path(path, 'node')}: "
+                        f"a {type(x).__name__} contains itself. Tree mode needs an acyclic "
+                        "graph; store the back-reference outside the module (or as a "
+                        "static non-NNX attribute)."
+                    )
                 )
+                return None
             return SharedRef(index[key])
+        if len(in_progress) > max_depth:
+            errors.append(RecursionError("to_tree: nested too deeply"))
+            return None
         index[key] = len(index)
         keepalive.append(x)
         if is_variable(x):
@@ -210,11 +221,16 @@ def to_tree(node: Any) -> Any:
         return is_variable(x) or is_graph_node(x)
 
     with recursion_headroom():
-        return jax.tree_util.tree_map_with_path(
+        max_depth = sys.getrecursionlimit() // 7  # about six levels per nesting level
+        tree = jax.tree_util.tree_map_with_path(
             lambda p, x: convert(p, x) if is_variable_or_graph(x) else x,
             node,
             is_leaf=is_variable_or_graph,
         )
+    if errors:
+        raise errors[0]
+    return tree
+
 
 
 def from_tree(tree: Any) -> Any:
