@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 from flax.nnx import tracers
+from jax.core import Tracer
 
 from . import _graph, _pytree
 from ._closure import closure_objects
@@ -792,9 +793,7 @@ def explain_failure(call: Call, error: BaseException) -> Exception | None:
             where = format_path(path, root)
             what = f"the {type(leaf).__name__} at {where}" if is_variable(leaf) else where
             for x in values:
-                if isinstance(error, jax.errors.UnexpectedTracerError) and isinstance(
-                    x, jax.core.Tracer
-                ):
+                if isinstance(error, jax.errors.UnexpectedTracerError) and isinstance(x, Tracer):
                     return TraceContextError(
                         f"treemode.{call.transform}: {what} holds a value traced by a JAX "
                         "transform that has already returned (the module was created or "
@@ -802,7 +801,7 @@ def explain_failure(call: Call, error: BaseException) -> Exception | None:
                         "list). Return new modules from the transform instead of storing "
                         "them, and rebuild this one outside any transform."
                     )
-                if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+                if isinstance(x, jax.Array) and not isinstance(x, Tracer):
                     if x.is_deleted():
                         return DonationError(
                             f"treemode.{call.transform}: the buffer of {what} was deleted: it "

@@ -232,7 +232,6 @@ def to_tree(node: Any) -> Any:
     return tree
 
 
-
 def from_tree(tree: Any) -> Any:
     """Rebuild the object graph encoded by `to_tree`.
 
