@@ -372,8 +372,11 @@ def _tree(draw: Any, depth: int, uids: list[int], kinds: tuple[str, ...]) -> Des
         if any(isinstance(c, Static) for c in children):
             children = [c for c in children if not isinstance(c, Static)]
         statics = draw(
-            st.lists(st.tuples(st.sampled_from(("n", "width")), st.integers(0, 9)),
-                     max_size=1, unique_by=lambda t: t[0])
+            st.lists(
+                st.tuples(st.sampled_from(("n", "width")), st.integers(0, 9)),
+                max_size=1,
+                unique_by=lambda t: t[0],
+            )
         )
         statics += draw(st.lists(st.just(("label", "layer")), max_size=1))
         return Module(
@@ -457,21 +460,34 @@ def ops(draw: Any, h: Handles, max_ops: int = 6) -> tuple[Op, ...]:
         if kind in ("read", "add", "double", "mix"):
             a = draw(st.integers(0, len(h.variables) - 1))
             b = draw(st.integers(0, len(h.variables) - 1))
-            op = Op(kind, a, draw(st.integers(0, 1)), b, draw(st.integers(0, 1)),
-                    draw(st.integers(-3, 3)))
+            op = Op(
+                kind,
+                a,
+                draw(st.integers(0, 1)),
+                b,
+                draw(st.integers(0, 1)),
+                draw(st.integers(-3, 3)),
+            )
         elif kind == "draw":
             op = Op(kind, draw(st.integers(0, len(h.rngs) - 1)), draw(st.integers(0, 1)))
         elif kind == "draw_into":
-            op = Op(kind, draw(st.integers(0, len(h.rngs) - 1)), draw(st.integers(0, 1)),
-                    draw(st.integers(0, len(h.variables) - 1)), draw(st.integers(0, 1)))
+            op = Op(
+                kind,
+                draw(st.integers(0, len(h.rngs) - 1)),
+                draw(st.integers(0, 1)),
+                draw(st.integers(0, len(h.variables) - 1)),
+                draw(st.integers(0, 1)),
+            )
         elif kind == "static":
             op = Op(kind, draw(st.integers(0, len(h.statics) - 1)))
         else:
             op = Op(kind, draw(st.integers(0, len(h.arrays) - 1)))
         program.append(op)
     # Read every Variable the program wrote, so outputs depend on the new state.
-    written = sorted({o.a for o in program if o.kind in ("add", "double", "mix")}
-                     | {o.b for o in program if o.kind == "draw_into"})
+    written = sorted(
+        {o.a for o in program if o.kind in ("add", "double", "mix")}
+        | {o.b for o in program if o.kind == "draw_into"}
+    )
     program += [Op("read", i, 1) for i in written]
     return tuple(program)
 
@@ -496,8 +512,7 @@ def scenarios(
     uids[0] += 1
     if root_kind == "module":
         children = [c for c in children if not isinstance(c, Static)]
-        tree: Desc = Module("node", tuple(zip(NAMES, children, strict=False)),
-                            (("n", 1),), uids[0])
+        tree: Desc = Module("node", tuple(zip(NAMES, children, strict=False)), (("n", 1),), uids[0])
     else:
         if root_kind == "nlist":
             children = [c for c in children if not isinstance(c, Static)]

@@ -352,9 +352,7 @@ class CheckFault(Exception):
     pass
 
 
-@pytest.mark.parametrize(
-    "check", ["_check_structure", "_check_outputs", "_collect_updates"]
-)
+@pytest.mark.parametrize("check", ["_check_structure", "_check_outputs", "_collect_updates"])
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_failure_inside_a_check_leaves_inputs(name, check, monkeypatch):
     def broken(self, *args, **kwargs):
