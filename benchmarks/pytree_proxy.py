@@ -124,11 +124,12 @@ def main() -> None:
 
     rows = [
         ("tuple of arrays (floor)", per_call(lambda: tuple_def.unflatten(arrays), number, repeat)),
-        ("dict keyed by the same paths",
-         per_call(lambda: dict_def.unflatten(arrays), number, repeat)),
+        (
+            "dict keyed by the same paths",
+            per_call(lambda: dict_def.unflatten(arrays), number, repeat),
+        ),
         ("treemode.Pytree", per_call(lambda: proxy_def.unflatten(arrays), number, repeat)),
-        ("bare NNX module",
-         per_call(lambda: module_def.unflatten(module_leaves), number, repeat)),
+        ("bare NNX module", per_call(lambda: module_def.unflatten(module_leaves), number, repeat)),
     ]
     table("treedef.unflatten", rows, rows[0][0])
 
@@ -164,8 +165,10 @@ def main() -> None:
         return model(x), model
 
     rows = [
-        ("jax.jit, tuple of arrays (floor)", per_call(lambda: floor_forward(arrays, x),
-                                                      number, repeat)),
+        (
+            "jax.jit, tuple of arrays (floor)",
+            per_call(lambda: floor_forward(arrays, x), number, repeat),
+        ),
         ("eqx.filter_jit, pure Equinox", per_call(lambda: forward(pure, x), number, repeat)),
         ("eqx.filter_jit, Equinox + Pytree", per_call(lambda: forward(mixed, x), number, repeat)),
     ]
