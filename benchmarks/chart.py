@@ -57,14 +57,23 @@ def per_variable_chart(data: dict[str, Any], path: Path) -> None:
 
     fits = data["per_variable"]["fits"]
     fig, ax = plt.subplots(figsize=(8, 4.8), dpi=110)
+    lowest = float("inf")
     for peer, f in fits.items():
         if peer == "floor":
             continue
-        xs, ys = f["nvars"], [max(y, 1e-1) for y in f["extra_us"]]
-        line = ax.plot(xs, ys, "o", label=f"{peer}: {f['slope_us']:.2f} µs/Variable")[0]
+        xs = f["nvars"]
+        points = [(x, y) for x, y in zip(xs, f["extra_us"], strict=True) if y > 0]
+        line = ax.plot(
+            *zip(*points, strict=True), "o", label=f"{peer}: {f['slope_us']:.2f} µs/Variable"
+        )[0]
+        lowest = min([lowest, *(y for _, y in points)])
         dense = [xs[0] * (xs[-1] / xs[0]) ** (i / 49) for i in range(50)]
-        fitted = [max(f["intercept_us"] + f["slope_us"] * x, 1e-1) for x in dense]
-        ax.plot(dense, fitted, "-", color=line.get_color(), alpha=0.6)
+        fitted = [(x, f["intercept_us"] + f["slope_us"] * x) for x in dense]
+        fitted = [(x, y) for x, y in fitted if y > 0]  # a log axis shows positive values only
+        if fitted:
+            ax.plot(*zip(*fitted, strict=True), "-", color=line.get_color(), alpha=0.6)
+    if lowest < float("inf"):
+        ax.set_ylim(bottom=lowest / 2)
     ax.set_xscale("log")
     ax.set_yscale("log")
     nvars = next(iter(fits.values()))["nvars"]
