@@ -44,7 +44,7 @@ FULL = Config(
     dispatch_models=("2-layer MLP", "64-layer MLP", "stateful"),
     depths=(8, 64, 256, 1024),
     eager_repeats=30,
-    compile_repeats=5,
+    compile_repeats=10,
 )
 QUICK = Config(
     name="quick",
@@ -53,7 +53,7 @@ QUICK = Config(
     dispatch_models=("2-layer MLP", "64-layer MLP", "stateful"),
     depths=(8, 32, 128),
     eager_repeats=5,
-    compile_repeats=2,
+    compile_repeats=3,
 )
 # Only checks that everything runs end to end (tests/test_benchmarks_smoke.py).
 SMOKE = Config(

@@ -7,7 +7,7 @@ must retrace).
 
 Compile time: the best over repeats of tracing + lowering (``.lower()``) and of
 XLA compilation (``.compile()``), each repeat on a fresh function so that no
-cache is hit.
+cache is hit; the two spellings alternate repeat by repeat.
 
 Run: ``python benchmarks/compilation.py [--quick]``.
 """
@@ -144,19 +144,26 @@ def _traces(build: Callable[..., Any], wrap: Callable[..., Any], partial: bool) 
     return counts
 
 
-def _compile_times(build: Callable[..., Any], wrap: Callable[..., Any], repeats: int):
-    lower, comp = [], []
+def _lower_and_compile(build: Callable[..., Any], wrap: Callable[..., Any]) -> tuple[float, float]:
+    """Milliseconds of ``.lower()`` and of ``.compile()`` on a fresh function."""
+    fn, make_args = build([0])
+    args = make_args()
+    start = time.perf_counter()
+    lowered = wrap(fn).lower(*args)
+    mid = time.perf_counter()
+    lowered.compile()
+    end = time.perf_counter()
+    return (mid - start) * 1e3, (end - mid) * 1e3
+
+
+def _compile_times(case: Case, repeats: int) -> dict[str, tuple[float, float]]:
+    """Best lower and compile times of both spellings, interleaved repeat by repeat."""
+    spellings = {"jax.jit": (case.hand, jax.jit), "treemode.jit": (case.ours, treemode.jit)}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in spellings}
     for _ in range(max(1, repeats)):
-        fn, make_args = build([0])
-        args = make_args()
-        start = time.perf_counter()
-        lowered = wrap(fn).lower(*args)
-        mid = time.perf_counter()
-        lowered.compile()
-        end = time.perf_counter()
-        lower.append((mid - start) * 1e3)
-        comp.append((end - mid) * 1e3)
-    return min(lower), min(comp)
+        for name, (build, wrap) in spellings.items():
+            times[name].append(_lower_and_compile(build, wrap))
+    return {name: (min(t[0] for t in ts), min(t[1] for t in ts)) for name, ts in times.items()}
 
 
 def run(config: Config) -> list[Table]:
@@ -175,8 +182,9 @@ def run(config: Config) -> list[Table]:
         trace_rows.append(
             (case.label, [fmt(c) for c in counts.values()] + ["yes" if same else "**NO**"])
         )
-        hand_lower, hand_compile = _compile_times(case.hand, jax.jit, config.compile_repeats)
-        ours_lower, ours_compile = _compile_times(case.ours, treemode.jit, config.compile_repeats)
+        times = _compile_times(case, config.compile_repeats)
+        hand_lower, hand_compile = times["jax.jit"]
+        ours_lower, ours_compile = times["treemode.jit"]
         time_rows.append(
             (
                 case.label,
