@@ -307,3 +307,18 @@ def test_flatten_cache_does_not_keep_modules_alive():
     gc.collect()
     assert ref() is None
     assert key not in _flatten._cache or _flatten._cache[key]._ref() is not None
+
+
+def test_optimizer_state_is_cached_and_revalidated():
+    from treemode import _flatten
+
+    model = MLP(1, 2, nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = treemode.jit(lambda o, x: x * o.step[...])
+    step(opt, jnp.ones(1))
+    assert id(opt) in _flatten._cache  # nnx.State in opt_state is guarded, not re-walked
+    entry = _flatten._cache[id(opt)]
+    assert entry._guard is not None and entry._guard.holds(entry.variables)
+    # Replacing an entry inside the State's plain mapping invalidates the cache.
+    opt.step = nnx.OptState(jnp.array(5, jnp.uint32))
+    np.testing.assert_allclose(step(opt, jnp.ones(1)), [5.0])

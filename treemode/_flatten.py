@@ -23,6 +23,7 @@ from itertools import chain
 from typing import Any
 
 import jax
+from flax.nnx.statelib import State
 from jax.core import Tracer
 from jax.tree_util import PyTreeDef
 
@@ -312,6 +313,8 @@ def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgF
                 return True
             seen.add(id(x))
             containers.append(x)
+        elif isinstance(x, State):
+            _add_state(x, containers)
         elif not isinstance(x, _IMMUTABLE_NODES) and not _is_frozen_node(x):
             # A mutable pytree node we cannot guard: never reuse this flattening.
             cacheable = cacheable and _is_plain_leaf(x)
@@ -349,9 +352,25 @@ def _no_cut(containers: list[Any]) -> Callable[[Any], bool]:
             return True
         if is_graph_node(x) or isinstance(x, (dict, list)):
             containers.append(x)
+        elif isinstance(x, State):
+            _add_state(x, containers)
         return False
 
     return is_leaf
+
+
+def _add_state(state: State, containers: list[Any]) -> None:
+    """Guard an ``nnx.State`` (e.g. an optimizer's ``opt_state``).
+
+    A State keeps its entries in a plain ``_mapping`` dict, nested States as
+    nested plain dicts, none of which JAX visits as nodes: guard them all.
+    """
+    containers.append(state)
+    stack = [state.raw_mapping]
+    while stack:
+        mapping = stack.pop()
+        containers.append(mapping)
+        stack.extend(v for v in mapping.values() if type(v) is dict)
 
 
 def _is_frozen_node(x: Any) -> bool:
