@@ -108,6 +108,21 @@ class Call:
         names += [f"kwargs[{name!r}]" for name in self.kw_names]
         return list(zip(names, [*pos, *(kw[n] for n in self.kw_names)], strict=True))
 
+    def traced_roots(
+        self, argnums: frozenset[int] | set[int], argnames: frozenset[str] | set[str] = frozenset()
+    ) -> list[int]:
+        """Indices into ``arg_flats`` of the positional ``argnums`` and keyword ``argnames``."""
+        roots: list[int] = []
+        k = 0
+        for i in range(len(self.args)):
+            if i in self.static_positional:
+                continue
+            if i in argnums:
+                roots.append(k)
+            k += 1
+        roots += [k + j for j, name in enumerate(self.kw_names) if name in argnames]
+        return roots
+
     def root_dynamic_ranges(self) -> list[range]:
         """Per traced argument (``arg_flats`` order), its slice of ``dynamic``."""
         ranges: list[range] = []

@@ -189,19 +189,7 @@ class JitWrapped(Generic[P, R]):
 
     def _donated_roots(self, call: _core.Call) -> list[int]:
         """Indices into ``call.arg_flats`` of the donated arguments."""
-        roots: list[int] = []
-        k = 0
-        for i in range(len(call.args)):
-            if i in call.static_positional:
-                continue
-            if i in self.donate_argnums:
-                roots.append(k)
-            k += 1
-        for name in call.kw_names:
-            if name in self.donate_argnames:
-                roots.append(k)
-            k += 1
-        return roots
+        return call.traced_roots(self.donate_argnums, self.donate_argnames)
 
     def _build(self, call: _core.Call) -> _Entry:
         donated = self._donated_roots(call)

@@ -125,29 +125,14 @@ class MappedWrapper:
         return is_axis(x)
 
     def _donated_variables(self, call: _core.Call) -> list[int]:
-        out: list[int] = []
-        k = 0
+        """Indices into ``call.variables`` of the donated positional arguments."""
         ranges = call.root_variable_ranges()
-        for i in range(len(call.args)):
-            if i in call.static_positional:
-                continue
-            if i in self.donate_argnums:
-                out += list(ranges[k])
-            k += 1
-        return out
+        return [j for k in call.traced_roots(self.donate_argnums) for j in ranges[k]]
 
     def donated_dynamic(self, call: _core.Call) -> tuple[int, ...]:
         """Indices into ``call.dynamic`` of the donated positional arguments."""
-        out: list[int] = []
-        k = 0
         ranges = call.root_dynamic_ranges()
-        for i in range(len(call.args)):
-            if i in call.static_positional:
-                continue
-            if i in self.donate_argnums:
-                out += list(ranges[k])
-            k += 1
-        return tuple(out)
+        return tuple(j for k in call.traced_roots(self.donate_argnums) for j in ranges[k])
 
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
         return _core.prepare(
