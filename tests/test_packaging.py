@@ -98,6 +98,8 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path) -> 
         import importlib.metadata as md
         import sys
 
+        import os
+
         from packaging.requirements import Requirement
 
         import jax.numpy as jnp
@@ -105,7 +107,8 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path) -> 
         import treemode
 
         assert treemode.__file__.startswith({str(site_packages)!r}), treemode.__file__
-        assert not any(p.startswith({str(ROOT)!r}) for p in sys.path), sys.path
+        # The checkout itself must not be importable (its .venv may live inside it).
+        assert {str(ROOT)!r} not in [os.path.realpath(p) for p in sys.path if p], sys.path
         dist = md.distribution("treemode")
         assert str(dist.locate_file("")).startswith({str(site_packages)!r})
         for line in dist.requires or []:
