@@ -247,3 +247,42 @@ def test_unused_outputs_get_zero_cotangents_in_bwd():
     np.testing.assert_allclose(grads.x[...], 2.0)
     np.testing.assert_allclose(grads.y[...], 0.0)
     np.testing.assert_allclose(seen["g"][1], 0.0)  # a plain zero array, not a symbolic zero
+
+
+def test_fwd_and_bwd_keep_no_tracer_alive(tracer_leaks):
+    """JAX caches fwd and bwd with the jaxpr: they must not hold the call's tracers.
+
+    Runs under ``jax.check_tracer_leaks``: every trace below fails on exit if a
+    tracer of it is still referenced (e.g. through the arguments of the call).
+    """
+    f = make_f()
+    m = Foo(0.7, -1.5)
+
+    grads = treemode.jit(treemode.grad(f))(m)  # fwd and bwd traced inside jit
+    np.testing.assert_allclose(grads.x[...], jnp.cos(0.7) * -1.5, rtol=1e-6)
+    grads = treemode.grad(treemode.jit(lambda m: f(m) * 2.0))(m)  # fwd traced lazily
+    np.testing.assert_allclose(grads.y[...], 2 * jnp.sin(0.7), rtol=1e-6)
+
+    # nondiff module argument written back, a closed-over module, graph mode sharing
+    outer = Foo(2.0)
+
+    @treemode.custom_vjp(nondiff_argnums=(0,), graph=True)
+    def g(stats, a, b):
+        stats.calls[...] += 1
+        return a.x[...] * b.y[...] * outer.x[...]
+
+    def g_bwd(stats, res, ct):
+        a, b = res
+        a_g = jax.tree.map(jnp.zeros_like, a)
+        a_g.x[...] = ct * b.y[...] * outer.x[...]
+        return a_g, None
+
+    g.defvjp(lambda stats, a, b: (g(stats, a, b), (a, b)), g_bwd)
+    stats, shared = Foo(), Foo(3.0, 4.0)
+    grads = treemode.jit(treemode.grad(lambda m, s: g(s, m, m)))(shared, stats)
+    np.testing.assert_allclose(grads.x[...], 4.0 * 2.0)
+    assert int(stats.calls[...]) == 1
+    # inside plain JAX transforms, with modules created inside them
+    inner = lambda x: treemode.grad(lambda m: g(Foo(), m, m))(Foo(x, x)).x[...]
+    np.testing.assert_allclose(jax.jit(jax.grad(inner))(3.0), 2.0)  # inner(x) = x * outer.x
+    assert not any(isinstance(v[...], jax.core.Tracer) for v in (stats.calls, outer.x))

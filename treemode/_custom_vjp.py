@@ -13,6 +13,11 @@ The user's function, ``fwd`` and ``bwd`` are wrapped around one
   laid back out over the flat arrays (``float0`` for integer and key arrays, zeros
   for non-differentiable arguments and closure Variables).
 
+JAX keeps ``fwd`` and ``bwd`` alive with the jaxpr it caches (and may trace
+``fwd`` after the call returned), so neither holds the ``Call``: its arguments
+hold the tracers of the trace it was prepared in. Both rebuild the call's
+structure from the primal arrays they receive.
+
 Variable updates are an extra output of the JAX function and are written back.
 A differentiable Variable (a floating-point Variable of a differentiable
 argument) must not be changed: its new value would have no cotangent.
@@ -123,21 +128,44 @@ class CustomVjp(Generic[P, R]):
         user_bwd = self.bwd
         nondiff = self.nondiff_argnums
         graph = self.graph
+        fn = self.fn
+        key = call.key
+        # JAX keeps fwd and bwd alive in the jaxpr it caches, so they must not
+        # reach ``call``: its arguments hold the tracers of the current trace. They
+        # rebuild the call from their own primal values (same structure, arrays of
+        # the trace they run in) with this structure-only function instead.
+        rebuilder = _core.PureFunction(call)
 
-        def run(pure: _core.PureFunction, dynamic: Sequence[Any]) -> tuple[Any, Any]:
-            with _core.bound(pure, call):  # traced now, or lazily by JAX (fwd)
+        def call_from(dynamic: Sequence[Any], lift_closure: bool) -> _core.Call:
+            inputs = rebuilder.rebuild_inputs(dynamic)
+            again = _core.prepare(
+                "custom_vjp", fn, inputs.args, {}, graph=graph, lift_closure=lift_closure
+            )
+            if lift_closure and again.key.lifted != key.lifted:
+                raise ClosureError(
+                    "treemode.custom_vjp: the Variables the function reaches through its "
+                    "closure changed (new, removed or replaced Variables) between the call "
+                    "and the moment JAX traced its fwd rule.\nDo not change the structure "
+                    "of closed-over modules while a transform of this function is running; "
+                    "pass the module as an argument instead."
+                )
+            return again
+
+        def run(pure: _core.PureFunction, c: _core.Call, dynamic: Sequence[Any]) -> tuple[Any, Any]:
+            with _core.bound(pure, c):
                 out, updates = pure(*dynamic)
-            _check_no_mutation(call, protected, updates)
+            _check_no_mutation(c, protected, updates)
             return out, updates
 
         @jax.custom_vjp
         def flat(*dynamic: Any) -> tuple[Any, Any]:
-            return run(primal, dynamic)
+            return run(primal, call, dynamic)  # traced now: JAX keeps only the jaxpr
 
         def flat_fwd(*primals: Any) -> tuple[Any, Any]:
             dynamic = [p.value for p in primals]
-            _check_closure_not_differentiated(call, primals)
-            out, updates = run(fwd_pure, dynamic)
+            fwd_call = call_from(dynamic, lift_closure=True)  # may run after the call
+            _check_closure_not_differentiated(fwd_call, primals)
+            out, updates = run(fwd_pure, fwd_call, dynamic)
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise TypeError(
                     "treemode.custom_vjp: fwd must return a pair (output, residuals), got "
@@ -168,8 +196,9 @@ class CustomVjp(Generic[P, R]):
             )
             if graph:
                 residuals = _graph.from_tree(residuals)
-            inputs = _core.PureFunction(call).rebuild_inputs(dynamic)
-            nondiff_args = [inputs.args[i] for i in nondiff]
+            bwd_call = call_from(dynamic, lift_closure=False)
+            bwd_split = DiffSplit(bwd_call, diff_args)
+            nondiff_args = [bwd_call.args[i] for i in nondiff]
             if graph:
                 out_ct = _graph.from_tree(out_ct)
             result = user_bwd(*nondiff_args, residuals, out_ct)
@@ -185,8 +214,8 @@ class CustomVjp(Generic[P, R]):
                     f"{diff_args}), but it returned {got}."
                 )
             diff_cts = dynamic_like(
-                call,
-                split,
+                bwd_call,
+                bwd_split,
                 list(result),
                 transform="custom_vjp",
                 what="cotangent",
@@ -195,7 +224,7 @@ class CustomVjp(Generic[P, R]):
             cts: list[Any] = [
                 float0_zeros(x) if not is_differentiable(x) else jnp.zeros_like(x) for x in dynamic
             ]
-            for j, g in zip(split.diff, diff_cts, strict=True):
+            for j, g in zip(bwd_split.diff, diff_cts, strict=True):
                 cts[j] = g
             return tuple(cts)
 
