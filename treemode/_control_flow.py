@@ -10,6 +10,7 @@ only is written back correctly.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ from ._loop import (
     type_problem,
     variable_specs,
 )
+from ._trace_cache import avals, cache_for, call_current_fn
 
 
 @contextlib.contextmanager
@@ -50,59 +52,74 @@ def _loop_call(
     return _core.prepare(transform, body_fun, (init_val,), {}, graph=graph), init_val
 
 
-def _run_loop(
-    transform: str,
-    call: _core.Call,
-    init_val: Any,
-    body_fun: Callable[..., Any],
-    run: Callable[[LoopState, Callable[..., Any]], Any],
-    *,
-    index_aval: Any = None,
-) -> Any:
-    """Shared by ``while_loop`` and ``fori_loop``.
+class _LoopEntry:
+    """What a loop over one call structure needs, built once (see `treemode._trace_cache`).
 
-    ``body_fun`` is called as ``body_fun(val)`` or, with ``index_aval``,
-    ``body_fun(i, val)``. ``run(loop, step)`` runs the JAX loop, where
-    ``step(state, i=None)`` computes one iteration, and returns the final state.
+    ``step(state)`` (``while_loop``) and ``indexed_step(i, state)``
+    (``fori_loop``) are handed to JAX: the same objects on every call, functions
+    of their inputs only. The loop index reaches the user function through a
+    thread-local slot, set around each call of ``pure``.
     """
-    layout = carry_layout(call, 0, "init_val")
-    index: list[Any] = [None]
 
-    def body(val: Any) -> list[Any]:
-        i, index[0] = index[0], None  # consume it: never keep a tracer past its trace
-        out = body_fun(val) if index_aval is None else body_fun(i, val)
-        return check_carry_out(transform, layout, val, out)
+    __slots__ = ("pure", "loop", "layout", "step", "indexed_step", "cond", "cond_extra")
 
-    def set_index(extra: Sequence[Any]) -> None:
-        if extra:
-            index[0] = extra[0]
+    def __init__(self, transform: str, call: _core.Call, index_aval: Any = None):
+        layout = carry_layout(call, 0, "init_val")
+        index = threading.local()
 
-    state_vars: frozenset[int] = frozenset()
-    if call.variables:
-        probe = _core.PureFunction(call)
-        probe.fn = body
-        avals = [abstract(x) for x in call.dynamic]
-        extra = [] if index_aval is None else [index_aval]
-        try:
-            state_vars = probe_changed(probe, call, avals, extra=extra, before=set_index)
-        finally:
-            index[0] = None  # never keep a tracer alive past its trace
-    pure = _core.PureFunction(call, force_updates=state_vars)
-    pure.fn = body
-    loop = LoopState(transform, call, layout.free, state_vars)
+        def make_body(pure: _core.PureFunction) -> Callable[..., Any]:
+            fn = call_current_fn(pure)
 
-    def step(state: Any, i: Any = None) -> Any:
-        index[0] = i
-        free_out, updates = pure(*loop.assemble(state))
-        return loop.next_state(state, free_out, updates)
+            def body(val: Any) -> list[Any]:
+                i, index.value = getattr(index, "value", None), None  # never keep a tracer
+                out = fn(val) if index_aval is None else fn(i, val)
+                return check_carry_out(transform, layout, val, out)
 
-    try:
-        with _core.bound(pure, call):
-            free, values = run(loop, step)
-    finally:
-        index[0] = None
-    _core.write_back(call, loop.final_updates(values), pure.record.metadata_updates)
-    return rebuild_carry(init_val, layout, free)
+            return body
+
+        def set_index(extra: Sequence[Any]) -> None:
+            if extra:
+                index.value = extra[0]
+
+        state_vars: frozenset[int] = frozenset()
+        if call.variables:
+            probe = _core.PureFunction(call)
+            probe.fn = make_body(probe)
+            avals_ = [abstract(x) for x in call.dynamic]
+            extra = [] if index_aval is None else [index_aval]
+            try:
+                state_vars = probe_changed(probe, call, avals_, extra=extra, before=set_index)
+            finally:
+                index.value = None
+        pure = _core.PureFunction(call, force_updates=state_vars)
+        pure.fn = make_body(pure)
+        loop = LoopState(transform, call, layout.free, state_vars)
+
+        def step(state: Any, i: Any = None) -> Any:
+            index.value = i
+            try:
+                free_out, updates = pure(*loop.assemble(state))
+            finally:
+                index.value = None
+            return loop.next_state(pure.call, state, free_out, updates)
+
+        def indexed_step(i: Any, state: Any) -> Any:
+            return step(state, i)
+
+        self.pure = pure
+        self.loop = loop
+        self.layout = layout
+        self.step = step
+        self.indexed_step = indexed_step
+        self.cond: Callable[..., Any] | None = None
+        self.cond_extra: list[int] = []
+
+    def run(self, call: _core.Call, init_val: Any, run: Callable[[Any], Any]) -> Any:
+        """Run the JAX loop (``run(initial state)`` returns the final state), write back."""
+        with _core.bound(self.pure, call):
+            _, free, values, *_ = run(self.loop.init(call.dynamic))
+        _core.write_back(call, self.loop.final_updates(values), self.pure.record.metadata_updates)
+        return rebuild_carry(init_val, self.layout, free)
 
 
 def while_loop(
@@ -165,25 +182,75 @@ def _while_loop(
 ) -> Any:
     call, init_val = _loop_call("while_loop", body_fun, init_val, graph)
     cond_call = _core.prepare("while_loop", cond_fun, (init_val,), {}, graph=graph)
+    # cond_fun's closure Variables: the body's (their index) or its own (-1).
+    body_index = {id(v): i for i, v in enumerate(call.variables)}
+    n_arg_vars = sum(len(f.variables) for f in call.arg_flats)
+    shared = tuple(body_index.get(id(v), -1) for v in cond_call.variables[n_arg_vars:])
+    cache = cache_for([cond_fun, body_fun], ("while_loop", graph))
+    entry = cache.get(
+        (call.key, cond_call.key, shared, avals(call.dynamic), avals(cond_call.dynamic)),
+        lambda: _while_entry(call, cond_call, shared),
+    )
+    cond = entry.cond
+    assert cond is not None
+    extra = [cond_call.dynamic[j] for j in entry.cond_extra]
+
+    def run(state: Any) -> Any:
+        with _core.bound(entry.cond_pure, cond_call):
+            return jax.lax.while_loop(cond, entry.step, (*state, extra))
+
+    return entry.run(call, init_val, run)
+
+
+class _WhileEntry(_LoopEntry):
+    """A `_LoopEntry` with ``cond_fun``: its inputs are the body's plus ``cond_extra``.
+
+    ``cond_extra`` (indices into the condition call's dynamic arrays) are the
+    arrays of the condition's own closure Variables; they ride in the loop
+    state after the body's entries.
+    """
+
+    __slots__ = ("cond_pure",)
+
+
+def _while_entry(call: _core.Call, cond_call: _core.Call, shared: tuple[int, ...]) -> _WhileEntry:
+    entry = _WhileEntry("while_loop", call)
     cond_pure = _core.PureFunction(cond_call)
+    cond_pure.fn = call_current_fn(cond_pure)
+    loop = entry.loop
+    n_arg_dyn = sum(len(f.dynamic) for f in call.arg_flats)
+    n_arg_vars = len(cond_call.variables) - len(shared)
+    cond_ranges = cond_call.variable_dynamic_ranges()
+    # Per array of the condition's inputs: (True, index into the body's
+    # dynamic arrays) or (False, index into the extra arrays).
+    sources: list[tuple[bool, int]] = [(True, j) for j in range(n_arg_dyn)]
+    for k, i in enumerate(shared):
+        rng = cond_ranges[n_arg_vars + k]
+        if i >= 0:
+            sources += [(True, j) for j in loop.ranges[i]]
+        else:
+            sources += [(False, len(entry.cond_extra) + m) for m in range(len(rng))]
+            entry.cond_extra.extend(rng)
 
-    def run(loop: LoopState, step: Callable[..., Any]) -> Any:
-        def cond(state: Any) -> Any:
-            out, updates = cond_pure(*loop.assemble_for(cond_call, state))
-            changed = [i for i, u in enumerate(updates) if u is not None]
-            if changed:
-                path = cond_call.variable_paths()[changed[0]]
-                raise StructureError(
-                    f"treemode.while_loop: cond_fun changed the "
-                    f"{type(cond_call.variables[changed[0]]).__name__} at {path}. The "
-                    "condition of a loop must only read state; change it in body_fun."
-                )
-            return out
+    def cond(state: Any) -> Any:
+        body_dynamic = loop.assemble(state)
+        extra = state[3]
+        dynamic = [body_dynamic[j] if own else extra[j] for own, j in sources]
+        out, updates = cond_pure(*dynamic)
+        changed = [i for i, u in enumerate(updates) if u is not None]
+        if changed:
+            bound = cond_pure.call
+            path = bound.variable_paths()[changed[0]]
+            raise StructureError(
+                f"treemode.while_loop: cond_fun changed the "
+                f"{type(bound.variables[changed[0]]).__name__} at {path}. The "
+                "condition of a loop must only read state; change it in body_fun."
+            )
+        return out
 
-        with _core.bound(cond_pure, cond_call):
-            return jax.lax.while_loop(cond, step, loop.init())
-
-    return _run_loop("while_loop", call, init_val, body_fun, run)
+    entry.cond = cond
+    entry.cond_pure = cond_pure
+    return entry
 
 
 def fori_loop(
@@ -236,15 +303,18 @@ def fori_loop(
     ```
     """
     index_aval = jax.ShapeDtypeStruct((), jnp.result_type(lower, upper))
-
-    def run(loop: LoopState, step: Callable[..., Any]) -> Any:
-        return jax.lax.fori_loop(
-            lower, upper, lambda i, state: step(state, i), loop.init(), unroll=unroll
-        )
-
     with _init_val_paths():
         call, init_val = _loop_call("fori_loop", body_fun, init_val, graph)
-        return _run_loop("fori_loop", call, init_val, body_fun, run, index_aval=index_aval)
+        cache = cache_for([body_fun], ("fori_loop", graph))
+        entry = cache.get(
+            (call.key, index_aval, avals(call.dynamic)),
+            lambda: _LoopEntry("fori_loop", call, index_aval),
+        )
+
+        def run(state: Any) -> Any:
+            return jax.lax.fori_loop(lower, upper, entry.indexed_step, state, unroll=unroll)
+
+        return entry.run(call, init_val, run)
 
 
 # -- cond / switch ---------------------------------------------------------------------
@@ -267,6 +337,8 @@ def _branches(
     dynamic: list[Any] = list(main.dynamic[:n_arg_dyn])
     slot = {id(v): i for i, v in enumerate(union)}
     for c in calls:
+        if len(c.variables) == n_arg_vars:
+            continue
         ranges = c.variable_dynamic_ranges()
         for k in range(n_arg_vars, len(c.variables)):
             var = c.variables[k]
@@ -276,67 +348,22 @@ def _branches(
             union.append(var)
             union_dyn.append(range(len(dynamic), len(dynamic) + len(ranges[k])))
             dynamic.extend(c.dynamic[j] for j in ranges[k])
-    to_union = [[slot[id(v)] for v in c.variables] for c in calls]
-
-    def own_dynamic(b: int, combined: Sequence[Any]) -> list[Any]:
-        c = calls[b]
-        out = list(combined[:n_arg_dyn])
-        for k in range(n_arg_vars, len(c.variables)):
-            out.extend(combined[j] for j in union_dyn[to_union[b][k]])
-        return out
-
-    # Which Variables does any branch change? (one abstract trace per branch)
-    pures = [_core.PureFunction(c) for c in calls]
-    changed: set[int] = set()
-    avals = [abstract(x) for x in dynamic]
-    for b, (c, p) in enumerate(zip(calls, pures, strict=True)):
-        changed |= {to_union[b][k] for k in probe_changed(p, c, own_dynamic(b, avals))}
-    written = sorted(changed)
-    pures = [
-        _core.PureFunction(
-            c, force_updates=frozenset(k for k, u in enumerate(to_union[b]) if u in changed)
-        )
-        for b, c in enumerate(calls)
-    ]
-
-    def value_of(u: int, combined: Sequence[Any]) -> Any:
-        spec = _spec_of(calls, to_union, u)
-        return spec.build([combined[j] for j in union_dyn[u]])
-
-    def make_branch(b: int) -> Callable[..., Any]:
-        def branch(*combined: Any) -> tuple[Any, list[Any]]:
-            out, updates = pures[b](*own_dynamic(b, combined))
-            new = {to_union[b][k]: u for k, u in enumerate(updates) if u is not None}
-            values = []
-            for u in written:
-                before = value_of(u, combined)
-                after = new.get(u, before)
-                problem = type_problem(before, after)
-                if problem is not None:
-                    path = _path_of(calls, to_union, u)
-                    raise type_error(transform, path, f"the {type(union[u]).__name__}", problem)
-                values.append(after)
-            extra = set(new) - changed
-            if extra:
-                path = _path_of(calls, to_union, min(extra))
-                raise StructureError(
-                    f"treemode.{transform}: the Variable at {path} was left unchanged when "
-                    "the branch was first traced but changed when it was traced again."
-                )
-            return out, values
-
-        return branch
-
-    fns = [make_branch(b) for b in range(len(calls))]
+    to_union = tuple(tuple(slot[id(v)] for v in c.variables) for c in calls)
+    cache = cache_for(branches, (transform, graph))
+    entry = cache.get(
+        (tuple(c.key for c in calls), to_union, avals(dynamic)),
+        lambda: _BranchEntry(transform, calls, to_union, union_dyn, n_arg_dyn, n_arg_vars, dynamic),
+    )
+    pures = entry.pures
     for p, c in zip(pures, calls, strict=True):
         p.bind(c)
     try:
-        out, values = run(fns, dynamic)
+        out, values = run(entry.fns, dynamic)
     finally:
         for p in pures:
             p.bind(None)
     metadata = _merged_metadata(transform, calls, pures, to_union)
-    by_union = dict(zip(written, values, strict=True))
+    by_union = dict(zip(entry.written, values, strict=True))
     done: set[int] = set()
     plans = []
     for b, c in enumerate(calls):
@@ -363,14 +390,98 @@ def _branches(
     return _core.finish(main, out)
 
 
-def _spec_of(calls: list[_core.Call], to_union: list[list[int]], u: int) -> Any:
+class _BranchEntry:
+    """The branches of one ``cond``/``switch`` call structure, built once.
+
+    Every branch takes the union of all branches' inputs (the operands' arrays,
+    then every branch's closure Variables) and returns its output and the
+    values of the Variables any branch changes (``written``, indices into the
+    union), its own new value or the input passed through. ``fns`` are handed
+    to JAX: the same objects on every call (see `treemode._trace_cache`).
+    """
+
+    __slots__ = ("pures", "fns", "written")
+
+    def __init__(
+        self,
+        transform: str,
+        calls: list[_core.Call],
+        to_union: tuple[tuple[int, ...], ...],
+        union_dyn: list[range],
+        n_arg_dyn: int,
+        n_arg_vars: int,
+        dynamic: list[Any],
+    ):
+
+        def own_dynamic(b: int, combined: Sequence[Any]) -> list[Any]:
+            out = list(combined[:n_arg_dyn])
+            for u in to_union[b][n_arg_vars:]:
+                out.extend(combined[j] for j in union_dyn[u])
+            return out
+
+        # Which Variables does any branch change? (one abstract trace per branch)
+        changed: set[int] = set()
+        input_avals = [abstract(x) for x in dynamic]
+        for b, c in enumerate(calls):
+            probe = _core.PureFunction(c)
+            probe.fn = call_current_fn(probe)
+            changed |= {
+                to_union[b][k] for k in probe_changed(probe, c, own_dynamic(b, input_avals))
+            }
+        written = sorted(changed)
+        pures = [
+            _core.PureFunction(
+                c, force_updates=frozenset(k for k, u in enumerate(to_union[b]) if u in changed)
+            )
+            for b, c in enumerate(calls)
+        ]
+        for p in pures:
+            p.fn = call_current_fn(p)
+        specs: dict[int, Any] = {}
+        for b, c in enumerate(calls):
+            for k, spec in enumerate(variable_specs(c)):
+                specs.setdefault(to_union[b][k], spec)
+
+        def make_branch(b: int) -> Callable[..., Any]:
+            def branch(*combined: Any) -> tuple[Any, list[Any]]:
+                out, updates = pures[b](*own_dynamic(b, combined))
+                new = {to_union[b][k]: u for k, u in enumerate(updates) if u is not None}
+                values = []
+                for u in written:
+                    before = specs[u].build([combined[j] for j in union_dyn[u]])
+                    after = new.get(u, before)
+                    problem = type_problem(before, after)
+                    if problem is not None:
+                        bound = [p.call for p in pures]
+                        path = _path_of(bound, to_union, u)
+                        raise type_error(
+                            transform, path, f"the {_type_of(bound, to_union, u)}", problem
+                        )
+                    values.append(after)
+                extra = set(new) - changed
+                if extra:
+                    path = _path_of([p.call for p in pures], to_union, min(extra))
+                    raise StructureError(
+                        f"treemode.{transform}: the Variable at {path} was left unchanged when "
+                        "the branch was first traced but changed when it was traced again."
+                    )
+                return out, values
+
+            return branch
+
+        self.pures = pures
+        self.fns = [make_branch(b) for b in range(len(calls))]
+        self.written = written
+
+
+def _type_of(calls: list[_core.Call], to_union: Sequence[Sequence[int]], u: int) -> str:
     for c, mapping in zip(calls, to_union, strict=True):
         if u in mapping:
-            return variable_specs(c)[mapping.index(u)]
+            return type(c.variables[mapping.index(u)]).__name__
     raise AssertionError(u)  # pragma: no cover
 
 
-def _path_of(calls: list[_core.Call], to_union: list[list[int]], u: int) -> str:
+def _path_of(calls: list[_core.Call], to_union: Sequence[Sequence[int]], u: int) -> str:
     for c, mapping in zip(calls, to_union, strict=True):
         if u in mapping:
             return c.variable_paths()[mapping.index(u)]
@@ -381,7 +492,7 @@ def _merged_metadata(
     transform: str,
     calls: list[_core.Call],
     pures: list[_core.PureFunction],
-    to_union: list[list[int]],
+    to_union: Sequence[Sequence[int]],
 ) -> dict[int, dict[str, Any]]:
     merged: list[dict[int, dict[str, Any]]] = [
         {to_union[b][k]: m for k, m in p.record.metadata_updates.items()}

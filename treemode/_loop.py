@@ -8,8 +8,10 @@ next:
 - the Variables that the function changes, whether they belong to the carry
   argument, to a broadcast argument or to the function's closure.
 
-Every other array (read-only parameters above all) is a loop constant: JAX
-closes over it, so it is never copied, stacked or returned. Which Variables
+Every other array (read-only parameters above all) is a loop constant: it
+goes through the loop state unchanged (never closed over, so JAX's trace cache
+can reuse the body on the next call) and JAX turns it into a constant of the
+loop, so it is never copied, stacked or returned. Which Variables
 change is found by tracing the function once with ``jax.eval_shape`` before
 building the loop (`probe_changed`).
 
@@ -267,12 +269,24 @@ def scalars_to_arrays(tree: Any) -> Any:
 
 
 class LoopState:
-    """Which arrays go through the loop state and how to rebuild ``dynamic`` from it.
+    """Where each dynamic array of a call goes in a loop; structure only.
 
-    ``free`` (indices into ``call.dynamic``) are the free carry arrays;
-    ``state_vars`` (indices into ``call.variables``) the Variables the function
-    changes. Everything else in ``call.dynamic`` that is not in ``sliced`` is a
-    constant.
+    The loop state is ``(consts, free, values)``:
+
+    - ``consts``: the arrays the function only reads. They go through the state
+      unchanged rather than being closed over, so that the loop body depends on
+      its inputs only and JAX's trace cache can reuse it on the next call (a
+      closed-over array would be baked into the cached jaxpr). JAX turns state
+      entries that the body returns unchanged into loop constants itself, so
+      nothing is copied or stacked;
+    - ``free``: the free arrays of the carry argument (indices into
+      ``call.dynamic``);
+    - ``values``: the values of the Variables the function changes
+      (``state_vars``, indices into ``call.variables``).
+
+    Arrays in ``sliced`` (scanned over) are given per step instead. A
+    `LoopState` holds no arrays: it is built once per call structure and shared
+    by the calls (and threads) that have that structure.
     """
 
     def __init__(
@@ -281,102 +295,83 @@ class LoopState:
         call: _core.Call,
         free: Sequence[int],
         state_vars: Iterable[int],
+        sliced: Iterable[int] = (),
     ):
         self.transform = transform
-        self.call = call
+        self.size = len(call.dynamic)
+        self.num_variables = len(call.variables)
         self.free = list(free)
         self.state_vars = sorted(state_vars)
         self.ranges = call.variable_dynamic_ranges()
         self.specs = variable_specs(call)
+        taken = set(self.free).union(sliced)
+        for i in self.state_vars:
+            taken.update(self.ranges[i])
+        self.consts = [j for j in range(self.size) if j not in taken]
 
-    def init(self) -> tuple[list[Any], list[Any]]:
-        dynamic = self.call.dynamic
+    def init(self, dynamic: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+        """The initial state from a call's dynamic arrays."""
         values = [
             self.specs[i].build([dynamic[j] for j in self.ranges[i]]) for i in self.state_vars
         ]
-        return [dynamic[j] for j in self.free], values
+        return [dynamic[j] for j in self.consts], [dynamic[j] for j in self.free], values
 
-    def assemble(
-        self,
-        state: tuple[Sequence[Any], Sequence[Any]],
-        overrides: dict[int, Any] | None = None,
-    ) -> list[Any]:
-        """``call.dynamic`` with the loop state (and ``overrides``) put in place."""
-        free, values = state
-        dynamic = list(self.call.dynamic)
+    def assemble(self, state: Sequence[Any], sliced: dict[int, Any] | None = None) -> list[Any]:
+        """The call's dynamic arrays rebuilt from the state (and the ``sliced`` arrays)."""
+        consts, free, values = state[:3]
+        dynamic: list[Any] = [None] * self.size
+        for j, x in zip(self.consts, consts, strict=True):
+            dynamic[j] = x
         for j, x in zip(self.free, free, strict=True):
             dynamic[j] = x
         for i, value in zip(self.state_vars, values, strict=True):
             leaves = variable_dynamic(_ValueHolder(value), self.specs[i])
             for j, x in zip(self.ranges[i], leaves, strict=True):
                 dynamic[j] = x
-        if overrides:
-            for j, x in overrides.items():
-                dynamic[j] = x
-        return dynamic
-
-    def assemble_for(
-        self, other: _core.Call, state: tuple[Sequence[Any], Sequence[Any]]
-    ) -> list[Any]:
-        """``other.dynamic`` with the loop state put in place.
-
-        ``other`` was prepared on the same arguments (so its argument arrays are
-        laid out the same way) for another function, e.g. a while loop's
-        ``cond_fun``; its closure Variables that the loop changes are read from
-        the state too.
-        """
-        free, values = state
-        dynamic = list(other.dynamic)
-        for j, x in zip(self.free, free, strict=True):
-            dynamic[j] = x
-        where = {id(v): k for k, v in enumerate(other.variables)}
-        ranges = other.variable_dynamic_ranges()
-        specs = variable_specs(other)
-        for i, value in zip(self.state_vars, values, strict=True):
-            k = where.get(id(self.call.variables[i]))
-            if k is None:
-                continue
-            leaves = variable_dynamic(_ValueHolder(value), specs[k])
-            for j, x in zip(ranges[k], leaves, strict=True):
+        if sliced:
+            for j, x in sliced.items():
                 dynamic[j] = x
         return dynamic
 
     def next_state(
         self,
-        state: tuple[Sequence[Any], Sequence[Any]],
+        call: _core.Call,
+        state: Sequence[Any],
         free_out: Sequence[Any],
         updates: Sequence[Any],
         allowed: frozenset[int] = frozenset(),
-    ) -> tuple[list[Any], list[Any]]:
+    ) -> tuple[Any, ...]:
         """The state after one step; raises if a Variable outside the state changed.
 
-        ``allowed`` are Variables that may change without being state (scanned ones).
+        ``call`` is the bound call (for error messages). ``allowed`` are
+        Variables that may change without being state (scanned ones). Entries of
+        the state after ``values`` (a while loop's condition inputs) are passed on.
         """
         state_set = set(self.state_vars)
         for i, u in enumerate(updates):
             if u is not None and i not in state_set and i not in allowed:
-                path = self.call.variable_paths()[i]
+                path = call.variable_paths()[i]
                 raise StructureError(
-                    f"treemode.{self.transform}: the {type(self.call.variables[i]).__name__} "
+                    f"treemode.{self.transform}: the {type(call.variables[i]).__name__} "
                     f"at {path} was left unchanged when the function was first traced but "
                     "changed when it was traced again. The set of Variables a loop body "
                     "changes must not depend on anything but shapes and static values."
                 )
         new_values: list[Any] = []
-        for i, old in zip(self.state_vars, state[1], strict=True):
+        for i, old in zip(self.state_vars, state[2], strict=True):
             new = updates[i]
             if new is None:
                 new = old
             problem = type_problem(old, new)
             if problem is not None:
-                what = f"the {type(self.call.variables[i]).__name__}"
-                raise type_error(self.transform, self.call.variable_paths()[i], what, problem)
+                what = f"the {type(call.variables[i]).__name__}"
+                raise type_error(self.transform, call.variable_paths()[i], what, problem)
             new_values.append(new)
-        return list(free_out), new_values
+        return (state[0], list(free_out), new_values, *state[3:])
 
     def final_updates(self, values: Sequence[Any]) -> list[Any]:
         """An updates tuple for ``write_back``: the state Variables' final values."""
-        updates: list[Any] = [None] * len(self.call.variables)
+        updates: list[Any] = [None] * self.num_variables
         for i, v in zip(self.state_vars, values, strict=True):
             updates[i] = v
         return updates

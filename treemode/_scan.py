@@ -26,6 +26,7 @@ from ._loop import (
 )
 from ._metadata import _split_metadata, with_axis_metadata
 from ._prefix import broadcast_to_leaves
+from ._trace_cache import TraceCache, avals, cache_for, call_current_fn
 
 
 class Carry:
@@ -103,6 +104,83 @@ def _check_no_none(spec: Any) -> None:
             )
 
 
+class _OutSpec:
+    """What the scanned function returns: the new carry and/or the stacked outputs.
+
+    ``kind`` is ``"carry"`` (the function returns the carry), ``"tuple"`` (one
+    entry per output, the carry at position ``carry``) or ``"ys"`` (no carry).
+    """
+
+    __slots__ = ("kind", "carry", "axes")
+
+    def __init__(self, kind: str, carry: int | None, axes: Any):
+        self.kind = kind
+        self.carry = carry
+        self.axes = axes
+
+    def split(self, out: Any) -> tuple[Any, Any]:
+        """``(new carry, outputs)`` from what the function returned."""
+        if self.kind == "carry":
+            return out, None
+        if self.kind == "ys":
+            return None, out
+        n = len(self.axes)
+        if not isinstance(out, (tuple, list)) or len(out) != n:
+            got = (
+                f"a {type(out).__name__} of length {len(out)}"
+                if isinstance(out, (tuple, list))
+                else f"a {type(out).__name__}"
+            )
+            raise AxisError(
+                f"treemode.scan: out_axes={self.axes!r} has {n} entries, so the function "
+                f"must return a tuple of {n} values (the new carry at position "
+                f"{self.carry}); it returned {got}."
+            )
+        c = self.carry
+        assert c is not None
+        return out[c], (*out[:c], *out[c + 1 :])
+
+    def join(self, carry: Any, ys: Any) -> Any:
+        if self.kind == "carry":
+            return carry
+        if self.kind == "ys":
+            return ys
+        c = self.carry
+        assert c is not None
+        return (*ys[:c], carry, *ys[c:])
+
+    def ys_axes(self) -> Any:
+        if self.kind == "tuple":
+            c = self.carry
+            assert c is not None
+            return (*self.axes[:c], *self.axes[c + 1 :])
+        return self.axes
+
+
+class _Entry:
+    """What one call structure needs, built once; holds no arrays (see `_trace_cache`)."""
+
+    __slots__ = ("pure", "loop", "layout", "scanned", "scanned_vars", "length", "step")
+
+    def __init__(
+        self,
+        pure: _core.PureFunction,
+        loop: LoopState,
+        layout: CarryLayout | None,
+        scanned: list[tuple[int, int]],
+        scanned_vars: list[tuple[int, int]],
+        length: int,
+        step: Callable[..., Any],
+    ):
+        self.pure = pure
+        self.loop = loop
+        self.layout = layout
+        self.scanned = scanned  # (index into call.dynamic, axis) of the scanned arrays
+        self.scanned_vars = scanned_vars  # (index into call.variables, axis)
+        self.length = length
+        self.step = step  # handed to jax.lax.scan: the same object on every call
+
+
 class ScanWrapped:
     """A function scanned with `treemode.scan`."""
 
@@ -153,6 +231,7 @@ class ScanWrapped:
         else:
             _nested_carry(out_axes, "out_axes")
             self.out_kind, self.out_carry = "ys", None
+        self.out = _OutSpec(self.out_kind, self.out_carry, out_axes)
         if (self.in_carry is None) != (self.out_carry is None):
             where, other = (
                 ("in_axes", "out_axes") if self.in_carry is not None else ("out_axes", "in_axes")
@@ -163,6 +242,19 @@ class ScanWrapped:
                 "carry and must return its new value: mark it in both, e.g. "
                 "in_axes=(Carry, 0), out_axes=(Carry, 0)."
             )
+        self._cache: TraceCache[_Entry] = cache_for(
+            [fn],
+            (
+                "scan",
+                length,
+                reverse,
+                unroll,
+                in_axes,
+                out_axes,
+                tuple(sorted(self.metadata.items())) if self.metadata else None,
+                graph,
+            ),
+        )
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
@@ -182,71 +274,10 @@ class ScanWrapped:
             return (Carry,)
         return self.in_axes
 
-    def _split(self, out: Any) -> tuple[Any, Any]:
-        """``(new carry, outputs)`` from what the function returned."""
-        if self.out_kind == "carry":
-            return out, None
-        if self.out_kind == "ys":
-            return None, out
-        n = len(self.out_axes)
-        if not isinstance(out, (tuple, list)) or len(out) != n:
-            got = (
-                f"a {type(out).__name__} of length {len(out)}"
-                if isinstance(out, (tuple, list))
-                else f"a {type(out).__name__}"
-            )
-            raise AxisError(
-                f"treemode.scan: out_axes={self.out_axes!r} has {n} entries, so the function "
-                f"must return a tuple of {n} values (the new carry at position "
-                f"{self.out_carry}); it returned {got}."
-            )
-        c = self.out_carry
-        assert c is not None
-        return out[c], (*out[:c], *out[c + 1 :])
-
-    def _join(self, carry: Any, ys: Any) -> Any:
-        if self.out_kind == "carry":
-            return carry
-        if self.out_kind == "ys":
-            return ys
-        c = self.out_carry
-        assert c is not None
-        return (*ys[:c], carry, *ys[c:])
-
-    def _ys_axes(self) -> Any:
-        if self.out_kind == "tuple":
-            c = self.out_carry
-            assert c is not None
-            return (*self.out_axes[:c], *self.out_axes[c + 1 :])
-        return self.out_axes
-
-    def _body(
-        self, entries: Any, layout: CarryLayout | None, carry_pos: int | None
-    ) -> Callable[..., Any]:
-        fn = self.fn
-        if self.metadata is not None:
-            fn = with_axis_metadata(
-                fn,
-                entries,
-                self.out_axes,
-                self.metadata,
-                transform="scan",
-                kwargs_axis=None,
-                is_leaf=_is_spec_leaf,
-            )
-
-        def body(*args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
-            carry_out, ys = self._split(fn(*args, **kwargs))
-            if layout is None or carry_pos is None:
-                return [], ys
-            return check_carry_out("scan", layout, args[carry_pos], carry_out), ys
-
-        return body
-
     def _move_out_axes(self, ys: Any) -> Any:
         if ys is None:
             return None
-        axes_prefix = self._ys_axes()
+        axes_prefix = self.out.ys_axes()
         try:
             axes = broadcast_to_leaves(
                 axes_prefix,
@@ -276,6 +307,39 @@ class ScanWrapped:
         if carry_pos is not None:
             args = (*args[:carry_pos], scalars_to_arrays(args[carry_pos]), *args[carry_pos + 1 :])
         call = _core.prepare("scan", self.fn, args, kwargs, graph=self.graph)
+        entry = self._cache.get(
+            (call.key, avals(call.dynamic)), lambda: self._build(call, entries, carry_pos)
+        )
+        xs = [
+            call.dynamic[j] if ax == 0 else jnp.moveaxis(call.dynamic[j], ax, 0)
+            for j, ax in entry.scanned
+        ]
+        with _core.bound(entry.pure, call):
+            (_, free, values), (ys, stacked) = jax.lax.scan(
+                entry.step,
+                entry.loop.init(call.dynamic),
+                xs,
+                length=entry.length,
+                reverse=self.reverse,
+                unroll=self.unroll,
+            )
+        updates = entry.loop.final_updates(values)
+        for (i, ax), u in zip(entry.scanned_vars, stacked, strict=True):
+            if u is not None:
+                updates[i] = (
+                    u
+                    if ax == 0
+                    else jax.tree_util.tree_map(lambda a, ax=ax: jnp.moveaxis(a, 0, ax), u)
+                )
+        _core.write_back(call, updates, entry.pure.record.metadata_updates)
+        ys = _core.finish(call, self._move_out_axes(ys))
+        carry = None
+        if carry_pos is not None and entry.layout is not None:
+            carry = rebuild_carry(args[carry_pos], entry.layout, free)
+        return self.out.join(carry, ys)
+
+    def _build(self, call: _core.Call, entries: Any, carry_pos: int | None) -> _Entry:
+        """What a call structure needs, built once (see `treemode._trace_cache`)."""
         axes = call_axes(
             call,
             entries,
@@ -289,54 +353,68 @@ class ScanWrapped:
         layout = None
         if carry_pos is not None:
             layout = carry_layout(call, carry_pos, f"args[{carry_pos}]")
-        body = self._body(entries, layout, carry_pos)
-
         scanned = [(j, ax) for j, ax in enumerate(axes.dynamic) if is_int_axis(ax)]
         scanned_vars = [(i, ax) for i, ax in enumerate(axes.variables) if is_int_axis(ax)]
         candidates = {i for i, ax in enumerate(axes.variables) if not is_int_axis(ax)}
         state_vars: frozenset[int] = frozenset()
         if candidates:
             probe = _core.PureFunction(call)
-            probe.fn = body
-            avals = [
+            probe.fn = self._body(probe, entries, layout, carry_pos)
+            probe_avals = [
                 abstract(x, ax if is_int_axis(ax) else None)
                 for x, ax in zip(call.dynamic, axes.dynamic, strict=True)
             ]
-            state_vars = probe_changed(probe, call, avals) & candidates
-
+            state_vars = probe_changed(probe, call, probe_avals) & candidates
         pure = _core.PureFunction(call, force_updates=state_vars)
-        pure.fn = body
-        loop = LoopState("scan", call, layout.free if layout else [], state_vars)
+        pure.fn = self._body(pure, entries, layout, carry_pos)
+        loop = LoopState(
+            "scan", call, layout.free if layout else [], state_vars, (j for j, _ in scanned)
+        )
         allowed = frozenset(i for i, _ in scanned_vars)
-        xs = [
-            call.dynamic[j] if ax == 0 else jnp.moveaxis(call.dynamic[j], ax, 0)
-            for j, ax in scanned
-        ]
+        scanned_positions = [j for j, _ in scanned]
+        scanned_indices = [i for i, _ in scanned_vars]
 
+        # Handed to jax.lax.scan: a function of its inputs only (see _trace_cache).
         def step(state: Any, x: list[Any]) -> Any:
-            dynamic = loop.assemble(state, {j: xj for (j, _), xj in zip(scanned, x, strict=True)})
+            dynamic = loop.assemble(state, dict(zip(scanned_positions, x, strict=True)))
             (free_out, ys), updates = pure(*dynamic)
-            new_state = loop.next_state(state, free_out, updates, allowed)
-            return new_state, (ys, [updates[i] for i, _ in scanned_vars])
+            new_state = loop.next_state(pure.call, state, free_out, updates, allowed)
+            return new_state, (ys, [updates[i] for i in scanned_indices])
 
-        with _core.bound(pure, call):
-            (free, values), (ys, stacked) = jax.lax.scan(
-                step, loop.init(), xs, length=length, reverse=self.reverse, unroll=self.unroll
+        return _Entry(pure, loop, layout, scanned, scanned_vars, length, step)
+
+    def _body(
+        self,
+        pure: _core.PureFunction,
+        entries: Any,
+        layout: CarryLayout | None,
+        carry_pos: int | None,
+    ) -> Callable[..., Any]:
+        """``pure``'s function: the user function, its outputs split into carry and ys.
+
+        Refers to the user function through the bound call and to nothing of
+        ``self`` but the output specification.
+        """
+        fn = call_current_fn(pure)
+        if self.metadata is not None:
+            fn = with_axis_metadata(
+                fn,
+                entries,
+                self.out_axes,
+                self.metadata,
+                transform="scan",
+                kwargs_axis=None,
+                is_leaf=_is_spec_leaf,
             )
-        updates = loop.final_updates(values)
-        for (i, ax), u in zip(scanned_vars, stacked, strict=True):
-            if u is not None:
-                updates[i] = (
-                    u
-                    if ax == 0
-                    else jax.tree_util.tree_map(lambda a, ax=ax: jnp.moveaxis(a, 0, ax), u)
-                )
-        _core.write_back(call, updates, pure.record.metadata_updates)
-        ys = _core.finish(call, self._move_out_axes(ys))
-        carry = None
-        if carry_pos is not None and layout is not None:
-            carry = rebuild_carry(args[carry_pos], layout, free)
-        return self._join(carry, ys)
+        out = self.out
+
+        def body(*args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
+            carry_out, ys = out.split(fn(*args, **kwargs))
+            if layout is None or carry_pos is None:
+                return [], ys
+            return check_carry_out("scan", layout, args[carry_pos], carry_out), ys
+
+        return body
 
     def _length(self, call: _core.Call, axes: tuple[Any, ...]) -> int:
         size = check_mapped(call, axes, what="in_axes", require_size=False)

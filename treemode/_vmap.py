@@ -26,6 +26,7 @@ from ._axes import (
 )
 from ._errors import AxisError
 from ._metadata import check_metadata, with_axis_metadata
+from ._trace_cache import TraceCache, cache_for, call_current_fn
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -69,7 +70,8 @@ class MappedWrapper:
         self.metadata = dict(transform_metadata) if transform_metadata else None
         if self.metadata:
             check_metadata(self.metadata, self.transform)
-        self._cache: dict[_core.CallKey, _Entry] = {}
+        # Per wrapper; `VmapWrapped` shares it between wrappers of one function.
+        self._cache: TraceCache[_Entry] = TraceCache()
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
@@ -98,25 +100,25 @@ class MappedWrapper:
     # -- the pipeline ---------------------------------------------------------------
 
     def _entry(self, call: _core.Call) -> _Entry:
-        entry = self._cache.get(call.key)
-        if entry is None:
-            axes = self.resolve(call)
-            force: frozenset[int] = frozenset()
-            if self.donate_argnums:
-                force = frozenset(self._donated_variables(call))
-            pure = _core.PureFunction(call, force_updates=force)
-            if self.metadata:
-                pure.fn = with_axis_metadata(
-                    pure.fn,
-                    self.in_axes,
-                    self.out_axes,
-                    self.metadata,
-                    transform=self.transform,
-                    is_leaf=self.metadata_is_leaf,
-                )
-            entry = _Entry(pure, axes, self.build(pure, call, axes))
-            self._cache[call.key] = entry
-        return entry
+        return self._cache.get(call.key, lambda: self._build_entry(call))
+
+    def _build_entry(self, call: _core.Call) -> _Entry:
+        axes = self.resolve(call)
+        force: frozenset[int] = frozenset()
+        if self.donate_argnums:
+            force = frozenset(self._donated_variables(call))
+        pure = _core.PureFunction(call, force_updates=force)
+        pure.fn = call_current_fn(pure)  # the entry may outlive this wrapper
+        if self.metadata:
+            pure.fn = with_axis_metadata(
+                pure.fn,
+                self.in_axes,
+                self.out_axes,
+                self.metadata,
+                transform=self.transform,
+                is_leaf=self.metadata_is_leaf,
+            )
+        return _Entry(pure, axes, self.build(pure, call, axes))
 
     @staticmethod
     def metadata_is_leaf(x: Any) -> bool:
@@ -247,6 +249,21 @@ class VmapWrapped(MappedWrapper):
         self.axis_size = axis_size
         self.spmd_axis_name = spmd_axis_name
         check_axes_spec(out_axes, transform=self.transform, what="out_axes")
+        # Wrappers of one function with the same options (e.g. `treemode.vmap(f)(x)`
+        # written inside a loop) share their entries.
+        self._cache = cache_for(
+            [fn],
+            (
+                "vmap",
+                in_axes,
+                out_axes,
+                axis_name,
+                axis_size,
+                spmd_axis_name,
+                tuple(sorted(self.metadata.items())) if self.metadata else None,
+                graph,
+            ),
+        )
 
     def check(self, call: _core.Call, axes: CallAxes) -> None:
         check_mapped(call, axes.dynamic, axis_size=self.axis_size)
