@@ -49,6 +49,7 @@ from ._flatten import (
 )
 from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable, same_static
 from ._paths import format_path
+from ._stale import mark_trace_time, stale_write_error
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -446,6 +447,7 @@ class PureFunction:
     def _run(self, dynamic: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:
         call = self.call
         inputs = self.rebuild_inputs(dynamic)
+        mark_trace_time(self, inputs.variables)  # writes from another trace: MutationError
         swapped = _swap_in(call.lifted, self.key.lifted, dynamic[inputs.consumed :])
         try:
             out = self.fn(*inputs.args, **inputs.kwargs)
@@ -802,6 +804,9 @@ def explain_failure(call: Call, error: BaseException) -> Exception | None:
     """
     from ._errors import DonationError
 
+    stale = stale_write_error(error)  # a host callback wrote a trace-time Variable
+    if stale is not None:
+        return stale
     for root, tree in call.arg_roots() + call.lifted_roots:
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
             values = jax.tree_util.tree_leaves(leaf._raw_value if is_variable(leaf) else leaf)

@@ -57,7 +57,9 @@ class MutationError(TreemodeError, ValueError):
     """The function changed a Variable that the transform cannot write back.
 
     For example a differentiable Variable inside ``treemode.custom_vjp``: its new
-    value would have no cotangent, so gradients would silently be wrong.
+    value would have no cotangent, so gradients would silently be wrong. Also a
+    trace-time copy of an argument written outside its trace (from a
+    ``jax.debug.callback``, a nested plain JAX transform, or after the call).
     """
 
 
