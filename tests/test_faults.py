@@ -507,10 +507,10 @@ def test_branch_write_back_across_closures_is_atomic(name, monkeypatch):
 
 
 def test_fault_in_check_writable_leaves_inputs(monkeypatch):
-    def broken(call, updates):
+    def broken(call, indices, targets):
         raise CheckFault("check_writable")
 
-    monkeypatch.setattr(_core, "check_writable", broken)
+    monkeypatch.setattr(_core, "_check_writable", broken)
     for name in sorted(TRANSFORMS):
         model = Model()
         snap = Snapshot(model)

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import threading
 from collections.abc import Callable, Sequence
-from itertools import chain
+from itertools import chain, compress, repeat
 from typing import Any
 
 import jax
@@ -52,14 +53,48 @@ from ._paths import format_path
 from ._stale import mark_trace_time, stale_write_error
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class CallKey:
-    """Everything a trace depends on besides array shapes and dtypes."""
+    """Everything a trace depends on besides array shapes and dtypes.
 
-    positional: tuple[Any, ...]  # per positional argument: structure key or ("static", v)
-    keywords: tuple[tuple[str, Any], ...]
-    lifted: tuple[VarSpec, ...]
-    graph: bool
+    Built on every call and looked up in a transform's cache, so its hash is
+    computed once, at construction.
+    """
+
+    __slots__ = ("positional", "keywords", "lifted", "graph", "_hash")
+
+    def __init__(
+        self,
+        positional: tuple[Any, ...],  # per positional argument: structure key or ("static", v)
+        keywords: tuple[tuple[str, Any], ...],
+        lifted: tuple[VarSpec, ...],
+        graph: bool,
+    ):
+        self.positional = positional
+        self.keywords = keywords
+        self.lifted = lifted
+        self.graph = graph
+        self._hash = hash((positional, keywords, lifted, graph))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (
+            type(other) is CallKey
+            and self._hash == other._hash
+            and self.positional == other.positional
+            and self.keywords == other.keywords
+            and self.lifted == other.lifted
+            and self.graph == other.graph
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"CallKey(positional={self.positional!r}, keywords={self.keywords!r}, "
+            f"lifted={self.lifted!r}, graph={self.graph!r})"
+        )
 
 
 class Call:
@@ -328,12 +363,26 @@ def _finish_prepare(
 
     # Each ArgFlat is alias-free on its own (checked once when it was built);
     # only Variables shared between sources remain to be found.
-    if any(f.has_aliases for f in sources) or (
-        len(sources) > 1
-        and len(frozenset().union(*(f.variable_ids for f in sources))) != len(call.variables)
-    ):
+    if any(f.has_aliases for f in sources) or (len(sources) > 1 and _shares_variables(sources)):
         _raise_alias(call)
     return call
+
+
+# Whether a combination of Variable-id sets overlaps, memoized: a training loop
+# passes the same cached arguments (so the same frozensets) on every call.
+_overlap_memo: dict[tuple[frozenset[int], ...], bool] = {}
+_OVERLAP_MEMO_SIZE = 256
+
+
+def _shares_variables(sources: list[ArgFlat]) -> bool:
+    ids = tuple(f.variable_ids for f in sources)
+    shared = _overlap_memo.get(ids)
+    if shared is None:
+        shared = len(frozenset().union(*ids)) != sum(map(len, ids))
+        if len(_overlap_memo) >= _OVERLAP_MEMO_SIZE:
+            _overlap_memo.clear()
+        _overlap_memo[ids] = shared
+    return shared
 
 
 def _raise_alias(call: Call) -> None:
@@ -732,9 +781,20 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
 
 def check_writable(call: Call, updates: Sequence[Any]) -> None:
     """Raise before writing anything if a target Variable belongs to another trace."""
-    current = tracers.TraceState()  # compared with each target's, as Variable does
-    for i, (var, new) in enumerate(zip(call.variables, updates, strict=True)):
-        if new is not None and not (var.hijax or var._trace_state == current):
+    changed = [i for i, new in enumerate(updates) if new is not None]
+    _check_writable(call, changed, [call.variables[i] for i in changed])
+
+
+def _check_writable(call: Call, indices: Sequence[int], targets: Sequence[Any]) -> None:
+    # A Variable may be written in the trace it was created in (as Variable itself
+    # checks). Fast path: compare the traces' weak references by identity in one
+    # C-level pass; only on a mismatch compare the opaque states as Flax does.
+    current = tracers.current_jax_trace()
+    ref = getattr(current, "_trace_ref", None)
+    if ref is not None and all(map(operator.is_, map(_trace_ref_of, targets), repeat(ref))):
+        return
+    for i, var in zip(indices, targets, strict=True):
+        if var._trace_state._jax_trace != current and not var.hijax:
             path = call.variable_paths()[i]
             raise TraceContextError(
                 f"treemode.{call.transform}: cannot write the new value of the "
@@ -746,33 +806,57 @@ def check_writable(call: Call, updates: Sequence[Any]) -> None:
             )
 
 
+_trace_ref_of = operator.attrgetter("_trace_state._jax_trace._trace_ref")
+_raw_value_of = operator.attrgetter("_raw_value")
+
+
 def write_back(
     call: Call, updates: Sequence[Any], metadata_updates: dict[int, dict[str, Any]] | None = None
 ) -> None:
     """Store the changed values into the caller's Variables, all or nothing."""
-    check_writable(call, updates)
-    done: list[tuple[Any, Any, Any]] = []
+    changed_mask = list(map(operator.is_not, updates, repeat(None)))
+    if not metadata_updates and not any(changed_mask):
+        return  # the no-update path (a forward pass): nothing to check or write
+    indices = list(compress(range(len(changed_mask)), changed_mask))
+    targets = list(compress(call.variables, changed_mask))
+    values = list(compress(updates, changed_mask))
+    _check_writable(call, indices, targets)
+    old_values = list(map(_raw_value_of, targets))
+    meta_targets = [call.variables[i] for i in metadata_updates] if metadata_updates else []
+    old_meta = [(var, var._raw_value, var._var_metadata) for var in meta_targets]
     try:
-        for var, new in zip(call.variables, updates, strict=True):
-            if new is not None:
-                done.append((var, var._raw_value, var._var_metadata))
-                store(var, new)
+        if store is _store:
+            # The default hook, in one C-level pass (nothing can interrupt it midway).
+            list(map(_setattr, targets, repeat("_raw_value"), values))
+        else:
+            for var, value in zip(targets, values, strict=True):
+                store(var, value)
         if metadata_updates:
-            for i, metadata in metadata_updates.items():
-                var = call.variables[i]
-                done.append((var, var._raw_value, var._var_metadata))
+            for var, metadata in zip(meta_targets, metadata_updates.values(), strict=True):
                 store(var, var._raw_value, dict(metadata))
     except BaseException:
-        for var, value, metadata in reversed(done):
+        for var, value in zip(targets, old_values, strict=True):
+            _setattr(var, "_raw_value", value)
+        for var, value, metadata in old_meta:
             _restore(var, value, metadata)
         raise
 
 
+_setattr = object.__setattr__
+
+
 def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:
-    """Write one Variable (bypassing the trace-level check done by ``check_writable``)."""
+    """Write one Variable (bypassing the trace-level check done by ``check_writable``).
+
+    The one place Variables are written, so tests can inject faults here; while
+    it is not replaced, `write_back` does the same writes in bulk.
+    """
     object.__setattr__(var, "_raw_value", value)
     if metadata is not None:
         object.__setattr__(var, "_var_metadata", metadata)
+
+
+_store = store
 
 
 def _restore(var: Any, value: Any, metadata: dict[str, Any]) -> None:

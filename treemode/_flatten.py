@@ -216,43 +216,48 @@ class _StructureKey:
 class _Guard:
     """Identity snapshot of every mutable container a flattening walked through.
 
-    Validation compares, with ``is`` only and in bulk, the current values of
-    those containers (NNX objects' ``__dict__``, dicts, lists) against the
-    snapshot, and the Variables' metadata dicts against copies. NNX objects
-    replace their ``_pytree__nodes`` mapping whenever an attribute is added or
-    deleted, so their keys need no separate check; plain dicts' keys do.
+    Validation compares, with ``is`` only and in bulk (each check is one C-level
+    pass over all containers), the current state of those containers against the
+    snapshot: their lengths, the values of every dict (NNX objects' ``__dict__``
+    and plain dicts), the keys of plain dicts, the items of lists, and the
+    Variables' metadata dicts against copies. NNX objects replace their
+    ``_pytree__nodes`` mapping (one of the values checked) whenever an attribute
+    is added or deleted, so their keys need no separate check; the length check
+    covers the rest.
     """
 
-    __slots__ = ("dicts", "lens", "values", "keyed", "metadata", "metadata_copies")
+    __slots__ = ("sized", "lens", "dicts", "values", "ordered", "items", "metadata_copies")
 
     def __init__(self, containers: list[Any], variables: list[Any]):
         self.dicts: list[dict[Any, Any]] = []
-        self.keyed: list[tuple[Any, tuple[Any, ...]]] = []
-        values: list[Any] = []
+        self.ordered: list[Any] = []  # plain dicts (iterated: keys) and lists (items)
         for obj in containers:
             if isinstance(obj, list):
-                self.keyed.append((obj, tuple(obj)))
+                self.ordered.append(obj)
                 continue
-            d = obj if isinstance(obj, dict) else obj.__dict__
             if isinstance(obj, dict):
-                self.keyed.append((obj, tuple(obj)))
-            self.dicts.append(d)
-            values.extend(d.values())
-        self.lens = [len(d) for d in self.dicts]
-        self.values = tuple(values)
-        self.metadata = [v._var_metadata for v in variables]
-        self.metadata_copies = [dict(m) for m in self.metadata]
+                self.ordered.append(obj)
+                self.dicts.append(obj)
+            else:
+                self.dicts.append(obj.__dict__)
+        self.sized = self.dicts + [obj for obj in self.ordered if isinstance(obj, list)]
+        self.lens = list(map(len, self.sized))
+        self.values = tuple(chain.from_iterable(map(dict.values, self.dicts)))
+        self.items = tuple(chain.from_iterable(self.ordered))
+        self.metadata_copies = [dict(v._var_metadata) for v in variables]
 
     def holds(self, variables: list[Any]) -> bool:
-        if list(map(len, self.dicts)) != self.lens:
-            return False
-        current = chain.from_iterable(map(dict.values, self.dicts))
-        if not all(map(operator.is_, current, self.values)):
-            return False
-        for obj, snapshot in self.keyed:
-            if len(obj) != len(snapshot) or not all(map(operator.is_, obj, snapshot)):
-                return False
-        return [v._var_metadata for v in variables] == self.metadata_copies
+        # The lengths first: they keep the element-wise checks below aligned.
+        return (
+            list(map(len, self.sized)) == self.lens
+            and all(map(_is, chain.from_iterable(map(dict.values, self.dicts)), self.values))
+            and all(map(_is, chain.from_iterable(self.ordered), self.items))
+            and list(map(_metadata_of, variables)) == self.metadata_copies
+        )
+
+
+_is = operator.is_
+_metadata_of = operator.attrgetter("_var_metadata")
 
 
 # Immutable containers that need no guard: their children are walked instead.
@@ -417,14 +422,14 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     still holds the same attribute names and values, and that every Variable
     still has the same type, metadata and value layout.
     """
-    if is_dynamic(arg) and not is_variable(arg):
-        return _array_flat(arg)
     key = id(arg)
     entry = _cache.get(key)
     if entry is not None and entry._ref is not None and entry._ref() is arg:
         if _still_valid(entry):
             return _refresh(entry)
         _cache.pop(key, None)  # not ``del``: another thread may have removed it
+    if is_dynamic(arg) and not is_variable(arg):
+        return _array_flat(arg)
     flat, cacheable = _flatten_uncached(arg, is_dynamic)
     # Never cache a flattening that holds tracers (an argument built inside an
     # outer jax.jit/scan trace): the cache would keep them alive past the trace.
@@ -447,6 +452,9 @@ def _still_valid(entry: ArgFlat) -> bool:
     return guard is not None and guard.holds(entry.variables)
 
 
+_raw_value_of = operator.attrgetter("_raw_value")
+
+
 def _refresh(entry: ArgFlat) -> ArgFlat:
     """A copy of ``entry`` with the Variables' current values."""
     fresh = ArgFlat.__new__(ArgFlat)
@@ -461,7 +469,7 @@ def _refresh(entry: ArgFlat) -> ArgFlat:
     fresh.has_aliases = entry.has_aliases
     fresh._ref = None
     if len(entry.dynamic) == len(entry.variables):
-        fresh.dynamic = [v._raw_value for v in entry.variables]
+        fresh.dynamic = list(map(_raw_value_of, entry.variables))
     else:
         dynamic: list[Any] = []
         variables = iter(entry.variables)

@@ -1,0 +1,94 @@
+"""The per-argument flattening cache: every change that alters a flattening is seen.
+
+The cache (``treemode._flatten``) revalidates a cached flattening with bulk
+identity checks; each test below changes an argument in one way between two calls
+and asserts the second call sees the change (a new trace where the structure
+differs, the new Variable where one was replaced).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import treemode
+
+
+def _counting(fn):
+    traces: list[int] = []
+
+    def wrapped(*args):
+        traces.append(1)
+        return fn(*args)
+
+    return treemode.jit(wrapped), traces
+
+
+def test_plain_dict_key_renamed_with_the_same_value_object():
+    f, traces = _counting(lambda d: d["w"][...] * len(d))
+    shared_static = "static"
+    tree = {"w": nnx.Param(jnp.ones(2)), "a": shared_static}
+    f(tree)
+    del tree["a"]
+    tree["b"] = shared_static  # same length, same value object, another key
+    f(tree)
+    assert len(traces) == 2
+
+
+def test_list_item_replaced_by_another_variable():
+    f, _ = _counting(lambda xs: xs[0][...] + xs[1][...])
+    xs = [nnx.Param(jnp.ones(2)), nnx.Param(jnp.ones(2))]
+    np.testing.assert_allclose(f(xs), 2 * np.ones(2))
+    xs[1] = nnx.Param(jnp.full(2, 5.0))
+    np.testing.assert_allclose(f(xs), 6 * np.ones(2))
+
+
+def test_list_grows_at_the_end():
+    f, traces = _counting(lambda xs: sum(x[...] for x in xs))
+    xs = [nnx.Param(jnp.ones(2))]
+    f(xs)
+    xs.append(nnx.Param(jnp.ones(2)))
+    np.testing.assert_allclose(f(xs), 2 * np.ones(2))
+    assert len(traces) == 2
+
+
+def test_replaced_variable_with_an_equal_value_is_written_to():
+    # Variable.__eq__ compares values: the cache must compare identities.
+    @treemode.jit
+    def bump(m):
+        m.count[...] += 1
+
+    m = nnx.Module()
+    m.count = nnx.BatchStat(jnp.array(0))
+    bump(m)
+    old = m.count
+    m.count = nnx.BatchStat(jnp.array(1))  # equal value, another Variable
+    bump(m)
+    assert int(m.count[...]) == 2 and int(old[...]) == 1
+
+
+def test_metadata_changed_in_place_retraces():
+    f, traces = _counting(lambda m: m.w[...] * 2)
+    m = nnx.Module()
+    m.w = nnx.Param(jnp.ones(2), tag="a")
+    f(m)
+    m.w.set_metadata("tag", "b")
+    f(m)
+    assert len(traces) == 2
+
+
+def test_attribute_added_to_a_nested_module_is_seen():
+    def total(m):
+        variables = jax.tree.leaves(m, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        return sum(v[...].sum() for v in variables)
+
+    f, traces = _counting(total)
+    m = nnx.Module()
+    m.inner = nnx.Module()
+    m.inner.a = nnx.Param(jnp.ones(2))
+    np.testing.assert_allclose(f(m), 2.0)
+    m.inner.b = nnx.Param(jnp.ones(3))
+    np.testing.assert_allclose(f(m), 5.0)
+    assert len(traces) == 2
