@@ -195,6 +195,24 @@ def test_lower_compile_and_call_writes_back():
     assert int(counter.count[...]) == 1
 
 
+def test_compiled_call_checks_structure_and_donation_like_the_jitted_function():
+    step = treemode.jit(lambda c, x: c(x), donate_argnums=0)
+    compiled = step.lower(Counter(), jax.ShapeDtypeStruct((2,), jnp.float32)).compile()
+
+    other = Counter()
+    other.extra = nnx.Param(jnp.zeros(1))  # another structure than the one lowered for
+    with pytest.raises(treemode.StructureError, match="Lower and compile again"):
+        compiled(other, jnp.ones(2))
+    assert int(other.count[...]) == 0
+
+    shared = Counter()
+    shared.alias = nnx.Param(shared.count.get_raw_value())  # one buffer, two Variables
+    compiled_shared = step.lower(shared, jax.ShapeDtypeStruct((2,), jnp.float32)).compile()
+    with pytest.raises(treemode.DonationError, match="same buffer"):
+        compiled_shared(shared, jnp.ones(2))
+    assert int(shared.count[...]) == 0
+
+
 def test_trace_exposes_jaxpr_and_does_not_mutate():
     counter = Counter()
     traced = treemode.jit(lambda c, x: c(x)).trace(counter, jnp.ones(2))

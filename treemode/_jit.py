@@ -10,7 +10,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 
 from . import _core
-from ._errors import DonationError, StaticArgumentError
+from ._errors import DonationError, StaticArgumentError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
 from ._prefix import broadcast_to_dynamic
 
@@ -274,11 +274,15 @@ class JitWrapped(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         call = self._prepare(args, kwargs, abstract=False)
         entry = self._entry(call)
+        return self._run(call, entry, entry.jitted)
+
+    def _run(self, call: _core.Call, entry: _Entry, executable: Callable[..., Any]) -> Any:
+        """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
         if self._donates:
             _check_donation(call, self._donated_roots(call))
         entry.pure.bind(call)
         try:
-            out, updates = entry.jitted(*entry.args(call.dynamic))
+            out, updates = executable(*entry.args(call.dynamic))
         except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
             better = _core.explain_failure(call, e)
             if better is not None:
@@ -287,7 +291,7 @@ class JitWrapped(Generic[P, R]):
         finally:
             entry.pure.bind(None)
         _core.write_back(call, updates, entry.pure.record.metadata_updates)
-        return _core.finish(call, out)
+        return out if not call.graph else _core.finish(call, out)
 
     # -- AOT ---------------------------------------------------------------------
 
@@ -300,7 +304,7 @@ class JitWrapped(Generic[P, R]):
             traced = entry.jitted.trace(*entry.args(call.dynamic))
         finally:
             entry.pure.bind(None)
-        return Traced(self, traced)
+        return Traced(self, call.key, traced)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -364,67 +368,54 @@ def _raise_shared_buffer(call: _core.Call, array: Any) -> None:
     )
 
 
-class Traced:
-    """The result of `JitWrapped.trace`: wraps ``jax.stages.Traced``."""
+class _Stage:
+    """A stage of ahead-of-time compilation: wraps the JAX stage of the same name.
 
-    def __init__(self, wrapped: JitWrapped[Any, Any], traced: Any):
+    Every attribute of the JAX stage is available; treemode adds the argument
+    handling for calls and remembers the call structure it was made for.
+    """
+
+    def __init__(self, wrapped: JitWrapped[Any, Any], key: _core.CallKey, stage: Any):
         self._wrapped = wrapped
-        self._traced = traced
+        self._key = key
+        self._stage = stage
 
-    @property
-    def jaxpr(self) -> Any:
-        return self._traced.jaxpr
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stage, name)
+
+
+class Traced(_Stage):
+    """The result of `JitWrapped.trace` (a ``jax.stages.Traced``): ``.jaxpr``, ``.lower()``."""
 
     def lower(self, **kwargs: Any) -> Lowered:
-        return Lowered(self._wrapped, self._traced.lower(**kwargs))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._traced, name)
+        return Lowered(self._wrapped, self._key, self._stage.lower(**kwargs))
 
 
-class Lowered:
-    """The result of `JitWrapped.lower`: wraps ``jax.stages.Lowered``."""
-
-    def __init__(self, wrapped: JitWrapped[Any, Any], lowered: Any):
-        self._wrapped = wrapped
-        self._lowered = lowered
+class Lowered(_Stage):
+    """The result of `JitWrapped.lower` (a ``jax.stages.Lowered``): ``.compile()``."""
 
     def compile(self, *args: Any, **kwargs: Any) -> Compiled:
-        return Compiled(self._wrapped, self._lowered.compile(*args, **kwargs))
-
-    def as_text(self, *args: Any, **kwargs: Any) -> str:
-        return self._lowered.as_text(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._lowered, name)
+        return Compiled(self._wrapped, self._key, self._stage.compile(*args, **kwargs))
 
 
-class Compiled:
-    """A compiled call; calling it flattens its arguments and writes back updates."""
+class Compiled(_Stage):
+    """A compiled call (a ``jax.stages.Compiled``); calling it runs like the jitted function.
 
-    def __init__(self, wrapped: JitWrapped[Any, Any], compiled: Any):
-        self._wrapped = wrapped
-        self._compiled = compiled
+    Arguments are flattened, checked (donation, structure) and the changed
+    Variables written back exactly as a call of the `treemode.jit` function does.
+    """
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        w = self._wrapped
-        call = w._prepare(args, kwargs, abstract=False)
-        entry = w._entry(call)
-        out, updates = self._compiled(*entry.args(call.dynamic))
-        _core.write_back(call, updates, entry.pure.record.metadata_updates)
-        return _core.finish(call, out)
-
-    def memory_analysis(self) -> Any:
-        return self._compiled.memory_analysis()
-
-    def cost_analysis(self) -> Any:
-        return self._compiled.cost_analysis()
-
-    def as_text(self) -> str:
-        return self._compiled.as_text()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._compiled, name)
+        wrapped = self._wrapped
+        call = wrapped._prepare(args, kwargs, abstract=False)
+        if call.key != self._key:
+            raise StructureError(
+                "treemode.jit: this Compiled function was lowered for arguments of "
+                "another structure (modules, Variable types or metadata, static values "
+                "differ). Lower and compile again for these arguments, or call the "
+                "treemode.jit function itself, which compiles per structure."
+            )
+        return wrapped._run(call, wrapped._entry(call), self._stage)
 
 
 @overload
