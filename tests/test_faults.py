@@ -507,7 +507,7 @@ def test_branch_write_back_across_closures_is_atomic(name, monkeypatch):
 
 
 def test_fault_in_check_writable_leaves_inputs(monkeypatch):
-    def broken(call, indices, targets):
+    def broken(call, targets):
         raise CheckFault("check_writable")
 
     monkeypatch.setattr(_core, "_check_writable", broken)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import treemode
@@ -92,3 +93,22 @@ def test_attribute_added_to_a_nested_module_is_seen():
     m.inner.b = nnx.Param(jnp.ones(3))
     np.testing.assert_allclose(f(m), 5.0)
     assert len(traces) == 2
+
+
+def test_cached_argument_written_from_an_outer_trace_is_refused():
+    # The first call (top level) marks the cached flattening writable there;
+    # the same module closed over by jax.jit must still be refused inside it.
+    @treemode.jit
+    def bump(m, x):
+        m.count[...] += 1
+        return x
+
+    m = nnx.Module()
+    m.count = nnx.BatchStat(jnp.array(0))
+    bump(m, jnp.ones(1))
+    bump(m, jnp.ones(1))
+    with pytest.raises(treemode.TraceContextError, match=r"args\[0\]\.count"):
+        jax.jit(lambda x: bump(m, x))(jnp.ones(1))
+    assert int(m.count[...]) == 2
+    bump(m, jnp.ones(1))
+    assert int(m.count[...]) == 3

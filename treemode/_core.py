@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -115,6 +116,7 @@ class Call:
         "lifted_roots",
         "dynamic",
         "variables",
+        "sources",
         "key",
     )
 
@@ -132,6 +134,7 @@ class Call:
     lifted_roots: list[tuple[str, Any]]
     dynamic: list[Any]
     variables: list[Any]
+    sources: list[ArgFlat]  # the flattenings ``variables`` come from, in order
     key: CallKey
 
     def arg_roots(self) -> list[tuple[str, Any]]:
@@ -354,6 +357,7 @@ def _finish_prepare(
     else:
         call.lifted = []
         call.lifted_specs = ()
+    call.sources = sources
     if len(sources) == 1:
         call.variables = list(sources[0].variables)
     else:
@@ -781,21 +785,22 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
 
 def check_writable(call: Call, updates: Sequence[Any]) -> None:
     """Raise before writing anything if a target Variable belongs to another trace."""
-    changed = [i for i, new in enumerate(updates) if new is not None]
-    _check_writable(call, changed, [call.variables[i] for i in changed])
+    changed = zip(call.variables, updates, strict=True)
+    _check_writable(call, [var for var, new in changed if new is not None])
 
 
-def _check_writable(call: Call, indices: Sequence[int], targets: Sequence[Any]) -> None:
+def _check_writable(call: Call, targets: Sequence[Any]) -> None:
     # A Variable may be written in the trace it was created in (as Variable itself
-    # checks). Fast path: compare the traces' weak references by identity in one
-    # C-level pass; only on a mismatch compare the opaque states as Flax does.
+    # checks). Fast path: the traces' weak references compared by identity, and
+    # remembered per cached argument (a Variable's trace never changes).
     current = tracers.current_jax_trace()
     ref = getattr(current, "_trace_ref", None)
-    if ref is not None and all(map(operator.is_, map(_trace_ref_of, targets), repeat(ref))):
+    if ref is not None and all(map(functools.partial(_writable_in, ref), call.sources)):
         return
-    for i, var in zip(indices, targets, strict=True):
+    for var in targets:
         if var._trace_state._jax_trace != current and not var.hijax:
-            path = call.variable_paths()[i]
+            index = next(i for i, v in enumerate(call.variables) if v is var)
+            path = call.variable_paths()[index]
             raise TraceContextError(
                 f"treemode.{call.transform}: cannot write the new value of the "
                 f"{type(var).__name__} at {path} back: the Variable was created outside "
@@ -806,6 +811,17 @@ def _check_writable(call: Call, indices: Sequence[int], targets: Sequence[Any]) 
             )
 
 
+def _writable_in(ref: Any, flat: ArgFlat) -> bool:
+    """Whether every Variable of ``flat`` was created in the trace behind ``ref``."""
+    entry = flat.origin
+    if entry is not None and entry.writable_in is ref:
+        return True
+    writable = all(map(operator.is_, map(_trace_ref_of, flat.variables), repeat(ref)))
+    if writable and entry is not None:
+        entry.writable_in = ref
+    return writable
+
+
 _trace_ref_of = operator.attrgetter("_trace_state._jax_trace._trace_ref")
 _raw_value_of = operator.attrgetter("_raw_value")
 
@@ -814,19 +830,18 @@ def write_back(
     call: Call, updates: Sequence[Any], metadata_updates: dict[int, dict[str, Any]] | None = None
 ) -> None:
     """Store the changed values into the caller's Variables, all or nothing."""
-    changed_mask = list(map(operator.is_not, updates, repeat(None)))
-    if not metadata_updates and not any(changed_mask):
+    changed = list(map(operator.is_not, updates, repeat(None)))
+    if not metadata_updates and not any(changed):
         return  # the no-update path (a forward pass): nothing to check or write
-    indices = list(compress(range(len(changed_mask)), changed_mask))
-    targets = list(compress(call.variables, changed_mask))
-    values = list(compress(updates, changed_mask))
-    _check_writable(call, indices, targets)
+    targets = list(compress(call.variables, changed))
+    values = list(compress(updates, changed))
+    _check_writable(call, targets)
     old_values = list(map(_raw_value_of, targets))
     meta_targets = [call.variables[i] for i in metadata_updates] if metadata_updates else []
     old_meta = [(var, var._raw_value, var._var_metadata) for var in meta_targets]
     try:
         if store is _store:
-            # The default hook, in one C-level pass (nothing can interrupt it midway).
+            # The default hook, in one C-level pass (no interrupt can land midway).
             list(map(_setattr, targets, repeat("_raw_value"), values))
         else:
             for var, value in zip(targets, values, strict=True):

@@ -144,6 +144,8 @@ class ArgFlat:
         "_ref",
         "variable_ids",
         "has_aliases",
+        "origin",
+        "writable_in",
         "__weakref__",
     )
 
@@ -172,6 +174,10 @@ class ArgFlat:
         self.has_aliases = len(self.variable_ids) != len(self.variables)
         self._guard: _Guard | None = None
         self._ref: weakref.ref[Any] | None = None
+        # A copy made by `_refresh` points to its cache entry (``None`` otherwise);
+        # the entry remembers the trace its Variables may be written in.
+        self.origin: ArgFlat | None = None
+        self.writable_in: Any = None
 
     def leaf_dynamic_counts(self) -> list[int]:
         """Per leaf, how many dynamic arrays it contributes."""
@@ -404,6 +410,7 @@ def _array_flat(arg: Any) -> ArgFlat:
     flat.has_aliases = False
     flat._guard = None
     flat._ref = None
+    flat.origin = None
     return flat
 
 
@@ -468,6 +475,7 @@ def _refresh(entry: ArgFlat) -> ArgFlat:
     fresh.variable_ids = entry.variable_ids
     fresh.has_aliases = entry.has_aliases
     fresh._ref = None
+    fresh.origin = entry
     if len(entry.dynamic) == len(entry.variables):
         fresh.dynamic = list(map(_raw_value_of, entry.variables))
     else:
