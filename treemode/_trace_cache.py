@@ -161,9 +161,4 @@ def _forget(ids: tuple[int, ...]) -> Callable[[Any], None]:
     return forget
 
 
-def registered_functions() -> int:
-    """How many function tuples have caches (for tests)."""
-    return len(_registry)
-
-
-__all__ = ["TraceCache", "avals", "cache_for", "call_current_fn", "registered_functions"]
+__all__ = ["TraceCache", "avals", "cache_for", "call_current_fn"]
