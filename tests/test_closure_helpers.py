@@ -227,3 +227,113 @@ def test_bound_method_and_partial_in_a_cell_are_followed():
 
     step(jnp.ones(2))
     assert int(stats.count[...]) == 1 and int(other.count[...]) == 1
+
+
+# -- the per-function cache: values in cells and globals can change between calls ----------
+
+HELPER = None
+
+
+def calls_the_global_helper(x):
+    return HELPER(x) if HELPER is not None else x
+
+
+def test_cached_answer_sees_rebound_globals_and_cells():
+    global HELPER
+    stats = Counter()
+
+    def record(x):
+        stats(x)
+        return x
+
+    HELPER = None
+    assert closure_objects(calls_the_global_helper) == []
+    assert closure_objects(calls_the_global_helper) == []  # from the cache
+    HELPER = record  # a global rebound to a helper that closes over a module
+    try:
+        assert [obj for _, obj in closure_objects(calls_the_global_helper)] == [stats]
+        other = Counter()
+        stats = other  # the helper's cell rebound to another module
+        assert [obj for _, obj in closure_objects(calls_the_global_helper)] == [other]
+    finally:
+        HELPER = None
+    assert closure_objects(calls_the_global_helper) == []
+
+    held = 1.0
+
+    def reads_a_cell(x):
+        return held(x) if callable(held) else x
+
+    assert closure_objects(reads_a_cell) == []
+    held = Counter()  # the cell now holds a module
+    assert [obj for _, obj in closure_objects(reads_a_cell)] == [held]
+    held = 2.0
+    assert closure_objects(reads_a_cell) == []
+
+
+def test_cache_keeps_neither_ignored_values_nor_dead_functions_alive():
+    import gc
+    import weakref
+
+    from treemode import _closure
+
+    big = np.ones(3)
+    big_ref = weakref.ref(big)
+
+    def f(x):
+        return x + big
+
+    closure_objects(f)
+    big = np.zeros(3)  # the cell is rebound: the old array must not be kept by the cache
+    gc.collect()
+    assert big_ref() is None
+    assert closure_objects(f) == []
+
+    key = id(f)
+    assert key in _closure._snapshots
+    del f
+    gc.collect()
+    assert key not in _closure._snapshots
+
+
+def test_functions_made_per_call_stop_being_cached():
+    from treemode import _closure
+
+    stats = Counter()
+    makers = [lambda x, i=i: stats(x) + i for i in range(_closure._MAX_SNAPSHOTS + 4)]
+    for f in makers:  # one code object, many function objects: all found correctly
+        assert [obj for _, obj in closure_objects(f)] == [stats]
+    code = makers[0].__code__
+    assert _closure._plan(code).snapshots == _closure._MAX_SNAPSHOTS
+    cached = sum(1 for f in makers if id(f) in _closure._snapshots)
+    assert cached == _closure._MAX_SNAPSHOTS
+
+
+def test_cache_does_not_keep_a_module_or_a_recursive_function_alive():
+    import gc
+    import weakref
+
+    from treemode import _closure
+
+    module = Counter()  # a callable module as the transformed function
+    assert [obj for _, obj in closure_objects(module)] == [module]
+    assert [obj for _, obj in closure_objects(module)] == [module]  # from the cache
+    module_ref = weakref.ref(module)
+
+    def make():
+        stats = Counter()
+
+        def recurse(n, x):  # its own cell holds it
+            return stats(x) if n == 0 else recurse(n - 1, x)
+
+        return recurse
+
+    recurse = make()
+    assert len(closure_objects(recurse)) == 1
+    assert len(closure_objects(recurse)) == 1
+    recurse_ref = weakref.ref(recurse)
+    keys = {id(module), id(recurse)}
+    del module, recurse
+    gc.collect()
+    assert module_ref() is None and recurse_ref() is None
+    assert not keys & set(_closure._snapshots)

@@ -16,22 +16,30 @@ packages (JAX, Flax, optax, ...), which cannot close over the user's modules.
 The walk stops `MAX_DEPTH` functions deep and visits each function once, so
 recursive helpers terminate.
 
-This runs on every transform call, so the per-call work is a few dictionary
-lookups per closure cell and global name: what each code object reads (its free
-variables and global names, and whether it is library code) is computed once
-per code object, and what each value is (NNX object, followable function, or
-neither) once per type. The values themselves are read on every call, since
-cells and globals can be rebound between calls.
+This runs on every transform call, so it is cached per function object: the
+answer is kept with every read the search made (each global's value, each
+closure cell's content, each function's code object) and reused while all of
+them still give the same objects, checked mostly in bulk at C level. Cells and
+globals can be rebound between calls, which simply makes the next call search
+again. The cache never keeps the function alive (everything that could lead
+back to it is held weakly, and the entry goes when the function does), never
+keeps a cell's array or tracer (only their type matters), and stops making
+entries for a code object whose functions are made per call. What each code
+object reads (its free variables, global names, and whether it is library
+code) is computed once per code object, and what each value is (NNX object,
+followable function, or neither) once per type.
 """
 
 from __future__ import annotations
 
 import dis
 import functools
+import operator
 import os
 import site
 import sysconfig
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -84,13 +92,14 @@ _LIBRARY = _library_prefixes()
 class _Plan:
     """What a code object reads: computed once per code object."""
 
-    __slots__ = ("code", "freevars", "global_names", "user_code")
+    __slots__ = ("code", "freevars", "global_names", "user_code", "snapshots")
 
     def __init__(self, code: types.CodeType):
         self.code = code  # kept so that the id used as key stays this object's
         self.freevars = code.co_freevars
         self.global_names = _global_names(code)
         self.user_code = not code.co_filename.startswith(_LIBRARY)
+        self.snapshots = 0  # cache entries made for functions of this code
 
 
 _plans: dict[int, _Plan] = {}
@@ -128,93 +137,274 @@ def closure_objects(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
     """``(name, object)`` for each NNX object or Variable bound to ``fn``.
 
     Includes the ones bound to the helper functions ``fn`` reaches through its
-    closure cells and globals (see the module docstring).
+    closure cells and globals (see the module docstring). The answer is cached
+    per ``fn`` together with everything the search read; a later call reuses it
+    only if every one of those reads still gives the same object.
     """
-    found: list[tuple[str, Any]] = []
-    _visit(fn, 0, found, set())
-    return found
+    key = id(fn)
+    snapshot = _snapshots.get(key)
+    if snapshot is not None and snapshot.ref() is fn and snapshot.still_valid():
+        if not snapshot.found:
+            return []
+        found = [(name, holder()) for name, holder in snapshot.found]
+        if None not in [obj for _, obj in found]:
+            return found
+    code = getattr(fn, "__code__", None)
+    plan = _plan(code) if code is not None else None
+    if plan is not None and plan.snapshots >= _MAX_SNAPSHOTS:
+        # made per call, or its reads change on every call: search without caching
+        walk = _Walk(None, None)
+        if type(fn) is types.FunctionType:
+            walk.visit_function(fn, plan, 0)
+        else:
+            walk.visit(fn, 0)
+        return walk.found
+    try:
+        ref = _Ref(fn, _forget)
+    except TypeError:  # not weakly referenceable: no cache
+        walk = _Walk(None, None)
+        walk.visit(fn, 0)
+        return walk.found
+    ref.key = key
+    walk = _Walk(fn, ref)
+    walk.visit(fn, 0)
+    if plan is not None:
+        plan.snapshots += 1
+    if len(_snapshots) >= 4096:
+        _snapshots.clear()  # functions made per call: bound the cache
+    _snapshots[key] = _Snapshot(ref, walk)
+    return walk.found
 
 
-def _add(name: str, obj: Any, found: list[tuple[str, Any]], seen: set[int]) -> None:
-    if id(obj) not in seen:
-        seen.add(id(obj))
-        found.append((name, obj))
+class _Ref(weakref.ref):
+    """A weak reference to a function that knows its cache key."""
+
+    __slots__ = ("key",)
+    key: int
 
 
-def _visit(f: Any, depth: int, found: list[tuple[str, Any]], seen: set[int]) -> None:
-    if depth > MAX_DEPTH:
-        return
-    if isinstance(f, functools.partial):
-        for i, a in enumerate(f.args):
-            if _holds_state(a):
-                _add(f"partial.args[{i}]", a, found, seen)
-        for k, a in f.keywords.items():
-            if _holds_state(a):
-                _add(f"partial.keywords[{k!r}]", a, found, seen)
-        _visit(f.func, depth + 1, found, seen)
-        return
-    if isinstance(f, types.MethodType):
-        if _holds_state(f.__self__):
-            _add("self", f.__self__, found, seen)
-        _visit(f.__func__, depth + 1, found, seen)
-        return
-    if _holds_state(f):
-        _add(type(f).__name__, f, found, seen)
-        call = getattr(type(f), "__call__", None)  # noqa: B004 - the method itself
-        if call is not None:
-            _visit(call, depth + 1, found, seen)
-        return
-    code = getattr(f, "__code__", None)
-    if code is not None:
-        _visit_function(f, _plan(code), depth, found, seen)
+def _forget(ref: _Ref) -> None:
+    if _snapshots is not None:  # None while the interpreter shuts down
+        _snapshots.pop(ref.key, None)
 
 
-def _visit_function(
-    f: Any, plan: _Plan, depth: int, found: list[tuple[str, Any]], seen: set[int]
-) -> None:
-    """The closure cells and the globals of a function (anything with ``__code__``)."""
-    kinds = _kinds
-    cells = getattr(f, "__closure__", None)
-    if cells:
-        for name, cell in zip(plan.freevars, cells, strict=False):
-            try:
-                obj = cell.cell_contents
-            except ValueError:  # empty cell
-                continue
-            if kinds.get(type(obj)) != _IGNORE:
-                _consider(name, obj, depth, found, seen)
-    if plan.global_names:
-        module_globals = getattr(f, "__globals__", None)
+class _Strong:
+    """A holder for an object that cannot be weakly referenced (a Variable)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
+def _hold(obj: Any) -> Any:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return _Strong(obj)
+
+
+# Placeholders for cell contents in a snapshot.
+_EMPTY = object()  # an empty cell
+_IGNORED = object()  # a cell holding a value of an ignored type (not kept alive)
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _EMPTY
+
+
+class _Walk:
+    """One search: what it found, what it visited, and (to cache) every read it made.
+
+    The reads are kept for a `_Snapshot`, which must never keep the searched
+    function alive (it is the cache key): everything that could lead back to it
+    (the functions visited, what their cells hold, what was found) is held
+    weakly; only module globals' values are held strongly.
+    """
+
+    __slots__ = (
+        "found",
+        "seen",
+        "top",
+        "top_ref",
+        "dicts",
+        "names",
+        "values",
+        "functions",
+        "codes",
+        "cells",
+        "attrs",
+    )
+
+    def __init__(self, top: Any, top_ref: Any) -> None:
+        self.found: list[tuple[str, Any]] = []
+        self.seen: set[int] = set()
+        self.top_ref = top_ref  # None: do not record the reads
+        if top_ref is None:
+            return
+        self.top = top
+        self.dicts: list[dict[str, Any]] = []
+        self.names: list[str] = []
+        self.values: list[Any] = []
+        self.functions: list[Any] = []  # holders
+        self.codes: list[types.CodeType] = []
+        self.cells: list[tuple[Any, tuple[Any, ...]]] = []  # (function holder, contents)
+        self.attrs: list[tuple[Any, str, Any]] = []
+
+    def hold(self, obj: Any) -> Any:
+        return self.top_ref if obj is self.top else _hold(obj)
+
+    def add(self, name: str, obj: Any) -> None:
+        if id(obj) not in self.seen:
+            self.seen.add(id(obj))
+            self.found.append((name, obj))
+
+    def visit(self, f: Any, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            return
+        if isinstance(f, functools.partial):
+            for i, a in enumerate(f.args):
+                if _holds_state(a):
+                    self.add(f"partial.args[{i}]", a)
+            for k, a in f.keywords.items():
+                if _holds_state(a):
+                    self.add(f"partial.keywords[{k!r}]", a)
+            self.visit(f.func, depth + 1)
+            return
+        if isinstance(f, types.MethodType):
+            if _holds_state(f.__self__):
+                self.add("self", f.__self__)
+            self.visit(f.__func__, depth + 1)
+            return
+        if _holds_state(f):
+            self.add(type(f).__name__, f)
+            call = getattr(type(f), "__call__", None)  # noqa: B004 - the method itself
+            if self.top_ref is not None:
+                self.attrs.append((type(f), "__call__", call))
+            if call is not None:
+                self.visit(call, depth + 1)
+            return
+        code = getattr(f, "__code__", None)
+        if code is not None:
+            self.visit_function(f, _plan(code), depth)
+
+    def visit_function(self, f: Any, plan: _Plan, depth: int) -> None:
+        """The closure cells and the globals of a function (anything with ``__code__``)."""
+        kinds = _kinds
+        record = self.top_ref is not None
+        if record:
+            self.functions.append(self.hold(f))
+            self.codes.append(plan.code)
+        cells = getattr(f, "__closure__", None)
+        if cells:
+            contents: list[Any] = []
+            for name, cell in zip(plan.freevars, cells, strict=False):
+                obj = _cell_value(cell)
+                if obj is _EMPTY:
+                    contents.append(_EMPTY)
+                    continue
+                kind = kinds.get(type(obj))
+                if kind is None:
+                    kind = _classify(type(obj))
+                if kind == _IGNORE:
+                    contents.append(_IGNORED)
+                    continue
+                if record:
+                    contents.append(self.hold(obj))
+                self.consider(name, obj, kind, depth)
+            if record:
+                self.cells.append((self.hold(f), tuple(contents)))
+        module_globals = getattr(f, "__globals__", None) if plan.global_names else None
         if module_globals:
-            get = module_globals.get
-            for name in plan.global_names:
-                obj = get(name)
-                if obj is not None and kinds.get(type(obj)) != _IGNORE:
-                    _consider(name, obj, depth, found, seen)
+            names = plan.global_names
+            values = tuple(map(module_globals.get, names))
+            if record:
+                self.dicts.extend([module_globals] * len(names))
+                self.names.extend(names)
+                self.values.extend(values)
+            for name, obj in zip(names, values, strict=True):
+                if obj is None:
+                    continue
+                kind = kinds.get(type(obj))
+                if kind is None:
+                    kind = _classify(type(obj))
+                if kind != _IGNORE:
+                    self.consider(name, obj, kind, depth)
+
+    def consider(self, name: str, obj: Any, kind: int, depth: int) -> None:
+        """A value in a cell or a global: an NNX object to lift, or a helper to follow."""
+        if kind == _STATE:
+            self.add(name, obj)
+            return
+        if depth >= MAX_DEPTH or id(obj) in self.seen:
+            return
+        if kind == _FUNCTION:
+            plan = _plan(obj.__code__)
+            if plan.user_code:
+                self.seen.add(id(obj))  # a function is visited once: recursion terminates
+                self.visit_function(obj, plan, depth + 1)
+            return
+        self.seen.add(id(obj))
+        self.visit(obj, depth + 1)
 
 
-def _consider(
-    name: str, obj: Any, depth: int, found: list[tuple[str, Any]], seen: set[int]
-) -> None:
-    """A value in a cell or a global: an NNX object to lift, or a helper to follow."""
-    cls = type(obj)
-    kind = _kinds.get(cls)
-    if kind is None:
-        kind = _classify(cls)
-    if kind == _IGNORE:
-        return
-    if kind == _STATE:
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            found.append((name, obj))
-        return
-    if depth >= MAX_DEPTH or id(obj) in seen:
-        return
-    if kind == _FUNCTION:
-        plan = _plan(obj.__code__)
-        if plan.user_code:
-            seen.add(id(obj))  # a function is visited once: recursion terminates
-            _visit_function(obj, plan, depth + 1, found, seen)
-        return
-    seen.add(id(obj))
-    _visit(obj, depth + 1, found, seen)
+class _Snapshot:
+    """One function's answer and every read it depends on, checked in bulk.
+
+    The global reads are checked in one C-level pass (``dict.get`` over all the
+    ``(globals, name)`` pairs, compared with ``is``); the functions' code
+    objects, closure cells and Module classes one by one.
+    """
+
+    __slots__ = ("ref", "found", "dicts", "names", "values", "functions", "codes", "cells", "attrs")
+
+    def __init__(self, ref: Any, walk: _Walk):
+        # the walk's lists, never changed again
+        self.ref = ref
+        self.found = [(name, walk.hold(obj)) for name, obj in walk.found]
+        self.dicts = walk.dicts
+        self.names = walk.names
+        self.values = walk.values
+        self.functions = walk.functions
+        self.codes = walk.codes
+        self.cells = walk.cells
+        self.attrs = walk.attrs
+
+    def still_valid(self) -> bool:
+        is_ = operator.is_
+        if self.names and not all(map(is_, map(dict.get, self.dicts, self.names), self.values)):
+            return False
+        for holder, code in zip(self.functions, self.codes, strict=True):
+            if getattr(holder(), "__code__", None) is not code:  # changed, or died
+                return False
+        for holder, contents in self.cells:
+            f = holder()
+            if f is None:
+                return False
+            for cell, value in zip(f.__closure__, contents, strict=True):
+                current = _cell_value(cell)
+                if value is _IGNORED:
+                    if current is _EMPTY or _kinds.get(type(current)) != _IGNORE:
+                        return False
+                elif value is _EMPTY:
+                    if current is not _EMPTY:
+                        return False
+                elif value() is not current:
+                    return False
+        for owner, name, value in self.attrs:
+            if getattr(owner, name, None) is not value:
+                return False
+        return True
+
+
+_snapshots: dict[int, _Snapshot] = {}
+# After this many cache entries for one code object, its functions are made per
+# call (a lambda in a loop) or their reads change on every call: the entry would
+# never be hit, so it is no longer made.
+_MAX_SNAPSHOTS = 16
