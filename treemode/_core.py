@@ -48,6 +48,7 @@ from ._flatten import (
     rebuild,
     recursion_headroom,
     variable_dynamic,
+    variable_specs,
 )
 from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable, same_static
 from ._paths import format_path
@@ -350,9 +351,13 @@ def _finish_prepare(
                 lifted_flats.append(flat)
     if lifted_flats:
         call.lifted = list(chain.from_iterable(f.variables for f in lifted_flats))
-        call.lifted_specs = tuple(s for f in lifted_flats for s in f.specs if type(s) is VarSpec)
-        for var, spec in zip(call.lifted, call.lifted_specs, strict=True):
-            dynamic.extend(variable_dynamic(var, spec))
+        call.lifted_specs = tuple(chain.from_iterable(map(variable_specs, lifted_flats)))
+        for flat in lifted_flats:
+            if flat.values_only:
+                dynamic += flat.dynamic
+            else:
+                for var, spec in zip(flat.variables, variable_specs(flat), strict=True):
+                    dynamic.extend(variable_dynamic(var, spec))
         sources += lifted_flats
     else:
         call.lifted = []

@@ -146,6 +146,8 @@ class ArgFlat:
         "has_aliases",
         "origin",
         "writable_in",
+        "_variable_specs",
+        "values_only",
         "__weakref__",
     )
 
@@ -170,6 +172,11 @@ class ArgFlat:
             elif spec is DYNAMIC:
                 self.dynamic.append(leaf)
         self.key = _StructureKey(treedef, specs)
+        # Whether ``dynamic`` is exactly one array per Variable (the common case,
+        # where refreshing it is one read per Variable).
+        self.values_only = (
+            self.var_dynamic_counts.count(1) == len(self.variables) == len(self.dynamic)
+        )
         self.variable_ids = frozenset(map(id, self.variables))
         self.has_aliases = len(self.variable_ids) != len(self.variables)
         self._guard: _Guard | None = None
@@ -178,6 +185,7 @@ class ArgFlat:
         # the entry remembers the trace its Variables may be written in.
         self.origin: ArgFlat | None = None
         self.writable_in: Any = None
+        self._variable_specs: tuple[VarSpec, ...] | None = None
 
     def leaf_dynamic_counts(self) -> list[int]:
         """Per leaf, how many dynamic arrays it contributes."""
@@ -411,7 +419,18 @@ def _array_flat(arg: Any) -> ArgFlat:
     flat._guard = None
     flat._ref = None
     flat.origin = None
+    flat._variable_specs = ()
+    flat.values_only = False
     return flat
+
+
+def variable_specs(flat: ArgFlat) -> tuple[VarSpec, ...]:
+    """The specs of ``flat``'s Variables, computed once per cached flattening."""
+    entry = flat.origin or flat
+    specs = entry._variable_specs
+    if specs is None:
+        specs = entry._variable_specs = tuple(s for s in entry.specs if type(s) is VarSpec)
+    return specs
 
 
 def _evict(key: int, cache: dict[int, ArgFlat], ref: weakref.ref[Any]) -> None:
@@ -476,7 +495,9 @@ def _refresh(entry: ArgFlat) -> ArgFlat:
     fresh.has_aliases = entry.has_aliases
     fresh._ref = None
     fresh.origin = entry
-    if len(entry.dynamic) == len(entry.variables):
+    fresh._variable_specs = None
+    fresh.values_only = entry.values_only
+    if entry.values_only:
         fresh.dynamic = list(map(_raw_value_of, entry.variables))
     else:
         dynamic: list[Any] = []
