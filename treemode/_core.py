@@ -267,13 +267,12 @@ def prepare(
             raise _too_deep(call) from None
         call.arg_flats = flats
         call.kw_names = names
-        return _finish_prepare(
-            call,
-            tuple(f.key for f in flats[:n_args]),
-            tuple(zip(names, [f.key for f in flats[n_args:]], strict=True)),
-            is_dynamic,
-            lift_closure,
-        )
+        if names:
+            positional = tuple(map(_key_of, flats[:n_args]))
+            keywords = tuple(zip(names, map(_key_of, flats[n_args:]), strict=True))
+        else:
+            positional, keywords = tuple(map(_key_of, flats)), ()
+        return _finish_prepare(call, positional, keywords, is_dynamic, lift_closure)
     traced_pos: list[Any] = []
     for i, a in enumerate(call.args):
         if i in static_argnums:
@@ -340,7 +339,7 @@ def _finish_prepare(
     """Closure lifting, the call key and the alias check, shared by both paths."""
     arg_flats = call.arg_flats
     sources = [f for f in arg_flats if f.variables]
-    dynamic = list(chain.from_iterable(f.dynamic for f in arg_flats))
+    dynamic = list(chain.from_iterable(map(_dynamic_of, arg_flats)))
     call.lifted_roots = []
     lifted_flats: list[ArgFlat] = []
     if lift_closure:
@@ -372,9 +371,20 @@ def _finish_prepare(
 
     # Each ArgFlat is alias-free on its own (checked once when it was built);
     # only Variables shared between sources remain to be found.
-    if any(f.has_aliases for f in sources) or (len(sources) > 1 and _shares_variables(sources)):
+    if len(sources) == 1:
+        aliased = sources[0].has_aliases
+    else:
+        aliased = any(map(_has_aliases_of, sources)) or (
+            len(sources) > 1 and _shares_variables(sources)
+        )
+    if aliased:
         _raise_alias(call)
     return call
+
+
+_key_of = operator.attrgetter("key")
+_dynamic_of = operator.attrgetter("dynamic")
+_has_aliases_of = operator.attrgetter("has_aliases")
 
 
 # Whether a combination of Variable-id sets overlaps, memoized: a training loop
