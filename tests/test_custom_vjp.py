@@ -286,3 +286,16 @@ def test_fwd_and_bwd_keep_no_tracer_alive(tracer_leaks):
     inner = lambda x: treemode.grad(lambda m: g(Foo(), m, m))(Foo(x, x)).x[...]
     np.testing.assert_allclose(jax.jit(jax.grad(inner))(3.0), 2.0)  # inner(x) = x * outer.x
     assert not any(isinstance(v[...], jax.core.Tracer) for v in (stats.calls, outer.x))
+
+
+def test_python_scalar_primal_under_jax_grad():
+    """jax.grad of f(1.0): JAX may pass the primal back as a Python float."""
+
+    @treemode.custom_vjp
+    def double(x):
+        return 2 * x
+
+    double.defvjp(lambda x: (2 * x, None), lambda res, g: (3 * g,))
+    assert jax.grad(double)(1.0) == 3.0
+    assert treemode.grad(double)(1.0) == 3.0
+    assert jax.grad(lambda x: double(x) + double(2 * x))(1.0) == 9.0

@@ -137,6 +137,9 @@ class CustomVjp(Generic[P, R]):
         rebuilder = _core.PureFunction(call)
 
         def call_from(dynamic: Sequence[Any], lift_closure: bool) -> _core.Call:
+            # JAX may hand back a Python scalar for a primal that was one (jax.grad
+            # of f(1.0)); as an array it stays dynamic, as it was in ``call``.
+            dynamic = [x if isinstance(x, ARRAY_TYPES) else jnp.asarray(x) for x in dynamic]
             inputs = rebuilder.rebuild_inputs(dynamic)
             again = _core.prepare(
                 "custom_vjp", fn, inputs.args, {}, graph=graph, lift_closure=lift_closure
