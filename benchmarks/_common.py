@@ -10,6 +10,7 @@ disturbed by other processes on a shared machine) and the median.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import platform
@@ -70,7 +71,7 @@ CONFIGS = {c.name: c for c in (FULL, QUICK, SMOKE)}
 
 def add_config_arguments(parser: Any) -> None:
     parser.add_argument("--quick", action="store_true", help="a fast run (under two minutes)")
-    parser.add_argument("--smoke", action="store_true", help=__import__("argparse").SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
 
 
 def config_from(args: Any) -> Config:
@@ -252,3 +253,30 @@ def write_tables(tables: Sequence[Table], out: Path, config: Config) -> None:
 def print_tables(tables: Sequence[Table]) -> None:
     for t in tables:
         print(t.console(), end="\n\n", flush=True)
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def case_main(
+    doc: str | None,
+    run: Callable[[Config], Sequence[Table]],
+    add_arguments: Callable[[argparse.ArgumentParser], object] | None = None,
+) -> tuple[argparse.Namespace, Sequence[Table]]:
+    """The command line of one case script: ``[--quick] [--out DIR]``.
+
+    Runs ``run`` with the chosen configuration, prints its tables and writes them
+    under ``--out`` (``benchmarks/results`` by default). ``add_arguments`` adds a
+    script's own options; the parsed arguments and the tables are returned.
+    """
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    add_config_arguments(parser)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args()
+    config = config_from(args)
+    tables = run(config)
+    print_tables(tables)
+    write_tables(tables, args.out, config)
+    return args, tables

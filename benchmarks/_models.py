@@ -45,6 +45,18 @@ def tx() -> optax.GradientTransformation:
     return _TX
 
 
+def with_optimizer(model: nnx.Module) -> tuple[nnx.Module, nnx.Optimizer]:
+    """``(model, its Adam optimizer over the Params)``: the train step's arguments."""
+    return model, nnx.Optimizer(model, tx(), wrt=nnx.Param)
+
+
+def train_step(m: nnx.Module, opt: nnx.Optimizer, x: jax.Array) -> jax.Array:
+    """treemode's train step, to be jitted: the loss's gradient and an optimizer update."""
+    value, grads = treemode.value_and_grad(loss_of)(m, x)
+    opt.update(m, grads)
+    return value
+
+
 # -- NNX models ----------------------------------------------------------------------
 
 
@@ -117,6 +129,11 @@ class ScanMLP(nnx.Module):
 
 
 # -- hand-written JAX on flat arrays --------------------------------------------------
+
+
+def stacked_params(stack: Block) -> tuple[jax.Array, jax.Array]:
+    """``(bias, kernel)`` of stacked Blocks (``ScanMLP.blocks``): ``scan_flat_forward``'s params."""
+    return stack.linear.bias[...], stack.linear.kernel[...]
 
 
 def mlp_flat_forward(arrays, x):

@@ -14,34 +14,25 @@ Run: ``python benchmarks/compilation.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from _common import (
-    RESULTS,
-    Config,
-    Table,
-    add_config_arguments,
-    config_from,
-    print_tables,
-    write_tables,
-)
+from _common import Config, Table, case_main
 from _models import (
     BATCH,
     MLP,
     WIDTH,
     ScanMLP,
     flat_train_step,
-    loss_of,
     mlp_flat_forward,
     raw_arrays,
     scan_flat_forward,
-    tx,
+    stacked_params,
+    train_step,
+    with_optimizer,
 )
 from flax import nnx
 
@@ -67,13 +58,10 @@ def _mlp_train() -> Case:
     def ours(counter):
         def step(m, opt, x):
             counter[0] += 1
-            value, grads = treemode.value_and_grad(loss_of)(m, x)
-            opt.update(m, grads)
-            return value
+            return train_step(m, opt, x)
 
         def args(batch=BATCH):
-            m = MLP(2, nnx.Rngs(0))
-            return m, nnx.Optimizer(m, tx(), wrt=nnx.Param), jnp.ones((batch, WIDTH))
+            return (*with_optimizer(MLP(2, nnx.Rngs(0))), jnp.ones((batch, WIDTH)))
 
         return step, args
 
@@ -107,8 +95,7 @@ def _scan_forward() -> Case:
             return scan_flat_forward(params, x)
 
         def args(batch=BATCH):
-            m = ScanMLP(SCAN_DEPTH, nnx.Rngs(0))
-            params = (m.blocks.linear.bias[...], m.blocks.linear.kernel[...])
+            params = stacked_params(ScanMLP(SCAN_DEPTH, nnx.Rngs(0)).blocks)
             return params, jnp.ones((batch, WIDTH))
 
         return fwd, args
@@ -235,14 +222,7 @@ def run(config: Config) -> list[Table]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    add_config_arguments(parser)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    config = config_from(args)
-    tables = run(config)
-    print_tables(tables)
-    write_tables(tables, args.out, config)
+    case_main(__doc__, run)
 
 
 if __name__ == "__main__":

@@ -24,27 +24,15 @@ Run: ``make bench`` (whole suite) or ``python benchmarks/dispatch.py [--quick]``
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from _common import (
-    RESULTS,
-    Config,
-    Table,
-    add_config_arguments,
-    config_from,
-    measure,
-    print_tables,
-    ratio_table,
-    write_tables,
-)
+from _common import Config, Table, case_main, measure, ratio_table
 from _models import (
     BATCH,
     MLP,
@@ -59,7 +47,9 @@ from _models import (
     raw_arrays,
     stateful_flat_forward,
     stateful_paths_ok,
+    train_step,
     tx,
+    with_optimizer,
 )
 from flax import nnx
 
@@ -157,11 +147,6 @@ def train_peers(depth: int | None) -> Peers:
 
     peers["floor"] = floor
 
-    def step(m, opt, x):
-        value, grads = treemode.value_and_grad(loss_of)(m, x)
-        opt.update(m, grads)
-        return value
-
     def nnx_step(m, opt, x):
         value, grads = nnx.value_and_grad(loss_of)(m, x)
         opt.update(m, grads)
@@ -172,21 +157,17 @@ def train_peers(depth: int | None) -> Peers:
         opt.update(m, grads)
         return value
 
-    def with_optimizer():
-        m = _nnx_model(depth)
-        return m, nnx.Optimizer(m, tx(), wrt=nnx.Param)
-
     jitted = {
-        "treemode.jit": treemode.jit(step),
+        "treemode.jit": treemode.jit(train_step),
         "nnx.jit (graph)": nnx.jit(nnx_step, graph=True),
         "nnx.jit(graph=False)": nnx.jit(nnx_tree_step, graph=False),
     }
     for name, f in jitted.items():
-        m, opt = with_optimizer()
+        m, opt = with_optimizer(_nnx_model(depth))
         peers[name] = lambda f=f, m=m, opt=opt: f(m, opt, x)
-    tm_partial = treemode.jit_partial(step, *with_optimizer())
+    tm_partial = treemode.jit_partial(train_step, *with_optimizer(_nnx_model(depth)))
     peers["treemode.jit_partial"] = lambda: tm_partial(x)
-    nnx_partial = nnx.jit_partial(nnx_tree_step, *with_optimizer(), graph=False)
+    nnx_partial = nnx.jit_partial(nnx_tree_step, *with_optimizer(_nnx_model(depth)), graph=False)
     peers["nnx.jit_partial"] = lambda: nnx_partial(x)
 
     emodel, estate = _eqx_model(depth)
@@ -301,15 +282,13 @@ def async_dispatch(config: Config, n: int = 384) -> Table:
     )
 
 
+def run_all(config: Config) -> list[Table]:
+    """The dispatch tables and the asynchronous-dispatch check: the whole case."""
+    return [*run(config), async_dispatch(config)]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    add_config_arguments(parser)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    config = config_from(args)
-    tables = [*run(config), async_dispatch(config)]
-    print_tables(tables)
-    write_tables(tables, args.out, config)
+    case_main(__doc__, run_all)
 
 
 if __name__ == "__main__":

@@ -25,25 +25,13 @@ Run: ``python benchmarks/eager.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from _common import (
-    RESULTS,
-    Config,
-    Table,
-    add_config_arguments,
-    config_from,
-    measure,
-    print_tables,
-    ratio_table,
-    write_tables,
-)
+from _common import Config, Table, case_main, measure, ratio_table
 from _models import (
     BATCH,
     MLP,
@@ -53,6 +41,7 @@ from _models import (
     mlp_flat_forward,
     raw_arrays,
     scan_flat_forward,
+    stacked_params,
 )
 from flax import nnx
 
@@ -93,7 +82,7 @@ def vmap_peers() -> dict[str, Callable[[], Any]]:
 def scan_peers() -> dict[str, Callable[[], Any]]:
     x = jnp.ones((BATCH, WIDTH))
     stack = _stack(SCAN_DEPTH)
-    params = (stack.linear.bias[...], stack.linear.kernel[...])
+    params = stacked_params(stack)
 
     def f(h, block):
         return block(h)
@@ -147,14 +136,7 @@ def run(config: Config) -> list[Table]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    add_config_arguments(parser)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    config = config_from(args)
-    tables = run(config)
-    print_tables(tables)
-    write_tables(tables, args.out, config)
+    case_main(__doc__, run)
 
 
 if __name__ == "__main__":

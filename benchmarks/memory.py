@@ -17,34 +17,25 @@ Run: ``python benchmarks/memory.py``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from _common import (
-    RESULTS,
-    Config,
-    Table,
-    add_config_arguments,
-    config_from,
-    print_tables,
-    write_tables,
-)
+from _common import Config, Table, case_main
 from _models import (
     BATCH,
     MLP,
     WIDTH,
     ScanMLP,
     flat_train_step,
-    loss_of,
     mlp_flat_forward,
     raw_arrays,
     scan_flat_forward,
-    tx,
+    stacked_params,
+    train_step,
+    with_optimizer,
 )
 from flax import nnx
 
@@ -66,16 +57,6 @@ def footprint(stats: Any) -> dict[str, int]:
     return out
 
 
-def _train(m, opt, x):
-    value, grads = treemode.value_and_grad(loss_of)(m, x)
-    opt.update(m, grads)
-    return value
-
-
-def _with_opt(model: nnx.Module) -> tuple[nnx.Module, nnx.Optimizer]:
-    return model, nnx.Optimizer(model, tx(), wrt=nnx.Param)
-
-
 Pair = tuple[Callable[[], Any], Callable[[], Any]]
 
 
@@ -85,24 +66,26 @@ def pairs() -> dict[str, Pair]:
 
     def scan_forward() -> Pair:
         model = ScanMLP(SCAN_DEPTH, nnx.Rngs(0))
-        params = (model.blocks.linear.bias[...], model.blocks.linear.kernel[...])
+        params = stacked_params(model.blocks)
         ours = lambda: treemode.jit(lambda m, x: m(x)).lower(model, x).compile()
         hand = lambda: jax.jit(scan_flat_forward).lower(params, x).compile()
         return ours, hand
 
     def scan_train() -> Pair:
-        model, opt = _with_opt(ScanMLP(SCAN_DEPTH, nnx.Rngs(0)))
+        model, opt = with_optimizer(ScanMLP(SCAN_DEPTH, nnx.Rngs(0)))
         arrays = raw_arrays(model)
         step, init = flat_train_step(scan_flat_forward)
-        ours = lambda: treemode.jit(_train).lower(model, opt, x).compile()
+        ours = lambda: treemode.jit(train_step).lower(model, opt, x).compile()
         hand = lambda: jax.jit(step).lower(arrays, init(arrays), x).compile()
         return ours, hand
 
     def donated_train() -> Pair:
-        model, opt = _with_opt(MLP(DONATE_DEPTH, nnx.Rngs(0)))
+        model, opt = with_optimizer(MLP(DONATE_DEPTH, nnx.Rngs(0)))
         arrays = raw_arrays(model)
         step, init = flat_train_step(mlp_flat_forward)
-        ours = lambda: treemode.jit(_train, donate_argnums=(0, 1)).lower(model, opt, x).compile()
+        ours = lambda: (
+            treemode.jit(train_step, donate_argnums=(0, 1)).lower(model, opt, x).compile()
+        )
         hand = lambda: jax.jit(step, donate_argnums=(0, 1)).lower(arrays, init(arrays), x).compile()
         return ours, hand
 
@@ -147,14 +130,13 @@ def run(config: Config) -> list[Table]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    add_config_arguments(parser)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--check", action="store_true", help="exit 1 unless every ratio is 1.0")
-    args = parser.parse_args()
-    tables = run(config_from(args))
-    print_tables(tables)
-    write_tables(tables, args.out, config_from(args))
+    args, tables = case_main(
+        __doc__,
+        run,
+        lambda parser: parser.add_argument(
+            "--check", action="store_true", help="exit 1 unless every ratio is 1.0"
+        ),
+    )
     if args.check and tables[0].data["failures"]:
         sys.exit(1)
 

@@ -12,21 +12,8 @@ Run: ``python benchmarks/per_variable.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import numpy as np
-from _common import (
-    RESULTS,
-    Config,
-    Table,
-    add_config_arguments,
-    config_from,
-    measure,
-    print_tables,
-    ratio_table,
-    write_tables,
-)
+from _common import Config, Table, case_main, measure, ratio_table
 from dispatch import PEERS, forward_peers
 
 
@@ -103,14 +90,7 @@ def run(config: Config) -> list[Table]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    add_config_arguments(parser)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    config = config_from(args)
-    tables = run(config)
-    print_tables(tables)
-    write_tables(tables, args.out, config)
+    case_main(__doc__, run)
 
 
 if __name__ == "__main__":

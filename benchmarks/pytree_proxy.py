@@ -29,23 +29,12 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from _models import BATCH, MLP, WIDTH
 from flax import nnx
 
 import treemode
 
-WIDTH = 8
-BATCH = 4
 DEPTH = 64
-
-
-class MLP(nnx.Module):
-    def __init__(self, depth: int, rngs: nnx.Rngs):
-        self.layers = nnx.List([nnx.Linear(WIDTH, WIDTH, rngs=rngs) for _ in range(depth)])
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = jnp.tanh(layer(x))
-        return x
 
 
 class Mixed(eqx.Module):

@@ -33,7 +33,7 @@ from _common import (
 )
 
 CASES = {
-    "dispatch": lambda config: [*dispatch.run(config), dispatch.async_dispatch(config)],
+    "dispatch": dispatch.run_all,
     "per_variable": per_variable.run,
     "eager": eager.run,
     "memory": memory.run,
