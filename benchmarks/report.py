@@ -33,6 +33,7 @@ SECTIONS = [
     ("3. Eager transforms", "eager", None),
     ("4. Memory", "memory", None),
     ("5. Trace count and compile time", "compilation", None),
+    ("Where the time goes", "stages", None),
 ]
 
 

@@ -21,6 +21,7 @@ import eager
 import memory
 import per_variable
 import report
+import stages
 import targets
 from _common import (
     RESULTS,
@@ -38,6 +39,7 @@ CASES = {
     "eager": eager.run,
     "memory": memory.run,
     "compilation": compilation.run,
+    "stages": stages.run,
 }
 
 
