@@ -268,11 +268,11 @@ def prepare(
         call.arg_flats = flats
         call.kw_names = names
         if names:
-            positional = tuple(map(_key_of, flats[:n_args]))
-            keywords = tuple(zip(names, map(_key_of, flats[n_args:]), strict=True))
+            pos_keys = tuple(map(_key_of, flats[:n_args]))
+            kw_keys = tuple(zip(names, map(_key_of, flats[n_args:]), strict=True))
         else:
-            positional, keywords = tuple(map(_key_of, flats)), ()
-        return _finish_prepare(call, positional, keywords, is_dynamic, lift_closure)
+            pos_keys, kw_keys = tuple(map(_key_of, flats)), ()
+        return _finish_prepare(call, pos_keys, kw_keys, is_dynamic, lift_closure)
     traced_pos: list[Any] = []
     for i, a in enumerate(call.args):
         if i in static_argnums:
