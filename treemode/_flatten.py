@@ -419,6 +419,7 @@ def _array_flat(arg: Any) -> ArgFlat:
     flat._guard = None
     flat._ref = None
     flat.origin = None
+    flat.writable_in = None
     flat._variable_specs = ()
     flat.values_only = False
     return flat
@@ -495,6 +496,7 @@ def _refresh(entry: ArgFlat) -> ArgFlat:
     fresh.has_aliases = entry.has_aliases
     fresh._ref = None
     fresh.origin = entry
+    fresh.writable_in = None  # remembered on the entry
     fresh._variable_specs = None
     fresh.values_only = entry.values_only
     if entry.values_only:
