@@ -261,11 +261,12 @@ class _Guard:
         self.metadata_copies = [dict(v._var_metadata) for v in variables]
 
     def holds(self, variables: list[Any]) -> bool:
-        # The lengths first: they keep the element-wise checks below aligned.
+        # The lengths first: they keep the element-wise checks below aligned (and
+        # keep empty plain dicts and lists empty, so no keys/items pass is needed).
         return (
             list(map(len, self.sized)) == self.lens
             and all(map(_is, chain.from_iterable(map(dict.values, self.dicts)), self.values))
-            and all(map(_is, chain.from_iterable(self.ordered), self.items))
+            and (not self.items or all(map(_is, chain.from_iterable(self.ordered), self.items)))
             and list(map(_metadata_of, variables)) == self.metadata_copies
         )
 
