@@ -50,19 +50,17 @@ from ._flatten import (
     variable_dynamic,
     variable_specs,
 )
+from ._hashed import HashedKey
 from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable, same_static
 from ._paths import format_path
 from ._stale import mark_trace_time, stale_write_error
 
 
-class CallKey:
-    """Everything a trace depends on besides array shapes and dtypes.
+class CallKey(HashedKey):
+    """Everything a trace depends on besides array shapes and dtypes."""
 
-    Built on every call and looked up in a transform's cache, so its hash is
-    computed once, at construction.
-    """
-
-    __slots__ = ("positional", "keywords", "lifted", "graph", "_hash")
+    __slots__ = ("positional", "keywords", "lifted", "graph")
+    _fields = ("positional", "keywords", "lifted", "graph")
 
     def __init__(
         self,
@@ -75,28 +73,7 @@ class CallKey:
         self.keywords = keywords
         self.lifted = lifted
         self.graph = graph
-        self._hash = hash((positional, keywords, lifted, graph))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        return (
-            type(other) is CallKey
-            and self._hash == other._hash
-            and self.positional == other.positional
-            and self.keywords == other.keywords
-            and self.lifted == other.lifted
-            and self.graph == other.graph
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"CallKey(positional={self.positional!r}, keywords={self.keywords!r}, "
-            f"lifted={self.lifted!r}, graph={self.graph!r})"
-        )
+        self._hash_fields()
 
 
 class Call:

@@ -28,6 +28,7 @@ from jax.core import Tracer
 from jax.tree_util import PyTreeDef
 
 from ._errors import AliasError
+from ._hashed import HashedKey
 from ._leaves import is_graph_node, is_variable, is_variable_value_leaf
 from ._paths import format_path
 
@@ -199,10 +200,11 @@ class ArgFlat:
         return counts
 
 
-class _StructureKey:
+class _StructureKey(HashedKey):
     """Hashable (treedef, specs) with the hash computed once."""
 
-    __slots__ = ("treedef", "specs", "_hash")
+    __slots__ = ("treedef", "specs")
+    _fields = ("treedef", "specs")
 
     def __init__(
         self,
@@ -211,20 +213,7 @@ class _StructureKey:
     ):
         self.treedef = treedef
         self.specs = specs
-        self._hash = hash((treedef, specs))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        return (
-            isinstance(other, _StructureKey)
-            and self._hash == other._hash
-            and self.treedef == other.treedef
-            and self.specs == other.specs
-        )
+        self._hash_fields()
 
 
 class _Guard:

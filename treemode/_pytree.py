@@ -27,6 +27,7 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 from ._errors import ProxyError
 from ._flatten import DYNAMIC, StaticLeaf, VarSpec, value_spec
 from ._graph import from_tree, to_tree
+from ._hashed import HashedKey
 from ._leaves import (
     ARRAY_TYPES,
     SCALAR_TYPES,
@@ -116,7 +117,7 @@ class LeafInfo(NamedTuple):
     var_path: tuple[Any, ...]  # key path of the owning Variable
 
 
-class PytreeDef:
+class PytreeDef(HashedKey):
     """The static part of a `Pytree`: hashable and compared by value.
 
     Holds the module's structure (the treedef of ``to_tree(module)`` with
@@ -131,20 +132,20 @@ class PytreeDef:
         "treedef",
         "specs",
         "num_leaves",
-        "_hash",
         "_keys",
         "_layout",
         "_var_slots",
         "_masks",
         "__weakref__",
     )
+    _fields = ("treedef", "specs")
 
     def __init__(self, treedef: Any, specs: tuple[Any, ...]):
         self.treedef = treedef  # a jax PyTreeDef
         self.specs = specs
         self.num_leaves = sum(_leaf_count(s) for s in specs)
         try:
-            self._hash = hash((treedef, specs))
+            self._hash_fields()
         except TypeError as e:
             raise TypeError(
                 "treemode.Pytree: the module holds an unhashable static attribute or "
@@ -156,19 +157,6 @@ class PytreeDef:
         self._layout: tuple[LeafInfo, ...] | None = None
         self._var_slots: tuple[tuple[int, int, VarSpec], ...] | None = None
         self._masks: dict[Any, tuple[bool | None, ...]] = {}
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        return (
-            type(other) is PytreeDef
-            and self._hash == other._hash
-            and self.treedef == other.treedef
-            and self.specs == other.specs
-        )
 
     def __repr__(self) -> str:
         return f"PytreeDef({self.num_leaves} leaves)"
