@@ -176,6 +176,36 @@ def closure_objects(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
     return walk.found
 
 
+def closure_snapshot(fn: Callable[..., Any]) -> Any:
+    """The cache entry behind the last `closure_objects` answer for ``fn``.
+
+    ``None`` when that answer was not cached (functions made per call, or not
+    weakly referenceable). Pass it to `unchanged_closure_objects` later.
+    """
+    snapshot = _snapshots.get(id(fn))
+    if snapshot is None or snapshot.ref() is not fn:
+        return None
+    return snapshot
+
+
+_EMPTY_ANSWER: list[Any] = []
+
+
+def unchanged_closure_objects(fn: Callable[..., Any], snapshot: Any) -> list[Any] | None:
+    """The objects `closure_objects` (``fn``) answers, if that answer is still ``snapshot``'s.
+
+    ``None`` if any read behind ``snapshot`` changed (the answer must be searched
+    again). The list returned for a function without closure objects is shared:
+    do not modify it.
+    """
+    if _snapshots.get(id(fn)) is not snapshot or not snapshot.still_valid():
+        return None
+    if not snapshot.found:
+        return _EMPTY_ANSWER
+    found = [holder() for _, holder in snapshot.found]
+    return None if any(obj is None for obj in found) else found
+
+
 class _Ref(weakref.ref):
     """A weak reference to a function that knows its cache key."""
 

@@ -27,7 +27,7 @@ import operator
 import threading
 from collections.abc import Callable, Sequence
 from itertools import chain, compress, repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax.nnx import tracers
@@ -54,6 +54,9 @@ from ._hashed import HashedKey
 from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable, same_static
 from ._paths import format_path
 from ._stale import mark_trace_time, stale_write_error
+
+if TYPE_CHECKING:
+    from ._callsite import SiteCall
 
 
 class CallKey(HashedKey):
@@ -114,6 +117,10 @@ class Call:
     variables: list[Any]
     sources: list[ArgFlat]  # the flattenings ``variables`` come from, in order
     key: CallKey
+
+    def full(self) -> Call:
+        """This call (a `SiteCall` builds its `Call` here; see ``_callsite``)."""
+        return self
 
     def arg_roots(self) -> list[tuple[str, Any]]:
         """``(display name, tree as flattened)`` for every traced argument."""
@@ -444,14 +451,14 @@ class PureFunction:
         self._local = threading.local()
 
     # The current Call, thread-local so concurrent calls do not see each other.
-    def bind(self, call: Call | None) -> None:
+    def bind(self, call: Call | SiteCall | None) -> None:
         self._local.call = call
 
     @property
     def call(self) -> Call:
         call = getattr(self._local, "call", None)
         assert call is not None, "PureFunction traced outside of a treemode call"
-        return call
+        return call.full()
 
     def rebuild_inputs(self, dynamic: Sequence[Any]) -> Inputs:
         """Arguments (as the user function sees them) rebuilt from dynamic arrays."""
@@ -775,13 +782,13 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
     return None
 
 
-def check_writable(call: Call, updates: Sequence[Any]) -> None:
+def check_writable(call: Call | SiteCall, updates: Sequence[Any]) -> None:
     """Raise before writing anything if a target Variable belongs to another trace."""
     changed = zip(call.variables, updates, strict=True)
     _check_writable(call, [var for var, new in changed if new is not None])
 
 
-def _check_writable(call: Call, targets: Sequence[Any]) -> None:
+def _check_writable(call: Call | SiteCall, targets: Sequence[Any]) -> None:
     # A Variable may be written in the trace it was created in (as Variable itself
     # checks). Fast path: the traces' weak references compared by identity, and
     # remembered per cached argument (a Variable's trace never changes).
@@ -792,7 +799,7 @@ def _check_writable(call: Call, targets: Sequence[Any]) -> None:
     for var in targets:
         if var._trace_state._jax_trace != current and not var.hijax:
             index = next(i for i, v in enumerate(call.variables) if v is var)
-            path = call.variable_paths()[index]
+            path = call.full().variable_paths()[index]
             raise TraceContextError(
                 f"treemode.{call.transform}: cannot write the new value of the "
                 f"{type(var).__name__} at {path} back: the Variable was created outside "
@@ -805,11 +812,11 @@ def _check_writable(call: Call, targets: Sequence[Any]) -> None:
 
 def _writable_in(ref: Any, flat: ArgFlat) -> bool:
     """Whether every Variable of ``flat`` was created in the trace behind ``ref``."""
-    entry = flat.origin
-    if entry is not None and entry.writable_in is ref:
+    entry = flat.origin or flat  # remembered on the cache entry
+    if entry.writable_in is ref:
         return True
     writable = all(map(operator.is_, map(_trace_ref_of, flat.variables), repeat(ref)))
-    if writable and entry is not None:
+    if writable:
         entry.writable_in = ref
     return writable
 
@@ -819,7 +826,9 @@ _raw_value_of = operator.attrgetter("_raw_value")
 
 
 def write_back(
-    call: Call, updates: Sequence[Any], metadata_updates: dict[int, dict[str, Any]] | None = None
+    call: Call | SiteCall,
+    updates: Sequence[Any],
+    metadata_updates: dict[int, dict[str, Any]] | None = None,
 ) -> None:
     """Store the changed values into the caller's Variables, all or nothing."""
     changed = list(map(operator.is_not, updates, repeat(None)))

@@ -394,6 +394,7 @@ def _is_plain_leaf(x: Any) -> bool:
 
 _cache: dict[int, ArgFlat] = {}
 _ARRAY_FLAT = ArgFlat(jax.tree_util.tree_structure(0), (DYNAMIC,), [None])
+ARRAY_KEY = _ARRAY_FLAT.key  # the structure key of every bare array argument
 
 
 def _array_flat(arg: Any) -> ArgFlat:
@@ -489,18 +490,22 @@ def _refresh(entry: ArgFlat) -> ArgFlat:
     fresh.writable_in = None  # remembered on the entry
     fresh._variable_specs = None
     fresh.values_only = entry.values_only
-    if entry.values_only:
-        fresh.dynamic = list(map(_raw_value_of, entry.variables))
-    else:
-        dynamic: list[Any] = []
-        variables = iter(entry.variables)
-        for spec, leaf in zip(entry.specs, entry.leaves, strict=True):
-            if type(spec) is VarSpec:
-                dynamic.append(next(variables)._raw_value)
-            elif spec is DYNAMIC:
-                dynamic.append(leaf)
-        fresh.dynamic = dynamic
+    fresh.dynamic = current_dynamic(entry)
     return fresh
+
+
+def current_dynamic(entry: ArgFlat) -> list[Any]:
+    """The dynamic arrays of a cached flattening, with the Variables' current values."""
+    if entry.values_only:
+        return list(map(_raw_value_of, entry.variables))
+    dynamic: list[Any] = []
+    variables = iter(entry.variables)
+    for spec, leaf in zip(entry.specs, entry.leaves, strict=True):
+        if type(spec) is VarSpec:
+            dynamic.append(next(variables)._raw_value)
+        elif spec is DYNAMIC:
+            dynamic.append(leaf)
+    return dynamic
 
 
 def check_no_aliases(transform: str = "check_no_aliases", /, **trees: Any) -> None:

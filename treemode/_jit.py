@@ -10,6 +10,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 
 from . import _core
+from ._callsite import CallSite, SiteCall
 from ._errors import DonationError, StaticArgumentError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
 from ._prefix import broadcast_to_dynamic
@@ -159,6 +160,10 @@ class JitWrapped(Generic[P, R]):
         self._n_partial = n_partial
         self._donates = bool(donate_nums or donate_names)
         self._cache: dict[_core.CallKey, _Entry] = {}
+        # The last call's memo (see ``_callsite``) and its compiled entry, set
+        # together (one attribute, so threads never pair one call's site with
+        # another's entry): a loop calling with the same objects skips ``prepare``.
+        self._memo: tuple[CallSite, _Entry] | None = None
 
     # -- descriptor protocol: methods ------------------------------------------
 
@@ -272,26 +277,40 @@ class JitWrapped(Generic[P, R]):
         return out
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        memo = self._memo
+        if memo is not None:
+            site, entry = memo
+            matched = site.match((*self.partial_args, *args), kwargs)
+            if matched is not None:
+                return self._run(matched, entry, entry.jitted)
         call = self._prepare(args, kwargs, abstract=False)
         entry = self._entry(call)
+        site = CallSite.record(call, self._prepare_in_full)
+        self._memo = None if site is None else (site, entry)
         return self._run(call, entry, entry.jitted)
 
-    def _run(self, call: _core.Call, entry: _Entry, executable: Callable[..., Any]) -> Any:
+    def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
+        """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
+        return self._prepare(args[self._n_partial :], kwargs, abstract=False)
+
+    def _run(
+        self, call: _core.Call | SiteCall, entry: _Entry, executable: Callable[..., Any]
+    ) -> Any:
         """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
-        if self._donates:
-            _check_donation(call, self._donated_roots(call))
+        if entry.donated:
+            _check_donation(call, entry)
         entry.pure.bind(call)
         try:
             out, updates = executable(*entry.args(call.dynamic))
         except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
-            better = _core.explain_failure(call, e)
+            better = _core.explain_failure(call.full(), e)
             if better is not None:
                 raise better from e
             raise
         finally:
             entry.pure.bind(None)
         _core.write_back(call, updates, entry.pure.record.metadata_updates)
-        return out if not call.graph else _core.finish(call, out)
+        return out if not call.graph else _core.finish(call.full(), out)
 
     # -- AOT ---------------------------------------------------------------------
 
@@ -323,28 +342,33 @@ class JitWrapped(Generic[P, R]):
 
     def clear_cache(self) -> None:
         self._cache.clear()
+        self._memo = None
 
 
 def _is_sharding(x: Any) -> bool:
     return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
 
 
-def _check_donation(call: _core.Call, donated: list[int]) -> None:
-    """Two donated leaves sharing a buffer fail inside XLA: name them here."""
-    if not donated:
+def _check_donation(call: _core.Call | SiteCall, entry: _Entry) -> None:
+    """Two donated leaves sharing a buffer fail inside XLA: name them here.
+
+    A donated array must appear once among the call's arrays; arrays that are
+    not donated may be shared freely.
+    """
+    dynamic = call.dynamic
+    donated_ids = {id(dynamic[i]) for i in entry.donated}
+    if len(donated_ids) == len(entry.donated) and donated_ids.isdisjoint(
+        id(dynamic[i]) for i in entry.kept
+    ):
         return
-    owner: dict[int, int] = {}
-    for k, flat in enumerate(call.arg_flats):
-        for x in flat.dynamic:
-            prev = owner.setdefault(id(x), k)
-            if prev != k and (prev in donated or k in donated):
-                _raise_shared_buffer(call, x)
-        if k in donated and len({id(x) for x in flat.dynamic}) != len(flat.dynamic):
-            seen: set[int] = set()
-            for x in flat.dynamic:
-                if id(x) in seen:
-                    _raise_shared_buffer(call, x)
-                seen.add(id(x))
+    seen: set[int] = set()
+    for i in entry.donated:
+        if id(dynamic[i]) in seen:
+            _raise_shared_buffer(call.full(), dynamic[i])
+        seen.add(id(dynamic[i]))
+    for i in entry.kept:
+        if id(dynamic[i]) in seen:
+            _raise_shared_buffer(call.full(), dynamic[i])
 
 
 def _raise_shared_buffer(call: _core.Call, array: Any) -> None:
@@ -354,7 +378,7 @@ def _raise_shared_buffer(call: _core.Call, array: Any) -> None:
     from ._paths import format_path
 
     paths: list[str] = []
-    for root, tree in call.arg_roots():
+    for root, tree in call.arg_roots() + call.lifted_roots:
         for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
             value = leaf.get_raw_value() if is_variable(leaf) else leaf
             if value is array:

@@ -1,0 +1,235 @@
+"""The call-site memo (``treemode._callsite``): a jitted function called again with
+the same objects skips ``prepare``, and gives exactly what the full path gives.
+
+Each test makes a first call (the full path, which records the memo), then a
+second call that either reuses it or must not, and checks what users see:
+values, which Variables changed, traces, errors and object lifetimes.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import treemode
+from treemode import _core
+
+
+class Counter(nnx.Module):
+    def __init__(self, scale: float = 1.0):
+        self.w = nnx.Param(jnp.ones(3) * scale)
+        self.count = nnx.BatchStat(jnp.array(0))
+
+
+def _step(m: Counter, x: jax.Array) -> jax.Array:
+    m.count[...] += 1
+    m.w[...] = m.w[...] + x
+    return jnp.sum(m.w[...])
+
+
+@pytest.fixture
+def prepares(monkeypatch):
+    """How many calls went through the full ``prepare`` (the memo was not used)."""
+    calls: list[str] = []
+    original = _core.prepare
+
+    def counting(transform, *args, **kwargs):
+        calls.append(transform)
+        return original(transform, *args, **kwargs)
+
+    monkeypatch.setattr(_core, "prepare", counting)
+    return calls
+
+
+def test_repeated_call_skips_prepare_and_writes_back(prepares):
+    f = treemode.jit(_step)
+    m = Counter()
+    for i in range(3):
+        out = f(m, jnp.full(3, 1.0))
+        np.testing.assert_allclose(out, 3 * (2.0 + i))
+    assert prepares == ["jit"]  # only the first call prepared
+    assert m.count[...] == 3
+    np.testing.assert_allclose(m.w[...], np.full(3, 4.0))
+
+
+def test_keyword_arguments_and_jit_partial_use_the_memo(prepares):
+    m = Counter()
+    f = treemode.jit(_step)
+    f(m, x=jnp.ones(3))
+    f(m, x=jnp.ones(3))
+    g = treemode.jit_partial(_step, m)
+    g(jnp.ones(3))
+    g(jnp.ones(3))
+    assert prepares == ["jit", "jit"]
+    assert m.count[...] == 4
+    # other keyword names: the full path, with the right result
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        f(m, y=jnp.ones(3))
+
+
+def test_another_object_of_the_same_structure_is_written_not_the_first(prepares):
+    f = treemode.jit(_step)
+    a, b = Counter(), Counter(scale=10.0)
+    f(a, jnp.ones(3))
+    np.testing.assert_allclose(f(b, jnp.ones(3)), 33.0)
+    assert (a.count[...], b.count[...]) == (1, 1)
+    np.testing.assert_allclose(a.w[...], np.full(3, 2.0))
+    assert prepares == ["jit", "jit"]
+
+
+def test_a_non_array_where_an_array_was_takes_the_full_path():
+    f = treemode.jit(lambda m, x: m.w[...] * x)
+    m = Counter()
+    f(m, jnp.float32(2.0))
+    np.testing.assert_allclose(f(m, 3.0), np.full(3, 3.0))  # static now, not traced
+
+
+def test_structure_change_between_calls_is_seen(prepares):
+    traces: list[int] = []
+
+    @treemode.jit
+    def f(m, x):
+        traces.append(1)
+        return sum(v[...].sum() for v in nnx.state(m, nnx.Param).values()) * x
+
+    m, one = Counter(), jnp.float32(1.0)
+    f(m, one)
+    f(m, one)
+    m.extra = nnx.Param(jnp.ones(2))
+    np.testing.assert_allclose(f(m, one), 5.0)
+    assert len(traces) == 2 and len(prepares) == 2
+
+
+def test_replaced_variable_receives_the_update():
+    f = treemode.jit(_step)
+    m = Counter()
+    f(m, jnp.ones(3))
+    old = m.count
+    m.count = nnx.BatchStat(jnp.array(10))
+    f(m, jnp.ones(3))
+    assert m.count[...] == 11 and old[...] == 1
+
+
+def test_retrace_for_new_shapes_through_the_memo(prepares):
+    traces: list[tuple[int, ...]] = []
+
+    @treemode.jit
+    def f(m, x):
+        traces.append(x.shape)
+        m.count[...] += 1
+        return m.w[...].sum() * x
+
+    m = Counter()
+    f(m, jnp.ones(4))
+    assert f(m, jnp.ones(2)).shape == (2,)  # a new trace, of the memo's call
+    assert traces == [(4,), (2,)]
+    assert m.count[...] == 2
+    assert len(prepares) == 2  # the retrace prepared the full call once
+
+
+def test_closure_rebinding_is_seen():
+    holder = {"m": Counter()}
+    model = holder["m"]
+
+    def make(target):
+        def f(x):
+            target.count[...] += 1
+            return target.w[...].sum() * x
+
+        return treemode.jit(f)
+
+    f = make(model)
+    f(1.0)
+    f(1.0)
+    assert model.count[...] == 2
+
+    global _GLOBAL_MODEL
+    _GLOBAL_MODEL = Counter()
+    g = treemode.jit(_reads_global)
+    first = _GLOBAL_MODEL
+    g(1.0)
+    _GLOBAL_MODEL = Counter(scale=2.0)
+    np.testing.assert_allclose(g(1.0), 6.0)
+    assert first.count[...] == 1 and _GLOBAL_MODEL.count[...] == 1
+
+
+_GLOBAL_MODEL: Counter | None = None
+
+
+def _reads_global(x):
+    assert _GLOBAL_MODEL is not None
+    _GLOBAL_MODEL.count[...] += 1
+    return _GLOBAL_MODEL.w[...].sum() * x
+
+
+def test_memo_does_not_keep_the_model_alive():
+    f = treemode.jit(_step)
+    m = Counter()
+    f(m, jnp.ones(3))
+    f(m, jnp.ones(3))
+    assert f._memo is not None
+    ref = weakref.ref(m)
+    kernel_ref = weakref.ref(m.w[...])  # the array: Variables are not weakly referenceable
+    del m
+    gc.collect()
+    assert ref() is None and kernel_ref() is None
+    n = Counter()
+    f(n, jnp.ones(3))  # a dead memo is simply not used
+    assert n.count[...] == 1
+
+
+def test_shared_donated_buffer_is_named_on_the_memo_path():
+    f = treemode.jit(lambda a, b: a.w[...] + b.w[...], donate_argnums=(0,))
+    a, b = Counter(), Counter()
+    f(a, b)
+    f(a, b)
+    b.w[...] = a.w[...]  # the same buffer, same structure: the memo matches
+    before = a.w[...]
+    with pytest.raises(treemode.DonationError, match=r"args\[0\]\.w.*args\[1\]\.w"):
+        f(a, b)
+    assert a.w[...] is before and not before.is_deleted()
+
+
+def test_write_back_failure_on_the_memo_path_leaves_inputs(monkeypatch):
+    f = treemode.jit(_step)
+    m = Counter()
+    f(m, jnp.ones(3))
+    w, count = m.w[...], m.count[...]
+
+    def failing(var, value, metadata=None):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(_core, "store", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        f(m, jnp.ones(3))
+    assert m.w[...] is w and m.count[...] is count
+
+
+def test_threads_write_only_into_their_own_models():
+    f = treemode.jit(_step)
+    models = [Counter() for _ in range(4)]
+    f(models[0], jnp.ones(3))
+    models[0].count[...] = 0
+    errors: list[BaseException] = []
+
+    def work(m: Counter) -> None:
+        try:
+            for _ in range(25):
+                f(m, jnp.ones(3))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [int(m.count[...]) for m in models] == [25] * 4

@@ -1,0 +1,221 @@
+"""The call-site memo: a transform called again with the same objects skips `prepare`.
+
+A training loop calls its jitted step with the same model and optimizer objects
+and new batches. `prepare` would flatten each argument (a cache hit), copy the
+cached flattenings, search the closure (a cache hit), build and hash the call
+key and check aliases, only to reach the same conclusion as on the previous
+call. A `CallSite` remembers that conclusion, and `CallSite.match` reuses it
+for a call whose every argument is the same object as before (an array where
+there was an array) and whose every cached flattening still holds: the same
+guards `flatten_arg` checks, so the memo is exactly as strict as the cache
+behind it. Alias freedom and the call key depend only on those flattenings and
+on the closure's answer, which are revalidated, so they carry over.
+
+A matched call is a `SiteCall`: the site's bookkeeping plus this call's
+arrays. The full `Call` (argument trees for error paths, closure roots for a
+retrace) is built with `prepare` only if something asks for it.
+
+The site holds its flattenings weakly: they belong to the flattening cache,
+which drops them with their argument, so a memo never keeps a model alive.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+from ._closure import closure_snapshot, unchanged_closure_objects
+from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic
+from ._leaves import ARRAY_TYPES
+
+if TYPE_CHECKING:
+    from ._core import Call, CallKey
+
+_raw_value_of = operator.attrgetter("_raw_value")
+_variables_of = operator.attrgetter("variables")
+
+
+class CallSite:
+    """What `prepare` concluded for one call, reusable for the same objects.
+
+    Built by `CallSite.record` from a prepared `Call`, or not at all when the
+    call has anything the memo cannot revalidate by identity: static or graph
+    arguments, an argument whose flattening is not cached (a tuple, a plain
+    dict, an Equinox module, a module holding tracers), or closure objects the
+    closure cache does not answer for.
+    """
+
+    __slots__ = (
+        "transform",
+        "fn",
+        "key",
+        "n_args",
+        "kw_names",
+        "slots",
+        "snapshot",
+        "lifted_slots",
+        "_rebuild",
+    )
+
+    transform: str
+    fn: Callable[..., Any]
+    key: CallKey
+    n_args: int
+    kw_names: tuple[str, ...]
+    slots: tuple[weakref.ref[ArgFlat] | None, ...]  # per argument: its flattening; None: an array
+    snapshot: Any  # the closure cache entry the lifted objects came from
+    lifted_slots: tuple[weakref.ref[ArgFlat], ...]
+    _rebuild: weakref.WeakMethod[Callable[[tuple[Any, ...], dict[str, Any]], Call]]
+
+    @classmethod
+    def record(
+        cls, call: Call, rebuild: Callable[[tuple[Any, ...], dict[str, Any]], Call]
+    ) -> CallSite | None:
+        """The memo of ``call``, or ``None`` if it cannot be revalidated by identity.
+
+        ``rebuild(args, kwargs)``, a bound method (held weakly, so the memo
+        makes no reference cycle with its owner), prepares a call of the same
+        transform in full; it is used when a matched call needs its `Call`.
+        """
+        if call.graph or call.static_positional or call.static_keywords:
+            return None
+        slots: list[weakref.ref[ArgFlat] | None] = []
+        for flat in call.arg_flats:
+            if flat.key is ARRAY_KEY:
+                slots.append(None)
+                continue
+            entry = _cached_entry(flat)
+            if entry is None:
+                return None
+            slots.append(weakref.ref(entry))
+        # ``sources`` are the argument flattenings with Variables, then the closure
+        # objects' ones; a closure object without Variables has no cache entry.
+        n_lifted = len(call.sources) - sum(1 for f in call.arg_flats if f.variables)
+        snapshot = closure_snapshot(call.fn)
+        sources = list(map(_cached_entry, call.sources))
+        if (
+            snapshot is None
+            or n_lifted != len(call.lifted_roots)
+            or any(entry is None for entry in sources)
+        ):
+            return None
+        site = cls()
+        site.transform = call.transform
+        site.fn = call.fn
+        site.key = call.key
+        site.n_args = len(call.args)
+        site.kw_names = call.kw_names
+        site.slots = tuple(slots)
+        site.snapshot = snapshot
+        site.lifted_slots = tuple(map(weakref.ref, sources[len(sources) - n_lifted :]))
+        site._rebuild = weakref.WeakMethod(rebuild)  # type: ignore[arg-type]
+        return site
+
+    def match(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SiteCall | None:
+        """This call's `SiteCall` if it passes the same objects, still valid; else ``None``."""
+        if len(args) != self.n_args or len(kwargs) != len(self.kw_names):
+            return None
+        roots = args
+        if kwargs:
+            try:
+                roots = (*args, *[kwargs[name] for name in self.kw_names])
+            except KeyError:
+                return None
+        dynamic: list[Any] = []
+        sources: list[ArgFlat] = []
+        for slot, arg in zip(self.slots, roots, strict=True):  # lengths checked above
+            if slot is None:  # a bare array
+                if not isinstance(arg, ARRAY_TYPES):
+                    return None
+                dynamic.append(arg)
+                continue
+            flat = slot()
+            if flat is None or not _holds(flat, arg):
+                return None
+            sources.append(flat)
+            if flat.values_only:
+                dynamic.extend(map(_raw_value_of, flat.variables))
+            else:
+                dynamic += current_dynamic(flat)
+        lifted = unchanged_closure_objects(self.fn, self.snapshot)
+        if lifted is None or len(lifted) != len(self.lifted_slots):
+            return None
+        for slot, obj in zip(self.lifted_slots, lifted, strict=True):
+            flat = slot()
+            if flat is None or not _holds(flat, obj):
+                return None
+            sources.append(flat)
+            dynamic += current_dynamic(flat)
+        return SiteCall(self, args, kwargs, dynamic, sources)
+
+
+def _holds(flat: ArgFlat, obj: Any) -> bool:
+    """Whether the cache entry ``flat`` still flattens ``obj``."""
+    return flat._ref() is obj and flat._guard.holds(flat.variables)  # type: ignore[union-attr,misc]
+
+
+def _cached_entry(flat: ArgFlat) -> ArgFlat | None:
+    """The flattening-cache entry ``flat`` comes from (``None`` if it is not cached)."""
+    entry = flat.origin or flat
+    return entry if entry._ref is not None and entry._guard is not None else None
+
+
+class SiteCall:
+    """A call matched to a `CallSite`: the site's bookkeeping and this call's arrays.
+
+    Offers what running and writing back need (``dynamic``, ``sources``,
+    ``variables``, ``transform``, ``graph``); `full` prepares the whole `Call`
+    once, for a retrace or an error message.
+    """
+
+    __slots__ = ("site", "args", "kwargs", "dynamic", "sources", "_variables", "_full")
+
+    graph = False
+
+    def __init__(
+        self,
+        site: CallSite,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        dynamic: list[Any],
+        sources: list[ArgFlat],
+    ):
+        self.site = site
+        self.args = args
+        self.kwargs = kwargs
+        self.dynamic = dynamic
+        self.sources = sources  # the flattenings the Variables come from, in order
+        self._variables: list[Any] | None = None
+        self._full: Call | None = None
+
+    @property
+    def transform(self) -> str:
+        return self.site.transform
+
+    @property
+    def variables(self) -> list[Any]:
+        """Every input Variable, in the order of the updates (built when first needed)."""
+        if self._variables is None:
+            if len(self.sources) == 1:
+                self._variables = self.sources[0].variables
+            else:
+                self._variables = list(chain.from_iterable(map(_variables_of, self.sources)))
+        return self._variables
+
+    @property
+    def key(self) -> CallKey:
+        return self.site.key
+
+    def full(self) -> Call:
+        """The `Call` that `prepare` makes for these arguments (built once)."""
+        if self._full is None:
+            rebuild = self.site._rebuild()
+            assert rebuild is not None, "a matched call outlived its transform"
+            self._full = rebuild(self.args, self.kwargs)
+        return self._full
+
+
+__all__ = ["CallSite", "SiteCall"]
