@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml setup.py treemode/_guard.c
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e '.[test]'
 	touch $(STAMP)

@@ -3,10 +3,15 @@
 The cache (``treemode._flatten``) revalidates a cached flattening with bulk
 identity checks; each test below changes an argument in one way between two calls
 and asserts the second call sees the change (a new trace where the structure
-differs, the new Variable where one was replaced).
+differs, the new Variable where one was replaced). Every test runs twice: with
+the compiled guard (``treemode/_guard.c``) and with the pure-Python one that
+replaces it where no C compiler is available.
 """
 
 from __future__ import annotations
+
+import collections
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +20,28 @@ import pytest
 from flax import nnx
 
 import treemode
+from treemode import _flatten
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def guard(request, monkeypatch):
+    """Which guard new flattenings get (the cache is emptied so none is reused)."""
+    if request.param == "python":
+        monkeypatch.setattr(_flatten, "_compiled_holds", None)
+    monkeypatch.setattr(_flatten, "_cache", {})
+    return request.param
+
+
+def test_the_compiled_guard_is_built():
+    # `make install` compiles it wherever a C compiler is available (CI has one);
+    # without it treemode is correct but slower, so a failed build must not go unseen.
+    module = importlib.import_module("treemode._guard")
+    m = nnx.Module()
+    m.w = nnx.Param(jnp.ones(2))
+    flat = _flatten.flatten_arg(m, treemode._leaves.is_array)
+    assert module.holds is not None
+    assert flat._guard is not None
+    assert flat._guard.compiled_state is not None or _flatten._compiled_holds is None
 
 
 def _counting(fn):
@@ -112,3 +139,35 @@ def test_cached_argument_written_from_an_outer_trace_is_refused():
     assert int(m.count[...]) == 2
     bump(m, jnp.ones(1))
     assert int(m.count[...]) == 3
+
+
+def test_metadata_replaced_by_an_equal_dict_keeps_the_trace():
+    f, traces = _counting(lambda m: m.w[...] * 2)
+    m = nnx.Module()
+    m.w = nnx.Param(jnp.ones(2), tag="a")
+    f(m)
+    m.w.set_metadata(dict(m.w.get_metadata()))  # another dict, equal contents
+    m.w[...] = jnp.ones(2) * 3.0  # same dtype and weak type: no new trace from JAX
+    np.testing.assert_allclose(f(m), np.full(2, 6.0))
+    assert len(traces) == 1
+
+
+def test_metadata_key_swapped_for_another_with_the_same_value_object():
+    f, traces = _counting(lambda m: m.w[...] * 2)
+    shared = "value"
+    m = nnx.Module()
+    m.w = nnx.Param(jnp.ones(2), a=shared)
+    f(m)
+    m.w.del_metadata("a")
+    m.w.set_metadata("b", shared)  # same length, same value object, another key
+    f(m)
+    assert len(traces) == 2
+
+
+def test_ordered_dict_reordered_is_seen():
+    f, traces = _counting(lambda d: list(d.values())[0][...])
+    d = collections.OrderedDict(a=nnx.Param(jnp.ones(2)), b=nnx.Param(jnp.zeros(2)))
+    np.testing.assert_allclose(f(d), np.ones(2))
+    d.move_to_end("a")
+    np.testing.assert_allclose(f(d), np.zeros(2))
+    assert len(traces) == 2

@@ -1,7 +1,7 @@
 """The package builds into a wheel that installs into a fresh venv and imports.
 
 Marked ``packaging`` (``pytest -m packaging`` runs only this; ``-m "not
-packaging"`` skips it when offline: building fetches hatchling into pip's
+packaging"`` skips it when offline: building fetches setuptools into pip's
 isolated build environment). The test builds the wheel from the checkout with
 the PEP 517 backend (``pip wheel``, what ``python -m build --wheel`` does),
 checks its contents and metadata, creates a fresh venv, installs only that
@@ -73,6 +73,11 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path) -> 
         metadata = Parser().parsestr(zf.read(metadata_name).decode())
     assert "treemode/__init__.py" in names
     assert "treemode/py.typed" in names, "the PEP 561 marker must ship in the wheel"
+    compiled = [
+        n for n in names if n.startswith("treemode/_guard.") and n.endswith((".so", ".pyd"))
+    ]
+    assert compiled, f"the compiled guard is missing from the wheel: {sorted(names)}"
+    assert "treemode/_guard.pyi" in names
     assert not any(n.startswith(("tests/", "docs/", "examples/", "benchmarks/")) for n in names)
     requires = [r.split(";")[0].replace(" ", "") for r in metadata.get_all("Requires-Dist") or []]
     for dep in ("jax", "jaxlib", "flax", "numpy"):
@@ -116,6 +121,9 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path) -> 
             if req.marker is None or req.marker.evaluate():
                 have = md.version(req.name)
                 assert req.specifier.contains(have, prereleases=True), (line, have)
+
+        from treemode import _flatten
+        assert _flatten._compiled_holds is not None, "the compiled guard did not load"
 
         model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
         y = treemode.jit(lambda m, x: m(x))(model, jnp.ones((1, 2)))

@@ -32,6 +32,11 @@ from ._hashed import HashedKey
 from ._leaves import is_graph_node, is_variable, is_variable_value_leaf
 from ._paths import format_path
 
+try:  # the compiled guard (treemode/_guard.c); optional, same checks in Python below
+    from ._guard import holds as _compiled_holds
+except ImportError:  # pragma: no cover - built wherever a C compiler is available
+    _compiled_holds = None
+
 Variable = Any  # nnx.Variable; kept loose for speed-critical annotations
 
 
@@ -227,9 +232,24 @@ class _Guard:
     ``_pytree__nodes`` mapping (one of the values checked) whenever an attribute
     is added or deleted, so their keys need no separate check; the length check
     covers the rest.
+
+    Where the compiled guard (``treemode/_guard.c``) is built, the same checks
+    run there in one pass, with the metadata dicts compared by identity (the
+    dict and each of its keys and values) instead of against copies; it needs
+    exact ``dict``/``list`` containers, so that its iteration order is the
+    snapshot's.
     """
 
-    __slots__ = ("sized", "lens", "dicts", "values", "ordered", "items", "metadata_copies")
+    __slots__ = (
+        "sized",
+        "lens",
+        "dicts",
+        "values",
+        "ordered",
+        "items",
+        "metadata_copies",
+        "compiled_state",
+    )
 
     def __init__(self, containers: list[Any], variables: list[Any]):
         self.dicts: list[dict[Any, Any]] = []
@@ -247,9 +267,28 @@ class _Guard:
         self.lens = list(map(len, self.sized))
         self.values = tuple(chain.from_iterable(map(dict.values, self.dicts)))
         self.items = tuple(chain.from_iterable(self.ordered))
-        self.metadata_copies = [dict(v._var_metadata) for v in variables]
+        self.compiled_state: tuple[Any, ...] | None = None
+        self.metadata_copies: list[dict[str, Any]] = []
+        exact = (dict, list)
+        if _compiled_holds is not None and all(type(c) in exact for c in self.ordered):
+            metadata = tuple(v._var_metadata for v in variables)
+            entries = tuple(tuple(chain.from_iterable(m.items())) for m in metadata)
+            self.compiled_state = (
+                tuple(self.sized),
+                tuple(self.lens),
+                tuple(self.dicts),
+                self.values,
+                tuple(self.ordered),
+                self.items,
+                metadata,
+                entries,
+            )
+        else:
+            self.metadata_copies = [dict(v._var_metadata) for v in variables]
 
     def holds(self, variables: list[Any]) -> bool:
+        if self.compiled_state is not None:
+            return _compiled_holds(self.compiled_state, variables)  # type: ignore[misc]
         # The lengths first: they keep the element-wise checks below aligned (and
         # keep empty plain dicts and lists empty, so no keys/items pass is needed).
         return (
