@@ -233,3 +233,23 @@ def test_threads_write_only_into_their_own_models():
         t.join()
     assert not errors
     assert [int(m.count[...]) for m in models] == [25] * 4
+
+
+def test_traces_of_one_structure_that_update_different_variables():
+    # Whether a call writes is fixed per trace: a trace without updates must not
+    # hide the updates of another trace of the same compiled structure.
+    @treemode.jit
+    def f(m, x):
+        if x.shape[0] == 2:
+            m.count[...] += 1
+        return x
+
+    m = Counter()
+    f(m, jnp.ones(4))
+    f(m, jnp.ones(4))
+    assert m.count[...] == 0
+    f(m, jnp.ones(2))
+    assert m.count[...] == 1
+    f(m, jnp.ones(4))
+    f(m, jnp.ones(2))
+    assert m.count[...] == 2

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._closure import closure_snapshot, unchanged_closure_objects
 from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic
-from ._leaves import ARRAY_TYPES
+from ._leaves import CONCRETE_ARRAY_TYPES, is_array
 
 if TYPE_CHECKING:
     from ._core import Call, CallKey
@@ -126,14 +126,14 @@ class CallSite:
                 return None
         dynamic: list[Any] = []
         sources: list[ArgFlat] = []
-        for slot, arg in zip(self.slots, roots, strict=True):  # lengths checked above
+        for slot, arg in zip(self.slots, roots, strict=False):  # lengths checked above
             if slot is None:  # a bare array
-                if not isinstance(arg, ARRAY_TYPES):
+                if type(arg) not in CONCRETE_ARRAY_TYPES and not is_array(arg):
                     return None
                 dynamic.append(arg)
                 continue
             flat = slot()
-            if flat is None or not _holds(flat, arg):
+            if flat is None or flat._ref() is not arg or not flat._guard.holds(flat.variables):  # type: ignore[union-attr]
                 return None
             sources.append(flat)
             if flat.values_only:
@@ -143,18 +143,13 @@ class CallSite:
         lifted = unchanged_closure_objects(self.fn, self.snapshot)
         if lifted is None or len(lifted) != len(self.lifted_slots):
             return None
-        for slot, obj in zip(self.lifted_slots, lifted, strict=True):
+        for slot, obj in zip(self.lifted_slots, lifted, strict=False):  # lengths checked above
             flat = slot()
-            if flat is None or not _holds(flat, obj):
+            if flat is None or flat._ref() is not obj or not flat._guard.holds(flat.variables):  # type: ignore[union-attr]
                 return None
             sources.append(flat)
             dynamic += current_dynamic(flat)
         return SiteCall(self, args, kwargs, dynamic, sources)
-
-
-def _holds(flat: ArgFlat, obj: Any) -> bool:
-    """Whether the cache entry ``flat`` still flattens ``obj``."""
-    return flat._ref() is obj and flat._guard.holds(flat.variables)  # type: ignore[union-attr,misc]
 
 
 def _cached_entry(flat: ArgFlat) -> ArgFlat | None:

@@ -71,14 +71,20 @@ class _Entry:
     The dynamic arrays reach ``jax.jit`` as one tuple (two when some are
     donated: donated first), which JAX's C++ dispatch handles faster than as
     many positional arguments.
+
+    ``writes`` says whether any trace of this entry returned an update (a
+    changed Variable value or metadata). Which Variables a trace updates is
+    fixed in its executable, so while no trace did, every call's updates are
+    all ``None`` and write-back is skipped without looking at them.
     """
 
-    __slots__ = ("pure", "jitted", "donated", "kept", "_order")
+    __slots__ = ("pure", "jitted", "donated", "kept", "_order", "writes")
 
     def __init__(
         self, pure: _core.PureFunction, jit_kwargs: dict[str, Any], donated: list[int], n: int
     ):
         self.pure = pure
+        self.writes = False
         donated_set = set(donated)
         self.donated = donated
         self.kept = [i for i in range(n) if i not in donated_set]
@@ -93,11 +99,16 @@ class _Entry:
             self.jitted = jax.jit(self._call_flat, **jit_kwargs)
 
     def _call_flat(self, dynamic: tuple[Any, ...]) -> Any:
-        return self.pure(*dynamic)
+        return self._traced(self.pure(*dynamic))
 
     def _call_split(self, donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
         joined = donated + kept
-        return self.pure(*(joined[j] for j in self._order))
+        return self._traced(self.pure(*(joined[j] for j in self._order)))
+
+    def _traced(self, result: tuple[Any, tuple[Any, ...]]) -> tuple[Any, tuple[Any, ...]]:
+        if any(u is not None for u in result[1]) or self.pure.record.metadata_updates:
+            self.writes = True
+        return result
 
     def args(self, dynamic: list[Any]) -> tuple[Any, ...]:
         if not self.donated:
@@ -309,7 +320,8 @@ class JitWrapped(Generic[P, R]):
             raise
         finally:
             entry.pure.bind(None)
-        _core.write_back(call, updates, entry.pure.record.metadata_updates)
+        if entry.writes:
+            _core.write_back(call, updates, entry.pure.record.metadata_updates)
         return out if not call.graph else _core.finish(call.full(), out)
 
     # -- AOT ---------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.core import Tracer
 
 Variable = nnx.Variable
 
@@ -46,9 +47,21 @@ def is_variable_or_graph_node(x: Any) -> bool:
     return is_variable(x) or is_graph_node(x)
 
 
+# Types seen to be arrays, tracers excluded: ``isinstance(tracer, jax.Array)``
+# depends on the tracer's abstract value (a ``Ref`` tracer is not an array), not
+# only on its type.
+CONCRETE_ARRAY_TYPES: set[type] = set()
+
+
 def is_array(x: Any) -> bool:
     """Whether a leaf is array data that a transform traces."""
-    return isinstance(x, ARRAY_TYPES)
+    if type(x) in CONCRETE_ARRAY_TYPES:
+        return True
+    if isinstance(x, ARRAY_TYPES):
+        if not isinstance(x, Tracer):
+            CONCRETE_ARRAY_TYPES.add(type(x))
+        return True
+    return False
 
 
 def is_abstract_array(x: Any) -> bool:
