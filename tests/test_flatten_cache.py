@@ -171,3 +171,35 @@ def test_ordered_dict_reordered_is_seen():
     d.move_to_end("a")
     np.testing.assert_allclose(f(d), np.zeros(2))
     assert len(traces) == 2
+
+
+def test_compiled_guard_reads_metadata_kept_outside_slots():
+    # Flax keeps `_var_metadata` in a slot, read directly; any other layout goes
+    # through getattr, with the same answers.
+    guard = importlib.import_module("treemode._guard")
+
+    class Holder:  # `_var_metadata` in the instance __dict__, not a slot
+        pass
+
+    v = Holder()
+    v._var_metadata = {"tag": "a"}  # type: ignore[attr-defined]
+    owner = {"v": v}
+    state = (
+        (owner,),
+        (1,),
+        (owner,),
+        (v,),
+        (owner,),
+        ("v",),
+        (v._var_metadata,),  # type: ignore[attr-defined]
+        (("tag", "a"),),
+    )
+    assert guard.holds(state, [v])
+    v._var_metadata["tag"] = "b"  # type: ignore[attr-defined]
+    assert not guard.holds(state, [v])
+    v._var_metadata = {"tag": "a"}  # type: ignore[attr-defined]  # equal, another dict
+    assert not guard.holds(state, [v])
+    del v._var_metadata  # type: ignore[attr-defined]
+    assert not guard.holds(state, [v])  # no metadata: False, and no exception leaks
+    with pytest.raises(TypeError, match="8-tuple"):
+        guard.holds(state[:3], [v])

@@ -12,6 +12,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h> /* T_OBJECT_EX */
 
 static PyObject *metadata_name; /* interned "_var_metadata" */
 
@@ -82,6 +83,63 @@ same_entries(PyObject *dict, PyObject *entries)
     return 1;
 }
 
+/* Where a Variable type keeps `_var_metadata`: the offset of its __slots__
+ * entry, or -1 to read it with getattr. Resolved once per type; the types are
+ * held (a few Variable classes), so a cached address is never another type's. */
+#define SLOT_CACHE_SIZE 32
+static PyTypeObject *slot_types[SLOT_CACHE_SIZE];
+static Py_ssize_t slot_offsets[SLOT_CACHE_SIZE];
+static int n_slot_types;
+
+static Py_ssize_t
+metadata_offset(PyTypeObject *type)
+{
+    for (int i = 0; i < n_slot_types; i++) {
+        if (slot_types[i] == type)
+            return slot_offsets[i];
+    }
+    Py_ssize_t offset = -1;
+    /* On the class, a slot's member descriptor returns itself. */
+    PyObject *descr = PyObject_GetAttr((PyObject *)type, metadata_name);
+    if (descr == NULL) {
+        PyErr_Clear();
+    }
+    else {
+        if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+            if (member->type == T_OBJECT_EX)
+                offset = member->offset;
+        }
+        Py_DECREF(descr);
+    }
+    if (n_slot_types < SLOT_CACHE_SIZE) {
+        Py_INCREF(type);
+        slot_types[n_slot_types] = type;
+        slot_offsets[n_slot_types] = offset;
+        n_slot_types++;
+    }
+    return offset;
+}
+
+/* Whether `var`'s `_var_metadata` is `expected`, holding exactly `entries`. */
+static int
+same_metadata(PyObject *var, PyObject *expected, PyObject *entries)
+{
+    Py_ssize_t offset = metadata_offset(Py_TYPE(var));
+    if (offset >= 0) {
+        PyObject *current = *(PyObject **)((char *)var + offset); /* borrowed; NULL if unset */
+        return current == expected && PyDict_Check(current) && same_entries(current, entries);
+    }
+    PyObject *current = PyObject_GetAttr(var, metadata_name);
+    if (current == NULL) {
+        PyErr_Clear(); /* no metadata any more: not the flattening's Variable */
+        return 0;
+    }
+    int same = current == expected && PyDict_Check(current) && same_entries(current, entries);
+    Py_DECREF(current);
+    return same;
+}
+
 PyDoc_STRVAR(holds_doc,
 "holds(state, variables) -> bool\n\n"
 "Whether the containers and Variables of a flattening snapshot are unchanged.\n\n"
@@ -93,7 +151,7 @@ PyDoc_STRVAR(holds_doc,
 "Every comparison is by identity.");
 
 static PyObject *
-holds(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+holds(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 8) {
         PyErr_SetString(PyExc_TypeError, "holds(state, variables): state is an 8-tuple");
@@ -137,15 +195,8 @@ holds(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (n_vars != PyTuple_GET_SIZE(metadata))
         goto done;
     for (Py_ssize_t i = 0; i < n_vars; i++) {
-        PyObject *current = PyObject_GetAttr(PySequence_Fast_GET_ITEM(variables, i), metadata_name);
-        if (current == NULL) {
-            PyErr_Clear(); /* no metadata any more: not the flattening's Variable */
-            goto done;
-        }
-        int same = current == PyTuple_GET_ITEM(metadata, i) && PyDict_Check(current)
-                   && same_entries(current, PyTuple_GET_ITEM(metadata_entries, i));
-        Py_DECREF(current);
-        if (!same)
+        if (!same_metadata(PySequence_Fast_GET_ITEM(variables, i), PyTuple_GET_ITEM(metadata, i),
+                           PyTuple_GET_ITEM(metadata_entries, i)))
             goto done;
     }
     ok = 1;
@@ -167,6 +218,10 @@ static struct PyModuleDef module_def = {
     "Identity checks behind treemode's flattening cache (optional accelerator).",
     -1,
     methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
 };
 
 PyMODINIT_FUNC
