@@ -8,14 +8,20 @@ here), for the dispatch models' forward pass and train step:
 - ``floor``: ``jax.jit`` on a flat tuple of the same arrays (the reference);
 - ``JAX dispatch``: the compiled entry treemode calls, given the prepared arrays
   directly (JAX's own cost for our calling convention; compare with the floor);
-- ``validate cache``: the identity checks that revalidate every argument's cached
-  flattening (linear in the attributes of the modules and optimizer state);
+- ``validate cache``: the identity checks (the compiled guard where it is
+  built) that revalidate every argument's cached flattening (linear in the
+  attributes of the modules and optimizer state);
 - ``read values``: reading the current Variable values (one per Variable);
-- ``closure``: finding NNX objects the function closes over;
-- ``prepare, rest``: the rest of ``prepare`` (the call key, the alias check,
-  the bookkeeping), measured as whole ``prepare`` minus the stages above;
-- ``write back``: storing the changed Variables (none in a forward pass);
-- ``whole call``: a `treemode.jit` call end to end.
+- ``closure``: checking that the closure still reaches the same objects;
+- ``match, rest``: the rest of the call-site memo's match (argument identities,
+  building the call), measured as the whole match minus the stages above;
+- ``write back``: storing the changed Variables (skipped outright for a
+  function that never updates one, like a forward pass);
+- ``whole call``: a `treemode.jit` call end to end;
+- ``prepare (memo miss)``: for comparison, the full ``prepare`` that a call
+  runs instead of the memo's match when its arguments are other objects than
+  the previous call's (flattening-cache hits, closure search, call key, alias
+  check).
 
 With ``--cprofile`` it also prints cProfile's top functions for the Python part of
 the 64-layer train step.
@@ -59,9 +65,10 @@ STAGES = [
     "validate cache",
     "read values",
     "closure",
-    "prepare, rest",
+    "match, rest",
     "write back",
     "whole call",
+    "prepare (memo miss)",
 ]
 
 
@@ -110,6 +117,10 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
     out, updates = entry.jitted(*prepared)
     jax.block_until_ready(out)
     entries = [_flatten._cache[id(a)] for a in args if id(a) in _flatten._cache]
+    jitted(*args)  # records the call-site memo
+    assert jitted._memo is not None, "the call-site memo was not recorded"
+    site = jitted._memo[0]
+    assert site.match(args, {}) is not None
 
     def dispatch() -> Any:
         entry.pure.bind(call)
@@ -120,16 +131,20 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
 
     def write_back() -> None:
         # Writes the values the call just produced (the same arrays each time).
-        _core.write_back(call, updates, entry.pure.record.metadata_updates)
+        if entry.writes:
+            _core.write_back(call, updates, entry.pure.record.metadata_updates)
 
     def validate() -> None:
         assert all([e._guard.holds(e.variables) for e in entries])
 
     def read_values() -> None:
-        [_flatten._refresh(e) for e in entries]
+        [_flatten.current_dynamic(e) for e in entries]
 
     def closure() -> None:
-        _closure.closure_objects(fn)
+        assert _closure.unchanged_closure_objects(fn, site.snapshot) is not None
+
+    def match() -> None:
+        site.match(args, {})
 
     def prepare() -> None:
         jitted._prepare(args, {}, abstract=False)
@@ -140,9 +155,10 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
         "validate cache": validate,
         "read values": read_values,
         "closure": closure,
-        "prepare": prepare,
+        "match": match,
         "write back": write_back,
         "whole call": lambda: jitted(*args),
+        "prepare (memo miss)": prepare,
     }
 
 
@@ -165,7 +181,7 @@ def run(config: Config) -> list[Table]:
         timings = measure(stage_fns(depth, train), config)
         best = {name: t.best for name, t in timings.items()}
         parts = ("validate cache", "read values", "closure")
-        best["prepare, rest"] = max(0.0, best.pop("prepare") - sum(best[p] for p in parts))
+        best["match, rest"] = max(0.0, best.pop("match") - sum(best[p] for p in parts))
         data[case] = best
         floor = best["floor"]
         cells = [f"{floor:.0f} µs"] + [
@@ -179,9 +195,11 @@ def run(config: Config) -> list[Table]:
         rows=rows,
         note=(
             "Each stage is timed on its own. `JAX dispatch` is the compiled call with the "
-            "arrays already prepared; the Python stages add to it. `validate cache` and "
-            "`read values` grow with the number of attributes and Variables, the others "
-            "are a fixed cost per call."
+            "arrays already prepared; the Python stages of the call-site memo add to it. "
+            "`validate cache` and `read values` grow with the number of attributes and "
+            "Variables, the others are a fixed cost per call. `prepare (memo miss)` is "
+            "not part of the call: it is what a call whose arguments are other objects "
+            "than the previous call's runs instead of the memo's match."
         ),
         data={"stages": data},
     )

@@ -834,8 +834,11 @@ def write_back(
     changed = list(map(operator.is_not, updates, repeat(None)))
     if not metadata_updates and not any(changed):
         return  # the no-update path (a forward pass): nothing to check or write
-    targets = list(compress(call.variables, changed))
-    values = list(compress(updates, changed))
+    if all(changed):  # a train step: every Variable changed
+        targets, values = list(call.variables), list(updates)
+    else:
+        targets = list(compress(call.variables, changed))
+        values = list(compress(updates, changed))
     _check_writable(call, targets)
     old_values = list(map(_raw_value_of, targets))
     meta_targets = [call.variables[i] for i in metadata_updates] if metadata_updates else []
