@@ -100,3 +100,18 @@ def test_donation_memory_matches_hand_written():
     assert ours.argument_size_in_bytes == floor.argument_size_in_bytes
     assert ours.temp_size_in_bytes <= floor.temp_size_in_bytes
     assert ours.alias_size_in_bytes == floor.alias_size_in_bytes
+
+
+def test_python_numbers_in_donated_variables_are_not_shared_buffers():
+    # Two Variables holding the int 0 hold the same Python object, but a number
+    # is copied to the device: no buffer is donated twice.
+    class Counters(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Variable(0)
+            self.b = nnx.Variable(0)
+            self.w = nnx.Param(jnp.ones(2))
+
+    f = treemode.jit(lambda m: m.w[...] * 2, donate_argnums=0)
+    m = Counters()
+    np.testing.assert_allclose(f(m), np.full(2, 2.0))
+    np.testing.assert_allclose(f(m), np.full(2, 2.0))  # the memo path too

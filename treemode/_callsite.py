@@ -32,7 +32,7 @@ from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic
 from ._leaves import CONCRETE_ARRAY_TYPES, is_array
 
 if TYPE_CHECKING:
-    from ._core import Call, CallKey
+    from ._core import Call
 
 _raw_value_of = operator.attrgetter("_raw_value")
 _variables_of = operator.attrgetter("variables")
@@ -51,7 +51,6 @@ class CallSite:
     __slots__ = (
         "transform",
         "fn",
-        "key",
         "n_args",
         "kw_names",
         "slots",
@@ -62,7 +61,6 @@ class CallSite:
 
     transform: str
     fn: Callable[..., Any]
-    key: CallKey
     n_args: int
     kw_names: tuple[str, ...]
     slots: tuple[weakref.ref[ArgFlat] | None, ...]  # per argument: its flattening; None: an array
@@ -105,7 +103,6 @@ class CallSite:
         site = cls()
         site.transform = call.transform
         site.fn = call.fn
-        site.key = call.key
         site.n_args = len(call.args)
         site.kw_names = call.kw_names
         site.slots = tuple(slots)
@@ -199,10 +196,6 @@ class SiteCall:
             else:
                 self._variables = list(chain.from_iterable(map(_variables_of, self.sources)))
         return self._variables
-
-    @property
-    def key(self) -> CallKey:
-        return self.site.key
 
     def full(self) -> Call:
         """The `Call` that `prepare` makes for these arguments (built once)."""

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
+from jax.core import Tracer
 
 from . import _core
 from ._callsite import CallSite, SiteCall
@@ -169,7 +170,6 @@ class JitWrapped(Generic[P, R]):
         self.donate_argnums = donate_nums
         self.donate_argnames = donate_names
         self._n_partial = n_partial
-        self._donates = bool(donate_nums or donate_names)
         self._cache: dict[_core.CallKey, _Entry] = {}
         # The last call's memo (see ``_callsite``) and its compiled entry, set
         # together (one attribute, so threads never pair one call's site with
@@ -364,8 +364,11 @@ def _is_sharding(x: Any) -> bool:
 def _check_donation(call: _core.Call | SiteCall, entry: _Entry) -> None:
     """Two donated leaves sharing a buffer fail inside XLA: name them here.
 
-    A donated array must appear once among the call's arrays; arrays that are
-    not donated may be shared freely.
+    A donated device buffer must appear once among the call's arrays; arrays
+    that are not donated may be shared freely. Python numbers and NumPy arrays
+    are copied to the device, and tracers are not donated, so only concrete
+    ``jax.Array`` leaves count (two Variables holding the int ``0`` share an
+    object, not a buffer).
     """
     dynamic = call.dynamic
     donated_ids = {id(dynamic[i]) for i in entry.donated}
@@ -375,12 +378,17 @@ def _check_donation(call: _core.Call | SiteCall, entry: _Entry) -> None:
         return
     seen: set[int] = set()
     for i in entry.donated:
-        if id(dynamic[i]) in seen:
-            _raise_shared_buffer(call.full(), dynamic[i])
-        seen.add(id(dynamic[i]))
+        if _is_buffer(dynamic[i]):
+            if id(dynamic[i]) in seen:
+                _raise_shared_buffer(call.full(), dynamic[i])
+            seen.add(id(dynamic[i]))
     for i in entry.kept:
         if id(dynamic[i]) in seen:
             _raise_shared_buffer(call.full(), dynamic[i])
+
+
+def _is_buffer(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, Tracer)
 
 
 def _raise_shared_buffer(call: _core.Call, array: Any) -> None:
