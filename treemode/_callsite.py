@@ -21,21 +21,16 @@ which drops them with their argument, so a memo never keeps a model alive.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Callable
-from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from ._closure import closure_snapshot, unchanged_closure_objects
-from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic
+from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, variables_of
 from ._leaves import CONCRETE_ARRAY_TYPES, is_array
 
 if TYPE_CHECKING:
     from ._core import Call
-
-_raw_value_of = operator.attrgetter("_raw_value")
-_variables_of = operator.attrgetter("variables")
 
 
 class CallSite:
@@ -93,11 +88,11 @@ class CallSite:
         # objects' ones; a closure object without Variables has no cache entry.
         n_lifted = len(call.sources) - sum(1 for f in call.arg_flats if f.variables)
         snapshot = closure_snapshot(call.fn)
-        sources = list(map(_cached_entry, call.sources))
+        lifted = [_cached_entry(f) for f in call.sources[len(call.sources) - n_lifted :]]
         if (
             snapshot is None
             or n_lifted != len(call.lifted_roots)
-            or any(entry is None for entry in sources)
+            or any(entry is None for entry in lifted)
         ):
             return None
         site = cls()
@@ -107,7 +102,7 @@ class CallSite:
         site.kw_names = call.kw_names
         site.slots = tuple(slots)
         site.snapshot = snapshot
-        site.lifted_slots = tuple(map(weakref.ref, sources[len(sources) - n_lifted :]))
+        site.lifted_slots = tuple(map(weakref.ref, lifted))
         site._rebuild = weakref.WeakMethod(rebuild)  # type: ignore[arg-type]
         return site
 
@@ -130,19 +125,16 @@ class CallSite:
                 dynamic.append(arg)
                 continue
             flat = slot()
-            if flat is None or flat._ref() is not arg or not flat._guard.holds(flat.variables):  # type: ignore[union-attr]
+            if not still_flattens(flat, arg):
                 return None
             sources.append(flat)
-            if flat.values_only:
-                dynamic.extend(map(_raw_value_of, flat.variables))
-            else:
-                dynamic += current_dynamic(flat)
+            dynamic += current_dynamic(flat)
         lifted = unchanged_closure_objects(self.fn, self.snapshot)
         if lifted is None or len(lifted) != len(self.lifted_slots):
             return None
         for slot, obj in zip(self.lifted_slots, lifted, strict=False):  # lengths checked above
             flat = slot()
-            if flat is None or flat._ref() is not obj or not flat._guard.holds(flat.variables):  # type: ignore[union-attr]
+            if not still_flattens(flat, obj):
                 return None
             sources.append(flat)
             dynamic += current_dynamic(flat)
@@ -191,10 +183,7 @@ class SiteCall:
     def variables(self) -> list[Any]:
         """Every input Variable, in the order of the updates (built when first needed)."""
         if self._variables is None:
-            if len(self.sources) == 1:
-                self._variables = self.sources[0].variables
-            else:
-                self._variables = list(chain.from_iterable(map(_variables_of, self.sources)))
+            self._variables = variables_of(self.sources)
         return self._variables
 
     def full(self) -> Call:

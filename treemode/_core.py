@@ -49,6 +49,7 @@ from ._flatten import (
     recursion_headroom,
     variable_dynamic,
     variable_specs,
+    variables_of,
 )
 from ._hashed import HashedKey
 from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable, same_static
@@ -346,10 +347,7 @@ def _finish_prepare(
         call.lifted = []
         call.lifted_specs = ()
     call.sources = sources
-    if len(sources) == 1:
-        call.variables = list(sources[0].variables)
-    else:
-        call.variables = list(chain.from_iterable(f.variables for f in sources))
+    call.variables = variables_of(sources)
     call.dynamic = dynamic
     call.key = CallKey(positional, keywords, call.lifted_specs, call.graph)
 

@@ -20,7 +20,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 from flax.nnx.statelib import State
@@ -482,7 +482,7 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     key = id(arg)
     entry = _cache.get(key)
     if entry is not None and entry._ref is not None and entry._ref() is arg:
-        if _still_valid(entry):
+        if still_flattens(entry, arg):
             return _refresh(entry)
         _cache.pop(key, None)  # not ``del``: another thread may have removed it
     if is_dynamic(arg) and not is_variable(arg):
@@ -504,9 +504,22 @@ def _is_tracer(x: Any) -> bool:
     return isinstance(x, Tracer)
 
 
-def _still_valid(entry: ArgFlat) -> bool:
+def still_flattens(entry: ArgFlat | None, obj: Any) -> TypeGuard[ArgFlat]:
+    """Whether the cache entry ``entry`` (``None`` once dropped) is still ``obj``'s flattening."""
+    if entry is None or entry._ref is None or entry._ref() is not obj:
+        return False
     guard = entry._guard
     return guard is not None and guard.holds(entry.variables)
+
+
+def variables_of(flats: Sequence[ArgFlat]) -> list[Any]:
+    """The Variables of ``flats``, in order (a new list)."""
+    if len(flats) == 1:
+        return list(flats[0].variables)
+    return list(chain.from_iterable(map(_variables_of, flats)))
+
+
+_variables_of = operator.attrgetter("variables")
 
 
 _raw_value_of = operator.attrgetter("_raw_value")
