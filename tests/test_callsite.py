@@ -8,6 +8,7 @@ values, which Variables changed, traces, errors and object lifetimes.
 
 from __future__ import annotations
 
+import collections
 import gc
 import threading
 import weakref
@@ -19,7 +20,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _core
+from treemode import _callsite, _core
 
 
 class Counter(nnx.Module):
@@ -32,6 +33,14 @@ def _step(m: Counter, x: jax.Array) -> jax.Array:
     m.count[...] += 1
     m.w[...] = m.w[...] + x
     return jnp.sum(m.w[...])
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def matcher(request, monkeypatch):
+    """Whether the memo's match runs in C (``_guard.match_into``) or in Python."""
+    if request.param == "python":
+        monkeypatch.setattr(_callsite, "match_into", _callsite._match_into_python)
+    return request.param
 
 
 @pytest.fixture
@@ -82,6 +91,43 @@ def test_another_object_of_the_same_structure_is_written_not_the_first(prepares)
     assert (a.count[...], b.count[...]) == (1, 1)
     np.testing.assert_allclose(a.w[...], np.full(3, 2.0))
     assert prepares == ["jit", "jit"]
+
+
+def test_an_array_of_another_type_where_an_array_was_uses_the_memo(prepares):
+    f = treemode.jit(_step)
+    m = Counter()
+    f(m, jnp.ones(3))
+    out = f(m, np.ones(3, np.float32))  # a NumPy array: still an array, still traced
+    np.testing.assert_allclose(out, 9.0)
+    assert prepares == ["jit"] and m.count[...] == 2
+
+
+class Mixed(nnx.Module):
+    """Variables in an OrderedDict (no compiled guard) and a bare array attribute."""
+
+    def __init__(self):
+        self.table = nnx.data(collections.OrderedDict(w=nnx.Param(jnp.ones(3))))
+        self.offset = nnx.data(jnp.zeros(3))
+        self.count = nnx.BatchStat(jnp.array(0))
+
+
+def test_modules_the_compiled_match_does_not_read_use_the_memo(prepares):
+    @treemode.jit
+    def f(m, x):
+        m.count[...] += 1
+        m.table["w"][...] = m.table["w"][...] * x
+        return m.table["w"][...] + m.offset
+
+    m = Mixed()
+    for _ in range(3):
+        out = f(m, jnp.full(3, 2.0))
+    np.testing.assert_allclose(out, np.full(3, 8.0))
+    assert prepares == ["jit"] and m.count[...] == 3
+    m.offset = jnp.ones(3)  # a new array: the flattening is renewed, the new value used
+    np.testing.assert_allclose(f(m, jnp.ones(3)), np.full(3, 9.0))
+    m.table.move_to_end("w")  # same single key: nothing changed
+    f(m, jnp.ones(3))
+    assert prepares == ["jit", "jit"] and m.count[...] == 5
 
 
 def test_a_non_array_where_an_array_was_takes_the_full_path():

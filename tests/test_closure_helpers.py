@@ -23,6 +23,19 @@ from treemode._closure import MAX_DEPTH, _plan, closure_objects
 GLOBAL_STATS = Counter()
 
 
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def reads_check(request, monkeypatch):
+    """Whether cached answers are revalidated by ``_guard.reads_hold`` or in Python."""
+    from treemode import _closure
+
+    if request.param == "python":
+        monkeypatch.setattr(_closure, "_reads_hold", None)
+    # Each run starts with empty caches (the per-code-object counts are kept there).
+    monkeypatch.setattr(_closure, "_plans", {})
+    monkeypatch.setattr(_closure, "_snapshots", {})
+    return request.param
+
+
 def record_global(x):
     """A global helper that mutates a global module."""
     GLOBAL_STATS(x)
@@ -337,3 +350,38 @@ def test_cache_does_not_keep_a_module_or_a_recursive_function_alive():
     gc.collect()
     assert module_ref() is None and recurse_ref() is None
     assert not keys & set(_closure._snapshots)
+
+
+def test_cached_answer_sees_a_new_code_object_an_empty_cell_filled_and_a_new_call_method():
+    def plain(x):
+        return x
+
+    def lifting(x):
+        GLOBAL_STATS(x)
+        return x
+
+    assert closure_objects(plain) == []
+    plain.__code__ = lifting.__code__  # now reads the global module
+    assert [obj for _, obj in closure_objects(plain)] == [GLOBAL_STATS]
+
+    def later(x):
+        return filled(x)  # noqa: F821 - bound below, after the first search
+
+    assert closure_objects(later) == []  # the cell is still empty
+    filled = Counter()
+    assert [obj for _, obj in closure_objects(later)] == [filled]
+
+    class Step(nnx.Module):
+        def __call__(self, x):
+            return x
+
+    step = Step()
+    assert [obj for _, obj in closure_objects(step)] == [step]
+    other = Counter()
+
+    def call_with_other(self, x):
+        other(x)
+        return x
+
+    Step.__call__ = call_with_other  # the class's method replaced: searched again
+    assert [obj for _, obj in closure_objects(step)] == [step, other]

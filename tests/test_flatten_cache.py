@@ -40,8 +40,13 @@ def test_the_compiled_guard_is_built():
     m.w = nnx.Param(jnp.ones(2))
     flat = _flatten.flatten_arg(m, treemode._leaves.is_array)
     assert module.holds is not None
+    assert module.match_into is not None and module.reads_hold is not None
     assert flat._guard is not None
-    assert flat._guard.compiled_state is not None or _flatten._compiled_holds is None
+    entry = flat.origin or flat
+    if _flatten._compiled_holds is None:
+        assert flat._guard.compiled_state is None and entry._fast is None
+    else:  # what the compiled call-site match reads
+        assert entry._fast == (entry._ref, flat._guard.compiled_state, (m.w,))
 
 
 def _counting(fn):

@@ -22,7 +22,7 @@ which drops them with their argument, so a memo never keeps a model alive.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._closure import closure_snapshot, unchanged_closure_objects
@@ -108,37 +108,74 @@ class CallSite:
 
     def match(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SiteCall | None:
         """This call's `SiteCall` if it passes the same objects, still valid; else ``None``."""
-        if len(args) != self.n_args or len(kwargs) != len(self.kw_names):
-            return None
         roots = args
-        if kwargs:
+        if kwargs or self.kw_names:
+            if len(kwargs) != len(self.kw_names):
+                return None
             try:
                 roots = (*args, *[kwargs[name] for name in self.kw_names])
             except KeyError:
                 return None
         dynamic: list[Any] = []
         sources: list[ArgFlat] = []
-        for slot, arg in zip(self.slots, roots, strict=False):  # lengths checked above
-            if slot is None:  # a bare array
-                if type(arg) not in CONCRETE_ARRAY_TYPES and not is_array(arg):
-                    return None
-                dynamic.append(arg)
-                continue
-            flat = slot()
-            if not still_flattens(flat, arg):
-                return None
-            sources.append(flat)
-            dynamic += current_dynamic(flat)
-        lifted = unchanged_closure_objects(self.fn, self.snapshot)
-        if lifted is None or len(lifted) != len(self.lifted_slots):
+        if not match_into(self.slots, roots, dynamic, sources, CONCRETE_ARRAY_TYPES, _match_slow):
             return None
-        for slot, obj in zip(self.lifted_slots, lifted, strict=False):  # lengths checked above
-            flat = slot()
-            if not still_flattens(flat, obj):
-                return None
-            sources.append(flat)
-            dynamic += current_dynamic(flat)
+        lifted = unchanged_closure_objects(self.fn, self.snapshot)
+        if lifted is None:
+            return None
+        if (lifted or self.lifted_slots) and not match_into(
+            self.lifted_slots, lifted, dynamic, sources, CONCRETE_ARRAY_TYPES, _match_slow
+        ):
+            return None
         return SiteCall(self, args, kwargs, dynamic, sources)
+
+
+def _match_slow(entry: ArgFlat | None, obj: Any) -> list[Any] | None:
+    """The arrays ``obj`` contributes to a matched call (``None``: no match).
+
+    ``entry`` is its slot's flattening, or ``None`` for a slot that held a bare
+    array. The compiled match calls this only for what it does not decide
+    itself: an array of a type not seen yet, or a flattening without a
+    compiled guard or with dynamic leaves other than Variable values.
+    """
+    if entry is None:
+        return [obj] if is_array(obj) else None
+    return current_dynamic(entry) if still_flattens(entry, obj) else None
+
+
+def _match_into_python(
+    slots: tuple[weakref.ref[ArgFlat] | None, ...],
+    objs: Sequence[Any],
+    dynamic: list[Any],
+    sources: list[ArgFlat],
+    array_types: set[type],
+    slow: Callable[[ArgFlat | None, Any], list[Any] | None],
+) -> bool:
+    """What ``_guard.match_into`` does, where it is not built."""
+    if len(objs) != len(slots):
+        return False
+    for slot, obj in zip(slots, objs, strict=True):
+        if slot is None:
+            if type(obj) in array_types:
+                dynamic.append(obj)
+                continue
+            found = slow(None, obj)
+        else:
+            entry = slot()
+            if entry is None:
+                return False
+            found = slow(entry, obj)
+            sources.append(entry)
+        if found is None:
+            return False
+        dynamic += found
+    return True
+
+
+try:
+    from ._guard import match_into
+except ImportError:  # built without the C extension
+    match_into = _match_into_python
 
 
 def _cached_entry(flat: ArgFlat) -> ArgFlat | None:

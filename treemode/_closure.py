@@ -47,6 +47,11 @@ from flax import nnx
 
 from ._leaves import is_graph_node, is_variable
 
+try:  # the compiled checks (treemode/_guard.c); optional, the same checks in Python below
+    from ._guard import reads_hold as _reads_hold
+except ImportError:  # pragma: no cover - built wherever a C compiler is available
+    _reads_hold = None
+
 MAX_DEPTH = 4  # function hops followed from the transformed function
 
 # What a value in a cell or global is, decided once per type.
@@ -392,7 +397,18 @@ class _Snapshot:
     objects, closure cells and Module classes one by one.
     """
 
-    __slots__ = ("ref", "found", "dicts", "names", "values", "functions", "codes", "cells", "attrs")
+    __slots__ = (
+        "ref",
+        "found",
+        "dicts",
+        "names",
+        "values",
+        "functions",
+        "codes",
+        "cells",
+        "attrs",
+        "reads",
+    )
 
     def __init__(self, ref: Any, walk: _Walk):
         # the walk's lists, never changed again
@@ -405,8 +421,13 @@ class _Snapshot:
         self.codes = walk.codes
         self.cells = walk.cells
         self.attrs = walk.attrs
+        self.reads = tuple(
+            map(tuple, (self.dicts, self.names, self.values, self.functions, self.codes))
+        ) + (tuple(self.cells), tuple(self.attrs))
 
     def still_valid(self) -> bool:
+        if _reads_hold is not None:
+            return _reads_hold(self.reads, _kinds, _IGNORE, _EMPTY, _IGNORED)
         is_ = operator.is_
         if self.names and not all(map(is_, map(dict.get, self.dicts, self.names), self.values)):
             return False

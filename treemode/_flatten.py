@@ -154,6 +154,7 @@ class ArgFlat:
         "writable_in",
         "_variable_specs",
         "values_only",
+        "_fast",
         "__weakref__",
     )
 
@@ -192,6 +193,7 @@ class ArgFlat:
         self.origin: ArgFlat | None = None
         self.writable_in: Any = None
         self._variable_specs: tuple[VarSpec, ...] | None = None
+        self._fast: tuple[weakref.ref[Any], tuple[Any, ...], tuple[Any, ...]] | None = None
 
     def leaf_dynamic_counts(self) -> list[int]:
         """Per leaf, how many dynamic arrays it contributes."""
@@ -452,6 +454,7 @@ def _array_flat(arg: Any) -> ArgFlat:
     flat.writable_in = None
     flat._variable_specs = ()
     flat.values_only = False
+    flat._fast = None
     return flat
 
 
@@ -496,8 +499,25 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
         except TypeError:
             return flat
         flat._ref = ref
+        flat._fast = _fast_state(flat)
         _cache[key] = flat
     return flat
+
+
+def _fast_state(entry: ArgFlat) -> tuple[weakref.ref[Any], tuple[Any, ...], tuple[Any, ...]] | None:
+    """What the compiled call-site match (``_guard.match_into``) reads of a cache entry.
+
+    ``(weak reference to the argument, compiled guard state, Variables)``, for an
+    entry whose dynamic arrays are exactly its Variables' values and whose guard
+    is compiled; ``None`` otherwise (the match asks `still_flattens` and
+    `current_dynamic` instead).
+    """
+    guard = entry._guard
+    if entry._ref is None or guard is None or guard.compiled_state is None:
+        return None
+    if not entry.values_only:
+        return None
+    return (entry._ref, guard.compiled_state, tuple(entry.variables))
 
 
 def _is_tracer(x: Any) -> bool:
@@ -542,6 +562,7 @@ def _refresh(entry: ArgFlat) -> ArgFlat:
     fresh.writable_in = None  # remembered on the entry
     fresh._variable_specs = None
     fresh.values_only = entry.values_only
+    fresh._fast = None
     fresh.dynamic = current_dynamic(entry)
     return fresh
 

@@ -14,7 +14,11 @@
 #include <Python.h>
 #include <structmember.h> /* T_OBJECT_EX */
 
-static PyObject *metadata_name; /* interned "_var_metadata" */
+static PyObject *metadata_name;  /* interned "_var_metadata" */
+static PyObject *raw_value_name; /* interned "_raw_value" */
+static PyObject *fast_name;      /* interned "_fast" */
+static PyObject *code_name;      /* interned "__code__" */
+static PyObject *closure_name;   /* interned "__closure__" */
 
 /* Whether `container` (a dict or a list) has `expected` entries. */
 static int
@@ -83,24 +87,29 @@ same_entries(PyObject *dict, PyObject *entries)
     return 1;
 }
 
-/* Where a Variable type keeps `_var_metadata`: the offset of its __slots__
- * entry, or -1 to read it with getattr. Resolved once per type; the types are
- * held (a few Variable classes), so a cached address is never another type's. */
+/* Where a Variable type keeps an attribute defined by `__slots__`: the slot's
+ * offset, or -1 to read it with getattr. Resolved once per type and attribute;
+ * the types are held (a few Variable classes), so a cached address is never
+ * another type's. */
 #define SLOT_CACHE_SIZE 32
-static PyTypeObject *slot_types[SLOT_CACHE_SIZE];
-static Py_ssize_t slot_offsets[SLOT_CACHE_SIZE];
-static int n_slot_types;
+typedef struct {
+    PyTypeObject *types[SLOT_CACHE_SIZE];
+    Py_ssize_t offsets[SLOT_CACHE_SIZE];
+    int n;
+} SlotCache;
+
+static SlotCache metadata_slots, raw_value_slots;
 
 static Py_ssize_t
-metadata_offset(PyTypeObject *type)
+slot_offset(PyTypeObject *type, PyObject *name, SlotCache *cache)
 {
-    for (int i = 0; i < n_slot_types; i++) {
-        if (slot_types[i] == type)
-            return slot_offsets[i];
+    for (int i = 0; i < cache->n; i++) {
+        if (cache->types[i] == type)
+            return cache->offsets[i];
     }
     Py_ssize_t offset = -1;
     /* On the class, a slot's member descriptor returns itself. */
-    PyObject *descr = PyObject_GetAttr((PyObject *)type, metadata_name);
+    PyObject *descr = PyObject_GetAttr((PyObject *)type, name);
     if (descr == NULL) {
         PyErr_Clear();
     }
@@ -112,11 +121,11 @@ metadata_offset(PyTypeObject *type)
         }
         Py_DECREF(descr);
     }
-    if (n_slot_types < SLOT_CACHE_SIZE) {
+    if (cache->n < SLOT_CACHE_SIZE) {
         Py_INCREF(type);
-        slot_types[n_slot_types] = type;
-        slot_offsets[n_slot_types] = offset;
-        n_slot_types++;
+        cache->types[cache->n] = type;
+        cache->offsets[cache->n] = offset;
+        cache->n++;
     }
     return offset;
 }
@@ -125,7 +134,7 @@ metadata_offset(PyTypeObject *type)
 static int
 same_metadata(PyObject *var, PyObject *expected, PyObject *entries)
 {
-    Py_ssize_t offset = metadata_offset(Py_TYPE(var));
+    Py_ssize_t offset = slot_offset(Py_TYPE(var), metadata_name, &metadata_slots);
     if (offset >= 0) {
         PyObject *current = *(PyObject **)((char *)var + offset); /* borrowed; NULL if unset */
         return current == expected && PyDict_Check(current) && same_entries(current, entries);
@@ -138,6 +147,56 @@ same_metadata(PyObject *var, PyObject *expected, PyObject *entries)
     int same = current == expected && PyDict_Check(current) && same_entries(current, entries);
     Py_DECREF(current);
     return same;
+}
+
+/* Whether the snapshot `state` (see `holds` below) still describes its
+ * containers and the Variables in `variables` (a list or tuple): 1, 0, or -1
+ * with an exception set. */
+static int
+state_holds(PyObject *state, PyObject *variables)
+{
+    if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != 8) {
+        PyErr_SetString(PyExc_TypeError, "a guard state is an 8-tuple");
+        return -1;
+    }
+    PyObject *sized = PyTuple_GET_ITEM(state, 0);
+    PyObject *lens = PyTuple_GET_ITEM(state, 1);
+    PyObject *dicts = PyTuple_GET_ITEM(state, 2);
+    PyObject *values = PyTuple_GET_ITEM(state, 3);
+    PyObject *ordered = PyTuple_GET_ITEM(state, 4);
+    PyObject *items = PyTuple_GET_ITEM(state, 5);
+    PyObject *metadata = PyTuple_GET_ITEM(state, 6);
+    PyObject *metadata_entries = PyTuple_GET_ITEM(state, 7);
+    Py_ssize_t k;
+
+    /* Lengths first: they keep the element-wise passes below aligned. */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sized); i++) {
+        if (!same_length(PyTuple_GET_ITEM(sized, i), PyTuple_GET_ITEM(lens, i)))
+            return 0;
+    }
+    k = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dicts); i++) {
+        if (!same_values(PyTuple_GET_ITEM(dicts, i), values, &k))
+            return 0;
+    }
+    if (k != PyTuple_GET_SIZE(values))
+        return 0;
+    k = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ordered); i++) {
+        if (!same_iteration(PyTuple_GET_ITEM(ordered, i), items, &k))
+            return 0;
+    }
+    if (k != PyTuple_GET_SIZE(items))
+        return 0;
+    Py_ssize_t n_vars = PySequence_Fast_GET_SIZE(variables);
+    if (n_vars != PyTuple_GET_SIZE(metadata))
+        return 0;
+    for (Py_ssize_t i = 0; i < n_vars; i++) {
+        if (!same_metadata(PySequence_Fast_GET_ITEM(variables, i), PyTuple_GET_ITEM(metadata, i),
+                           PyTuple_GET_ITEM(metadata_entries, i)))
+            return PyErr_Occurred() ? -1 : 0;
+    }
+    return 1;
 }
 
 PyDoc_STRVAR(holds_doc,
@@ -153,62 +212,322 @@ PyDoc_STRVAR(holds_doc,
 static PyObject *
 holds(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 8) {
-        PyErr_SetString(PyExc_TypeError, "holds(state, variables): state is an 8-tuple");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "holds(state, variables) takes 2 arguments");
         return NULL;
     }
-    PyObject *state = args[0];
-    PyObject *sized = PyTuple_GET_ITEM(state, 0);
-    PyObject *lens = PyTuple_GET_ITEM(state, 1);
-    PyObject *dicts = PyTuple_GET_ITEM(state, 2);
-    PyObject *values = PyTuple_GET_ITEM(state, 3);
-    PyObject *ordered = PyTuple_GET_ITEM(state, 4);
-    PyObject *items = PyTuple_GET_ITEM(state, 5);
-    PyObject *metadata = PyTuple_GET_ITEM(state, 6);
-    PyObject *metadata_entries = PyTuple_GET_ITEM(state, 7);
     PyObject *variables = PySequence_Fast(args[1], "variables must be a sequence");
     if (variables == NULL)
         return NULL;
-    int ok = 0;
-    Py_ssize_t k;
-
-    /* Lengths first: they keep the element-wise passes below aligned. */
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sized); i++) {
-        if (!same_length(PyTuple_GET_ITEM(sized, i), PyTuple_GET_ITEM(lens, i)))
-            goto done;
-    }
-    k = 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dicts); i++) {
-        if (!same_values(PyTuple_GET_ITEM(dicts, i), values, &k))
-            goto done;
-    }
-    if (k != PyTuple_GET_SIZE(values))
-        goto done;
-    k = 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ordered); i++) {
-        if (!same_iteration(PyTuple_GET_ITEM(ordered, i), items, &k))
-            goto done;
-    }
-    if (k != PyTuple_GET_SIZE(items))
-        goto done;
-    Py_ssize_t n_vars = PySequence_Fast_GET_SIZE(variables);
-    if (n_vars != PyTuple_GET_SIZE(metadata))
-        goto done;
-    for (Py_ssize_t i = 0; i < n_vars; i++) {
-        if (!same_metadata(PySequence_Fast_GET_ITEM(variables, i), PyTuple_GET_ITEM(metadata, i),
-                           PyTuple_GET_ITEM(metadata_entries, i)))
-            goto done;
-    }
-    ok = 1;
-done:
+    int ok = state_holds(args[0], variables);
     Py_DECREF(variables);
-    if (PyErr_Occurred())
+    if (ok < 0)
+        return NULL;
+    return PyBool_FromLong(ok);
+}
+
+/* The object a weak reference points to (a new reference), or NULL (no
+ * exception) once it is dead. */
+static PyObject *
+referent(PyObject *ref)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj;
+    if (PyWeakref_GetRef(ref, &obj) < 0)
+        PyErr_Clear();
+    return obj;
+#else
+    PyObject *obj = PyWeakref_GetObject(ref);
+    if (obj == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (obj == Py_None)
+        return NULL;
+    Py_INCREF(obj);
+    return obj;
+#endif
+}
+
+/* Appends `var`'s `_raw_value` to `out`: 1, 0 if it has none, -1 on error. */
+static int
+append_raw_value(PyObject *out, PyObject *var)
+{
+    Py_ssize_t offset = slot_offset(Py_TYPE(var), raw_value_name, &raw_value_slots);
+    if (offset >= 0) {
+        PyObject *value = *(PyObject **)((char *)var + offset); /* borrowed; NULL if unset */
+        return value == NULL ? 0 : (PyList_Append(out, value) < 0 ? -1 : 1);
+    }
+    PyObject *value = PyObject_GetAttr(var, raw_value_name);
+    if (value == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int appended = PyList_Append(out, value);
+    Py_DECREF(value);
+    return appended < 0 ? -1 : 1;
+}
+
+/* One argument of `match_into`: 1 matched (appended), 0 not, -1 error. */
+static int
+match_one(PyObject *slot, PyObject *obj, PyObject *dynamic, PyObject *sources,
+          PyObject *array_types, PyObject *slow)
+{
+    if (slot == Py_None) { /* a bare array */
+        int known = PySet_Contains(array_types, (PyObject *)Py_TYPE(obj));
+        if (known < 0)
+            return -1;
+        if (known)
+            return PyList_Append(dynamic, obj) < 0 ? -1 : 1;
+    }
+    PyObject *entry = NULL, *fast = NULL;
+    int result = 0;
+    if (slot != Py_None) {
+        entry = referent(slot);
+        if (entry == NULL)
+            return 0; /* the flattening was dropped */
+        fast = PyObject_GetAttr(entry, fast_name);
+        if (fast == NULL)
+            PyErr_Clear(); /* no fast state: decided in Python below */
+    }
+    if (fast != NULL && PyTuple_Check(fast) && PyTuple_GET_SIZE(fast) == 3) {
+        /* (the argument's weak reference, the guard state, the Variables) */
+        PyObject *arg = referent(PyTuple_GET_ITEM(fast, 0));
+        Py_XDECREF(arg); /* only compared */
+        if (arg != obj)
+            goto done;
+        PyObject *variables = PyTuple_GET_ITEM(fast, 2);
+        result = state_holds(PyTuple_GET_ITEM(fast, 1), variables);
+        if (result != 1)
+            goto done;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(variables); i++) {
+            result = append_raw_value(dynamic, PyTuple_GET_ITEM(variables, i));
+            if (result != 1)
+                goto done;
+        }
+        result = PyList_Append(sources, entry) < 0 ? -1 : 1;
+        goto done;
+    }
+    /* Anything else is decided in Python: the new dynamic arrays, or None. */
+    PyObject *found = PyObject_CallFunctionObjArgs(slow, entry ? entry : Py_None, obj, NULL);
+    if (found == NULL) {
+        result = -1;
+    }
+    else if (found == Py_None) {
+        result = 0;
+    }
+    else {
+        Py_ssize_t n = PyList_GET_SIZE(dynamic);
+        result = PyList_SetSlice(dynamic, n, n, found) < 0 ? -1 : 1;
+        if (result == 1 && entry != NULL)
+            result = PyList_Append(sources, entry) < 0 ? -1 : 1;
+    }
+    Py_XDECREF(found);
+done:
+    Py_XDECREF(fast);
+    Py_XDECREF(entry);
+    if (result < 0 && !PyErr_Occurred())
+        result = 0;
+    return result;
+}
+
+PyDoc_STRVAR(match_into_doc,
+"match_into(slots, objs, dynamic, sources, array_types, slow) -> bool\n\n"
+"Whether every object of `objs` still matches its slot of a call-site memo\n"
+"(treemode._callsite); appends their arrays to `dynamic` and the matched\n"
+"flattenings to `sources` on the way.\n\n"
+"A slot is None (a bare array: its type must be in `array_types`) or a weak\n"
+"reference to a cached flattening whose `_fast` attribute is (weak reference\n"
+"to the argument, guard state, Variables): the argument must be that object,\n"
+"the guard must hold, and each Variable's `_raw_value` is appended. Any other\n"
+"case calls `slow(entry or None, obj)`, which returns the arrays or None.");
+
+static PyObject *
+match_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyTuple_Check(args[0]) || !PyList_Check(args[2]) ||
+        !PyList_Check(args[3]) || !PyAnySet_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "match_into(slots: tuple, objs, dynamic: list, sources: list, "
+                        "array_types: set, slow)");
+        return NULL;
+    }
+    PyObject *slots = args[0];
+    PyObject *objs = PySequence_Fast(args[1], "objs must be a sequence");
+    if (objs == NULL)
+        return NULL;
+    int ok = PySequence_Fast_GET_SIZE(objs) == PyTuple_GET_SIZE(slots);
+    for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(slots); i++) {
+        ok = match_one(PyTuple_GET_ITEM(slots, i), PySequence_Fast_GET_ITEM(objs, i), args[2],
+                       args[3], args[4], args[5]);
+    }
+    Py_DECREF(objs);
+    if (ok < 0)
+        return NULL;
+    return PyBool_FromLong(ok);
+}
+
+/* The object a holder of the closure snapshot gives (a weak reference or a
+ * strong holder, both called with no arguments): a new reference, or NULL
+ * (no exception) if it is gone. */
+static PyObject *
+held(PyObject *holder)
+{
+    PyObject *obj = PyObject_CallNoArgs(holder);
+    if (obj == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (obj == Py_None) {
+        Py_DECREF(obj);
+        return NULL;
+    }
+    return obj;
+}
+
+/* Whether getattr(obj, name, None) is `expected`. */
+static int
+attribute_is(PyObject *obj, PyObject *name, PyObject *expected)
+{
+    PyObject *current = PyObject_GetAttr(obj, name);
+    if (current == NULL) {
+        PyErr_Clear();
+        return expected == Py_None;
+    }
+    Py_DECREF(current); /* only compared; `expected` keeps the object alive */
+    return current == expected;
+}
+
+/* Whether the cells of the function behind `holder` hold `contents`. */
+static int
+same_cells(PyObject *holder, PyObject *contents, PyObject *kinds, PyObject *ignore,
+           PyObject *empty, PyObject *ignored)
+{
+    PyObject *f = held(holder);
+    if (f == NULL)
+        return 0;
+    PyObject *cells = PyObject_GetAttr(f, closure_name);
+    Py_DECREF(f); /* the cells tuple is held below */
+    if (cells == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int same = PyTuple_Check(cells) && PyTuple_GET_SIZE(cells) == PyTuple_GET_SIZE(contents);
+    for (Py_ssize_t i = 0; same == 1 && i < PyTuple_GET_SIZE(contents); i++) {
+        PyObject *cell = PyTuple_GET_ITEM(cells, i);
+        if (!PyCell_Check(cell)) {
+            same = 0;
+            break;
+        }
+        PyObject *current = PyCell_GET(cell); /* borrowed; NULL if empty */
+        PyObject *expected = PyTuple_GET_ITEM(contents, i);
+        if (expected == empty) {
+            same = current == NULL;
+        }
+        else if (expected == ignored) {
+            /* Still a value of an ignored type (not kept, so not compared). */
+            if (current == NULL) {
+                same = 0;
+            }
+            else {
+                PyObject *kind = PyDict_GetItemWithError(kinds, (PyObject *)Py_TYPE(current));
+                same = kind == NULL ? (PyErr_Occurred() ? -1 : 0)
+                                    : PyObject_RichCompareBool(kind, ignore, Py_EQ);
+            }
+        }
+        else {
+            PyObject *obj = held(expected);
+            same = obj != NULL && obj == current;
+            Py_XDECREF(obj);
+        }
+    }
+    Py_DECREF(cells);
+    return same;
+}
+
+PyDoc_STRVAR(reads_hold_doc,
+"reads_hold(reads, kinds, ignore, empty, ignored) -> bool\n\n"
+"Whether every read behind a cached closure search (treemode._closure) still\n"
+"gives the same object. `reads` is (dicts, names, values, functions, codes,\n"
+"cells, attrs): dicts[i].get(names[i]) must be values[i]; each function\n"
+"holder's function must still have its code; each (function holder,\n"
+"contents) pair's cells must hold `contents` (`empty`: an empty cell;\n"
+"`ignored`: any value whose type `kinds` maps to `ignore`; else a holder of the\n"
+"object); each (owner, name, value) must still be getattr(owner, name, None).");
+
+static PyObject *
+reads_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 7 ||
+        !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "reads_hold(reads: 7-tuple, kinds: dict, ignore, empty, ignored)");
+        return NULL;
+    }
+    PyObject *reads = args[0];
+    for (Py_ssize_t i = 0; i < 7; i++) {
+        if (!PyTuple_Check(PyTuple_GET_ITEM(reads, i))) {
+            PyErr_SetString(PyExc_TypeError, "reads_hold: every read group is a tuple");
+            return NULL;
+        }
+    }
+    PyObject *dicts = PyTuple_GET_ITEM(reads, 0);
+    PyObject *names = PyTuple_GET_ITEM(reads, 1);
+    PyObject *values = PyTuple_GET_ITEM(reads, 2);
+    PyObject *functions = PyTuple_GET_ITEM(reads, 3);
+    PyObject *codes = PyTuple_GET_ITEM(reads, 4);
+    PyObject *cells = PyTuple_GET_ITEM(reads, 5);
+    PyObject *attrs = PyTuple_GET_ITEM(reads, 6);
+    int ok = PyTuple_GET_SIZE(dicts) == PyTuple_GET_SIZE(names) &&
+             PyTuple_GET_SIZE(names) == PyTuple_GET_SIZE(values) &&
+             PyTuple_GET_SIZE(functions) == PyTuple_GET_SIZE(codes);
+    for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(names); i++) {
+        PyObject *d = PyTuple_GET_ITEM(dicts, i);
+        if (!PyDict_Check(d)) {
+            ok = 0;
+            break;
+        }
+        PyObject *current = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(names, i));
+        if (current == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            current = Py_None;
+        }
+        ok = current == PyTuple_GET_ITEM(values, i);
+    }
+    for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(functions); i++) {
+        PyObject *f = held(PyTuple_GET_ITEM(functions, i));
+        ok = f != NULL && attribute_is(f, code_name, PyTuple_GET_ITEM(codes, i));
+        Py_XDECREF(f);
+    }
+    for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(cells); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(cells, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+            !PyTuple_Check(PyTuple_GET_ITEM(pair, 1))) {
+            PyErr_SetString(PyExc_TypeError, "reads_hold: a cell read is (holder, contents)");
+            return NULL;
+        }
+        ok = same_cells(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), args[1], args[2],
+                        args[3], args[4]);
+    }
+    for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(attrs); i++) {
+        PyObject *triple = PyTuple_GET_ITEM(attrs, i);
+        if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3) {
+            PyErr_SetString(PyExc_TypeError, "reads_hold: an attribute read is (owner, name, value)");
+            return NULL;
+        }
+        ok = attribute_is(PyTuple_GET_ITEM(triple, 0), PyTuple_GET_ITEM(triple, 1),
+                          PyTuple_GET_ITEM(triple, 2));
+    }
+    if (ok < 0)
         return NULL;
     return PyBool_FromLong(ok);
 }
 
 static PyMethodDef methods[] = {
     {"holds", (PyCFunction)(void (*)(void))holds, METH_FASTCALL, holds_doc},
+    {"match_into", (PyCFunction)(void (*)(void))match_into, METH_FASTCALL, match_into_doc},
+    {"reads_hold", (PyCFunction)(void (*)(void))reads_hold, METH_FASTCALL, reads_hold_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -228,7 +547,12 @@ PyMODINIT_FUNC
 PyInit__guard(void)
 {
     metadata_name = PyUnicode_InternFromString("_var_metadata");
-    if (metadata_name == NULL)
+    raw_value_name = PyUnicode_InternFromString("_raw_value");
+    fast_name = PyUnicode_InternFromString("_fast");
+    code_name = PyUnicode_InternFromString("__code__");
+    closure_name = PyUnicode_InternFromString("__closure__");
+    if (metadata_name == NULL || raw_value_name == NULL || fast_name == NULL ||
+        code_name == NULL || closure_name == NULL)
         return NULL;
     return PyModule_Create(&module_def);
 }

@@ -291,7 +291,7 @@ class JitWrapped(Generic[P, R]):
         memo = self._memo
         if memo is not None:
             site, entry = memo
-            matched = site.match((*self.partial_args, *args), kwargs)
+            matched = site.match((*self.partial_args, *args) if self._n_partial else args, kwargs)
             if matched is not None:
                 return self._run(matched, entry, entry.jitted)
         call = self._prepare(args, kwargs, abstract=False)
@@ -310,16 +310,20 @@ class JitWrapped(Generic[P, R]):
         """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
         if entry.donated:
             _check_donation(call, entry)
-        entry.pure.bind(call)
+            arrays = entry.args(call.dynamic)
+        else:
+            arrays = (tuple(call.dynamic),)
+        pure = entry.pure
+        pure.bind(call)
         try:
-            out, updates = executable(*entry.args(call.dynamic))
+            out, updates = executable(*arrays)
         except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
             better = _core.explain_failure(call.full(), e)
             if better is not None:
                 raise better from e
             raise
         finally:
-            entry.pure.bind(None)
+            pure.bind(None)
         if entry.writes:
             _core.write_back(call, updates, entry.pure.record.metadata_updates)
         return out if not call.graph else _core.finish(call.full(), out)
