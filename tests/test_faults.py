@@ -13,6 +13,7 @@ again gives the state the eager program gives.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -511,11 +512,42 @@ def test_branch_write_back_across_closures_is_atomic(name, monkeypatch):
 
 
 def test_fault_in_check_writable_leaves_inputs(monkeypatch):
-    def broken(call, targets):
+    def broken(call, updates):
         raise CheckFault("check_writable")
 
-    monkeypatch.setattr(_core, "_check_writable", broken)
+    monkeypatch.setattr(_core, "check_writable", broken)
     _every_transform_raises_and_leaves_inputs(CheckFault)
+
+
+def test_compiled_write_is_all_or_nothing():
+    # `write_back`'s C pass writes a Variable's `_raw_value` slot directly; any other
+    # layout goes through object.__setattr__, which can fail midway: the writes
+    # already made are undone and the error is the one raised.
+    guard = importlib.import_module("treemode._guard")
+
+    class Refusing:
+        def __init__(self, value: Any):
+            self.value = value
+
+        @property
+        def _raw_value(self) -> Any:
+            return self.value
+
+        @_raw_value.setter
+        def _raw_value(self, value: Any) -> None:
+            if value == "refused":
+                raise CheckFault("write")
+            self.value = value
+
+    a, b, c = Refusing(1), Refusing(2), Refusing(3)
+    assert guard.write_changed([a, b, c], ["x", None, "y"]) == 2
+    assert (a.value, b.value, c.value) == ("x", 2, "y")
+    with pytest.raises(CheckFault, match="write"):
+        guard.write_changed([a, b, c], ["p", "q", "refused"])
+    assert (a.value, b.value, c.value) == ("x", 2, "y")
+    v = nnx.Param(jnp.zeros(2))
+    new = jnp.ones(2)
+    assert guard.write_changed([v], [new]) == 1 and v.get_raw_value() is new
 
 
 def test_two_arguments_roll_back_together(monkeypatch):

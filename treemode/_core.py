@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -782,18 +781,18 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
 
 def check_writable(call: Call | SiteCall, updates: Sequence[Any]) -> None:
     """Raise before writing anything if a target Variable belongs to another trace."""
-    changed = zip(call.variables, updates, strict=True)
-    _check_writable(call, [var for var, new in changed if new is not None])
-
-
-def _check_writable(call: Call | SiteCall, targets: Sequence[Any]) -> None:
     # A Variable may be written in the trace it was created in (as Variable itself
     # checks). Fast path: the traces' weak references compared by identity, and
     # remembered per cached argument (a Variable's trace never changes).
+    ref = _current_trace_ref()
+    if ref is not None:
+        for flat in call.sources:
+            if (flat.origin or flat).writable_in is not ref and not _writable_in(ref, flat):
+                break
+        else:
+            return
     current = tracers.current_jax_trace()
-    ref = getattr(current, "_trace_ref", None)
-    if ref is not None and all(map(functools.partial(_writable_in, ref), call.sources)):
-        return
+    targets = [var for var, new in zip(call.variables, updates, strict=True) if new is not None]
     for var in targets:
         if var._trace_state._jax_trace != current and not var.hijax:
             index = next(i for i, v in enumerate(call.variables) if v is var)
@@ -829,6 +828,12 @@ def write_back(
     metadata_updates: dict[int, dict[str, Any]] | None = None,
 ) -> None:
     """Store the changed values into the caller's Variables, all or nothing."""
+    if not metadata_updates and store is _store and _write_changed is not None:
+        # The common case, in one C pass: new values only, with the default hook.
+        if any(map(operator.is_not, updates, repeat(None))):
+            check_writable(call, updates)
+            _write_changed(call.variables, updates)
+        return
     changed = list(map(operator.is_not, updates, repeat(None)))
     if not metadata_updates and not any(changed):
         return  # the no-update path (a forward pass): nothing to check or write
@@ -837,7 +842,7 @@ def write_back(
     else:
         targets = list(compress(call.variables, changed))
         values = list(compress(updates, changed))
-    _check_writable(call, targets)
+    check_writable(call, updates)
     old_values = list(map(_raw_value_of, targets))
     meta_targets = [call.variables[i] for i in metadata_updates] if metadata_updates else []
     old_meta = [(var, var._raw_value, var._var_metadata) for var in meta_targets]
@@ -860,6 +865,32 @@ def write_back(
 
 
 _setattr = object.__setattr__
+
+try:  # the compiled writes (treemode/_guard.c); optional, the loop above otherwise
+    from ._guard import write_changed as _write_changed
+except ImportError:  # pragma: no cover - built wherever a C compiler is available
+    _write_changed = None
+
+
+def _trace_ref_from_jax() -> Any:
+    """The weak reference identifying the current JAX trace (what NNX compares)."""
+    return getattr(tracers.current_jax_trace(), "_trace_ref", None)
+
+
+def _trace_ref_from_context() -> Any:
+    return _trace_context.trace._weakref
+
+
+try:  # the same reference read directly, without building NNX's wrapper object
+    from jax._src.core import trace_ctx as _trace_context
+
+    _current_trace_ref = (
+        _trace_ref_from_context
+        if _trace_ref_from_context() is _trace_ref_from_jax()
+        else _trace_ref_from_jax
+    )
+except (ImportError, AttributeError):  # pragma: no cover - another JAX version
+    _current_trace_ref = _trace_ref_from_jax
 
 
 def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:

@@ -524,10 +524,111 @@ reads_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(ok);
 }
 
+/* Sets `var._raw_value` to `value` (a new reference is taken) and appends
+ * the previous value to `previous` (which keeps it alive until every write is
+ * done). -1 with an exception on failure, with nothing written. */
+static int
+set_raw_value(PyObject *var, PyObject *value, PyObject *previous)
+{
+    Py_ssize_t offset = slot_offset(Py_TYPE(var), raw_value_name, &raw_value_slots);
+    if (offset >= 0) {
+        PyObject **slot = (PyObject **)((char *)var + offset);
+        if (*slot == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "_raw_value");
+            return -1;
+        }
+        if (PyList_Append(previous, *slot) < 0)
+            return -1;
+        PyObject *old = *slot;
+        Py_INCREF(value);
+        *slot = value;
+        Py_DECREF(old); /* `previous` holds it */
+        return 0;
+    }
+    PyObject *old = PyObject_GetAttr(var, raw_value_name);
+    if (old == NULL)
+        return -1;
+    int appended = PyList_Append(previous, old);
+    Py_DECREF(old);
+    if (appended < 0)
+        return -1;
+    if (PyObject_GenericSetAttr(var, raw_value_name, value) < 0) {
+        /* keep `previous` aligned with the writes made */
+        PyList_SetSlice(previous, PyList_GET_SIZE(previous) - 1, PyList_GET_SIZE(previous), NULL);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(write_changed_doc,
+"write_changed(variables, updates) -> int\n\n"
+"Sets `variables[i]._raw_value = updates[i]` (as object.__setattr__ does) for\n"
+"every update that is not None, all or nothing; returns how many were written.\n"
+"The replaced values are released only after the last write.");
+
+static PyObject *
+write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "write_changed(variables, updates) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *variables = PySequence_Fast(args[0], "variables must be a sequence");
+    if (variables == NULL)
+        return NULL;
+    PyObject *updates = PySequence_Fast(args[1], "updates must be a sequence");
+    if (updates == NULL) {
+        Py_DECREF(variables);
+        return NULL;
+    }
+    PyObject *previous = NULL, *result = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(variables);
+    if (PySequence_Fast_GET_SIZE(updates) != n) {
+        PyErr_SetString(PyExc_ValueError, "write_changed: one update per Variable");
+        goto done;
+    }
+    previous = PyList_New(0);
+    if (previous == NULL)
+        goto done;
+    Py_ssize_t written = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *update = PySequence_Fast_GET_ITEM(updates, i);
+        if (update == Py_None)
+            continue;
+        if (set_raw_value(PySequence_Fast_GET_ITEM(variables, i), update, previous) < 0) {
+            /* Undo the writes made, newest first; the error stays the one raised. */
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            Py_ssize_t k = PyList_GET_SIZE(previous);
+            for (Py_ssize_t j = i - 1; j >= 0 && k > 0; j--) {
+                if (PySequence_Fast_GET_ITEM(updates, j) == Py_None)
+                    continue;
+                k--;
+                PyObject *var = PySequence_Fast_GET_ITEM(variables, j);
+                PyObject *scratch = PyList_New(0);
+                if (scratch == NULL || set_raw_value(var, PyList_GET_ITEM(previous, k), scratch) < 0)
+                    PyErr_Clear();
+                Py_XDECREF(scratch);
+            }
+            PyErr_Restore(type, value, traceback);
+            goto done;
+        }
+        written++;
+    }
+    result = PyLong_FromSsize_t(written);
+done:
+    Py_XDECREF(previous); /* the replaced values go only now */
+    Py_DECREF(updates);
+    Py_DECREF(variables);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"holds", (PyCFunction)(void (*)(void))holds, METH_FASTCALL, holds_doc},
     {"match_into", (PyCFunction)(void (*)(void))match_into, METH_FASTCALL, match_into_doc},
     {"reads_hold", (PyCFunction)(void (*)(void))reads_hold, METH_FASTCALL, reads_hold_doc},
+    {"write_changed", (PyCFunction)(void (*)(void))write_changed, METH_FASTCALL,
+     write_changed_doc},
     {NULL, NULL, 0, NULL},
 };
 
