@@ -203,7 +203,12 @@ def unchanged_closure_objects(fn: Callable[..., Any], snapshot: Any) -> list[Any
     again). The list returned for a function without closure objects is shared:
     do not modify it.
     """
-    if _snapshots.get(id(fn)) is not snapshot or not snapshot.still_valid():
+    if _snapshots.get(id(fn)) is not snapshot:
+        return None
+    if _reads_hold is not None:  # still_valid, without its Python frame
+        if not _reads_hold(snapshot.reads, _kinds, _IGNORE, _EMPTY, _IGNORED):
+            return None
+    elif not snapshot.still_valid():
         return None
     if not snapshot.found:
         return _EMPTY_ANSWER

@@ -445,15 +445,16 @@ class PureFunction:
         self.force = force_updates
         self.allow_output_variables = allow_output_variables
         self.record = TraceRecord()
-        self._local = threading.local()
+        # The current Call in ``binding.call``, thread-local so concurrent calls do
+        # not see each other. `bind` sets it; a hot path may set it directly.
+        self.binding = threading.local()
 
-    # The current Call, thread-local so concurrent calls do not see each other.
     def bind(self, call: Call | SiteCall | None) -> None:
-        self._local.call = call
+        self.binding.call = call
 
     @property
     def call(self) -> Call:
-        call = getattr(self._local, "call", None)
+        call = getattr(self.binding, "call", None)
         assert call is not None, "PureFunction traced outside of a treemode call"
         return call.full()
 

@@ -313,8 +313,8 @@ class JitWrapped(Generic[P, R]):
             arrays = entry.args(call.dynamic)
         else:
             arrays = (tuple(call.dynamic),)
-        pure = entry.pure
-        pure.bind(call)
+        binding = entry.pure.binding
+        binding.call = call
         try:
             out, updates = executable(*arrays)
         except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
@@ -323,7 +323,7 @@ class JitWrapped(Generic[P, R]):
                 raise better from e
             raise
         finally:
-            pure.bind(None)
+            binding.call = None
         if entry.writes:
             _core.write_back(call, updates, entry.pure.record.metadata_updates)
         return out if not call.graph else _core.finish(call.full(), out)
