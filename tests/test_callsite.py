@@ -35,9 +35,12 @@ def _step(m: Counter, x: jax.Array) -> jax.Array:
     return jnp.sum(m.w[...])
 
 
-@pytest.fixture(autouse=True, params=["compiled", "python"])
+@pytest.fixture(autouse=True, params=["compiled call", "compiled match", "python"])
 def matcher(request, monkeypatch):
-    """Whether the memo's match runs in C (``_guard.match_into``) or in Python."""
+    """How a memo-matched call runs: entirely in C (``_guard.MemoCall``), matched in
+    C (``_guard.match_into``) from the Python call path, or all in Python."""
+    if request.param != "compiled call":
+        monkeypatch.setattr(_callsite, "compiled_plan", lambda *args: None)
     if request.param == "python":
         monkeypatch.setattr(_callsite, "match_into", _callsite._match_into_python)
     return request.param
@@ -299,3 +302,65 @@ def test_traces_of_one_structure_that_update_different_variables():
     f(m, jnp.ones(4))
     f(m, jnp.ones(2))
     assert m.count[...] == 2
+
+
+def test_the_compiled_call_path_is_used(matcher):
+    f = treemode.jit(_step)
+    m = Counter()
+    f(m, jnp.ones(3))
+    assert f._memo is not None
+    assert (f._memo[2] is not None) == (matcher == "compiled call")
+    if matcher == "compiled call":  # the Python path is not entered for a matching call
+        f._call = None  # pyright: ignore[reportAttributeAccessIssue]
+        f(m, jnp.ones(3))
+        assert m.count[...] == 2
+
+
+def test_a_failing_matched_call_names_the_input_and_unbinds():
+    f = treemode.jit(_step)
+    m = Counter()
+    f(m, jnp.ones(3))
+    m.w.get_raw_value().delete()  # the memo still matches: the failure is JAX's
+    with pytest.raises(treemode.DonationError, match=r"Param at args\[0\]\.w was deleted"):
+        f(m, jnp.ones(3))
+    assert f._memo is not None
+    assert getattr(f._memo[1].pure.binding, "call", None) is None
+    assert m.count[...] == 1  # nothing written
+
+
+def test_errors_raised_by_the_function_on_a_retrace_pass_through_unchanged():
+    class Refused(Exception):
+        pass
+
+    @treemode.jit
+    def f(m, x):
+        if x.shape[0] == 2:
+            raise Refused("two")
+        m.count[...] += 1
+        return x
+
+    m = Counter()
+    f(m, jnp.ones(3))
+    with pytest.raises(Refused, match="two"):
+        f(m, jnp.ones(2))  # matched, then a retrace that raises
+    assert m.count[...] == 1
+    f(m, jnp.ones(3))
+    assert m.count[...] == 2
+
+
+def test_a_jitted_function_in_a_reference_cycle_is_collected():
+    def make():
+        @treemode.jit
+        def f(m, x):
+            return m.w[...] * x if f is not None else x  # f refers to itself
+
+        return f
+
+    f = make()
+    m = Counter()
+    f(m, jnp.ones(3))
+    f(m, jnp.ones(3))
+    ref = weakref.ref(f)
+    del f
+    gc.collect()
+    assert ref() is None

@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import _closure
 from ._closure import closure_snapshot, unchanged_closure_objects
 from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, variables_of
 from ._leaves import CONCRETE_ARRAY_TYPES, is_array
@@ -184,17 +185,10 @@ def _cached_entry(flat: ArgFlat) -> ArgFlat | None:
     return entry if entry._ref is not None and entry._guard is not None else None
 
 
-class SiteCall:
-    """A call matched to a `CallSite`: the site's bookkeeping and this call's arrays.
+class _PythonSiteCallFields:
+    """What ``_guard.SiteCallFields`` holds, where it is not built."""
 
-    Offers what running and writing back need (``dynamic``, ``sources``,
-    ``variables``, ``transform``, ``graph``); `full` prepares the whole `Call`
-    once, for a retrace or an error message.
-    """
-
-    __slots__ = ("site", "args", "kwargs", "dynamic", "sources", "_variables", "_full")
-
-    graph = False
+    __slots__ = ("site", "args", "kwargs", "dynamic", "sources", "_full")
 
     def __init__(
         self,
@@ -208,9 +202,32 @@ class SiteCall:
         self.args = args
         self.kwargs = kwargs
         self.dynamic = dynamic
-        self.sources = sources  # the flattenings the Variables come from, in order
-        self._variables: list[Any] | None = None
+        self.sources = sources
         self._full: Call | None = None
+
+
+if TYPE_CHECKING:
+    _SiteCallFields = _PythonSiteCallFields
+else:
+    try:  # the compiled fields, which the compiled call path makes without a Python frame
+        from ._guard import SiteCallFields as _SiteCallFields
+    except ImportError:  # built without the C extension
+        _SiteCallFields = _PythonSiteCallFields
+
+
+class SiteCall(_SiteCallFields):
+    """A call matched to a `CallSite`: the site's bookkeeping and this call's arrays.
+
+    ``SiteCall(site, args, kwargs, dynamic, sources)``: ``args`` include the
+    bound arguments of a `jit_partial`; ``sources`` are the flattenings the
+    Variables come from, in order. Offers what running and writing back need
+    (``dynamic``, ``sources``, ``variables``, ``transform``, ``graph``); `full`
+    prepares the whole `Call` once, for a retrace or an error message.
+    """
+
+    __slots__ = ()
+
+    graph = False
 
     @property
     def transform(self) -> str:
@@ -218,10 +235,8 @@ class SiteCall:
 
     @property
     def variables(self) -> list[Any]:
-        """Every input Variable, in the order of the updates (built when first needed)."""
-        if self._variables is None:
-            self._variables = variables_of(self.sources)
-        return self._variables
+        """Every input Variable, in the order of the updates (a new list)."""
+        return variables_of(self.sources)
 
     def full(self) -> Call:
         """The `Call` that `prepare` makes for these arguments (built once)."""
@@ -232,4 +247,44 @@ class SiteCall:
         return self._full
 
 
-__all__ = ["CallSite", "SiteCall"]
+def compiled_plan(
+    site: CallSite,
+    partial_args: tuple[Any, ...],
+    run: tuple[Callable[..., Any], Any, Any],
+    raise_failure: Callable[[SiteCall, BaseException], None],
+) -> tuple[Any, ...] | None:
+    """What the compiled call path (``_guard.MemoCall``) runs for calls matching ``site``.
+
+    ``run`` is ``(jitted, binding, entry)``: the executable, the thread-local
+    its `PureFunction` reads the current call from, and the compiled entry
+    (read for ``writes``, called for ``write_back(call, updates)``).
+    ``raise_failure(call, error)`` raises the error a failed executable call
+    should raise. ``None`` when the compiled path cannot run this site (the
+    extension is not built, or the site was recorded with keyword arguments:
+    those calls take the Python match).
+    """
+    if _SiteCallFields is _PythonSiteCallFields or site.kw_names:
+        return None
+    site_part = (
+        site,
+        site.slots,
+        partial_args,
+        site.fn,
+        site.snapshot,
+        site.lifted_slots,
+    )
+    environment = (
+        CONCRETE_ARRAY_TYPES,
+        _match_slow,
+        vars(_closure),  # read per call: ``_snapshots`` may be replaced
+        _closure._kinds,
+        _closure._IGNORE,
+        _closure._EMPTY,
+        _closure._IGNORED,
+        SiteCall,
+        raise_failure,
+    )
+    return (site_part, run, environment)
+
+
+__all__ = ["CallSite", "SiteCall", "compiled_plan"]

@@ -19,6 +19,13 @@ static PyObject *raw_value_name; /* interned "_raw_value" */
 static PyObject *fast_name;      /* interned "_fast" */
 static PyObject *code_name;      /* interned "__code__" */
 static PyObject *closure_name;   /* interned "__closure__" */
+static PyObject *snapshots_name; /* interned "_snapshots" */
+static PyObject *reads_name;     /* interned "reads" */
+static PyObject *found_name;     /* interned "found" */
+static PyObject *call_name;      /* interned "call" */
+static PyObject *writes_name;    /* interned "writes" */
+static PyObject *write_back_name; /* interned "write_back" */
+static PyObject *slow_call_name; /* interned "_call" */
 
 /* Whether `container` (a dict or a list) has `expected` entries. */
 static int
@@ -455,20 +462,20 @@ PyDoc_STRVAR(reads_hold_doc,
 "`ignored`: any value whose type `kinds` maps to `ignore`; else a holder of the\n"
 "object); each (owner, name, value) must still be getattr(owner, name, None).");
 
-static PyObject *
-reads_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+/* What `reads_hold` answers: 1, 0, or -1 with an exception set. */
+static int
+closure_reads_hold(PyObject *reads, PyObject *kinds, PyObject *ignore, PyObject *empty,
+                   PyObject *ignored)
 {
-    if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 7 ||
-        !PyDict_Check(args[1])) {
+    if (!PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) != 7 || !PyDict_Check(kinds)) {
         PyErr_SetString(PyExc_TypeError,
                         "reads_hold(reads: 7-tuple, kinds: dict, ignore, empty, ignored)");
-        return NULL;
+        return -1;
     }
-    PyObject *reads = args[0];
     for (Py_ssize_t i = 0; i < 7; i++) {
         if (!PyTuple_Check(PyTuple_GET_ITEM(reads, i))) {
             PyErr_SetString(PyExc_TypeError, "reads_hold: every read group is a tuple");
-            return NULL;
+            return -1;
         }
     }
     PyObject *dicts = PyTuple_GET_ITEM(reads, 0);
@@ -490,7 +497,7 @@ reads_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         PyObject *current = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(names, i));
         if (current == NULL) {
             if (PyErr_Occurred())
-                return NULL;
+                return -1;
             current = Py_None;
         }
         ok = current == PyTuple_GET_ITEM(values, i);
@@ -505,20 +512,31 @@ reads_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
             !PyTuple_Check(PyTuple_GET_ITEM(pair, 1))) {
             PyErr_SetString(PyExc_TypeError, "reads_hold: a cell read is (holder, contents)");
-            return NULL;
+            return -1;
         }
-        ok = same_cells(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), args[1], args[2],
-                        args[3], args[4]);
+        ok = same_cells(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), kinds, ignore,
+                        empty, ignored);
     }
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(attrs); i++) {
         PyObject *triple = PyTuple_GET_ITEM(attrs, i);
         if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3) {
             PyErr_SetString(PyExc_TypeError, "reads_hold: an attribute read is (owner, name, value)");
-            return NULL;
+            return -1;
         }
         ok = attribute_is(PyTuple_GET_ITEM(triple, 0), PyTuple_GET_ITEM(triple, 1),
                           PyTuple_GET_ITEM(triple, 2));
     }
+    return ok;
+}
+
+static PyObject *
+reads_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "reads_hold takes 5 arguments");
+        return NULL;
+    }
+    int ok = closure_reads_hold(args[0], args[1], args[2], args[3], args[4]);
     if (ok < 0)
         return NULL;
     return PyBool_FromLong(ok);
@@ -623,6 +641,379 @@ done:
     return result;
 }
 
+/* ---- The call-site fast path: a memo-matched `treemode.jit` call in C ----
+ *
+ * `SiteCallFields` holds a matched call's fields (treemode._callsite.SiteCall
+ * adds the methods); `MemoCall` is the base of treemode.jit's JitWrapped: its
+ * call runs the memo's plan (see `fast_call`) and otherwise, or when the plan
+ * does not match, calls the Python method `_call`. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *site;
+    PyObject *args;
+    PyObject *kwargs;
+    PyObject *dynamic;
+    PyObject *sources;
+    PyObject *full;
+} SiteCallObject;
+
+static PyTypeObject SiteCallFields_Type;
+
+static PyObject *
+site_call_new(PyTypeObject *type, PyObject *site, PyObject *args, PyObject *kwargs,
+              PyObject *dynamic, PyObject *sources)
+{
+    SiteCallObject *call = (SiteCallObject *)type->tp_alloc(type, 0);
+    if (call == NULL)
+        return NULL;
+    Py_INCREF(site);
+    call->site = site;
+    Py_INCREF(args);
+    call->args = args;
+    Py_INCREF(kwargs);
+    call->kwargs = kwargs;
+    Py_INCREF(dynamic);
+    call->dynamic = dynamic;
+    Py_INCREF(sources);
+    call->sources = sources;
+    call->full = NULL;
+    return (PyObject *)call;
+}
+
+static PyObject *
+site_call_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *site, *call_args, *kwargs, *dynamic, *sources;
+    static char *names[] = {"site", "args", "kwargs", "dynamic", "sources", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO:SiteCall", names, &site, &call_args,
+                                     &kwargs, &dynamic, &sources))
+        return NULL;
+    return site_call_new(type, site, call_args, kwargs, dynamic, sources);
+}
+
+static int
+site_call_traverse(SiteCallObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->site);
+    Py_VISIT(self->args);
+    Py_VISIT(self->kwargs);
+    Py_VISIT(self->dynamic);
+    Py_VISIT(self->sources);
+    Py_VISIT(self->full);
+    return 0;
+}
+
+static int
+site_call_clear(SiteCallObject *self)
+{
+    Py_CLEAR(self->site);
+    Py_CLEAR(self->args);
+    Py_CLEAR(self->kwargs);
+    Py_CLEAR(self->dynamic);
+    Py_CLEAR(self->sources);
+    Py_CLEAR(self->full);
+    return 0;
+}
+
+static void
+site_call_dealloc(SiteCallObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    site_call_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef site_call_members[] = {
+    {"site", T_OBJECT, offsetof(SiteCallObject, site), READONLY, "the CallSite matched"},
+    {"args", T_OBJECT, offsetof(SiteCallObject, args), READONLY,
+     "the positional arguments, bound ones first"},
+    {"kwargs", T_OBJECT, offsetof(SiteCallObject, kwargs), READONLY, "the keyword arguments"},
+    {"dynamic", T_OBJECT, offsetof(SiteCallObject, dynamic), READONLY,
+     "the call's arrays, in the compiled function's order"},
+    {"sources", T_OBJECT, offsetof(SiteCallObject, sources), READONLY,
+     "the flattenings the Variables come from, in order"},
+    {"_full", T_OBJECT, offsetof(SiteCallObject, full), 0, "the full Call, once built"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject SiteCallFields_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "treemode._guard.SiteCallFields",
+    .tp_doc = PyDoc_STR("SiteCallFields(site, args, kwargs, dynamic, sources): the fields "
+                        "of a call matched to a call-site memo."),
+    .tp_basicsize = sizeof(SiteCallObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = site_call_tp_new,
+    .tp_traverse = (traverseproc)site_call_traverse,
+    .tp_clear = (inquiry)site_call_clear,
+    .tp_dealloc = (destructor)site_call_dealloc,
+    .tp_members = site_call_members,
+};
+
+/* The objects a closure snapshot still answers, matched against the memo's
+ * `lifted_slots` (appending their arrays and flattenings): 1, 0, -1. */
+static int
+match_closure(PyObject *fn, PyObject *snapshot, PyObject *lifted_slots, PyObject *env,
+              PyObject *dynamic, PyObject *sources)
+{
+    PyObject *array_types = PyTuple_GET_ITEM(env, 0), *slow = PyTuple_GET_ITEM(env, 1);
+    PyObject *closure_globals = PyTuple_GET_ITEM(env, 2);
+    PyObject *snapshots = PyDict_GetItemWithError(closure_globals, snapshots_name);
+    if (snapshots == NULL || !PyDict_Check(snapshots))
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *key = PyLong_FromVoidPtr(fn); /* id(fn), the cache's key */
+    if (key == NULL)
+        return -1;
+    PyObject *current = PyDict_GetItemWithError(snapshots, key);
+    Py_DECREF(key);
+    if (current != snapshot)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *reads = PyObject_GetAttr(snapshot, reads_name);
+    if (reads == NULL)
+        return -1;
+    int ok = closure_reads_hold(reads, PyTuple_GET_ITEM(env, 3), PyTuple_GET_ITEM(env, 4),
+                                PyTuple_GET_ITEM(env, 5), PyTuple_GET_ITEM(env, 6));
+    Py_DECREF(reads);
+    if (ok != 1)
+        return ok;
+    PyObject *found = PyObject_GetAttr(snapshot, found_name); /* [(name, holder), ...] */
+    if (found == NULL)
+        return -1;
+    ok = PyList_Check(found) && PyList_GET_SIZE(found) == PyTuple_GET_SIZE(lifted_slots);
+    for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(lifted_slots); i++) {
+        PyObject *pair = PyList_GET_ITEM(found, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            ok = 0;
+            break;
+        }
+        PyObject *obj = held(PyTuple_GET_ITEM(pair, 1));
+        if (obj == NULL) {
+            ok = 0; /* the object died */
+            break;
+        }
+        ok = match_one(PyTuple_GET_ITEM(lifted_slots, i), obj, dynamic, sources, array_types,
+                       slow);
+        Py_DECREF(obj);
+    }
+    Py_DECREF(found);
+    return ok;
+}
+
+/* Runs `jitted(arrays)` with `call` bound, then unbinds; on failure, hands the
+ * error to `raise_failure(call, error)` (which raises the better error). */
+static PyObject *
+run_bound(PyObject *jitted, PyObject *binding, PyObject *call, PyObject *dynamic,
+          PyObject *raise_failure)
+{
+    if (PyObject_SetAttr(binding, call_name, call) < 0)
+        return NULL;
+    PyObject *arrays = PyList_AsTuple(dynamic);
+    PyObject *result = arrays == NULL ? NULL : PyObject_CallOneArg(jitted, arrays);
+    Py_XDECREF(arrays);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (PyObject_SetAttr(binding, call_name, Py_None) < 0) {
+        if (type == NULL) { /* the unbinding failed alone: report it */
+            Py_XDECREF(result);
+            return NULL;
+        }
+        PyErr_Clear();
+    }
+    if (type == NULL)
+        return result;
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != NULL)
+        PyException_SetTraceback(value, traceback);
+    PyObject *raised = PyObject_CallFunctionObjArgs(raise_failure, call, value, NULL);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+    if (raised != NULL) {
+        Py_DECREF(raised);
+        PyErr_SetString(PyExc_SystemError, "treemode: the failure handler did not raise");
+    }
+    return NULL;
+}
+
+/* A call through a memo's plan: its result, or NULL with an exception, or
+ * NULL without one when the arguments do not match the memo (the caller then
+ * takes the Python path, which decides everything again).
+ *
+ * plan = (site part, entry part, environment):
+ *   site part   (site, slots, partial_args, fn, snapshot, lifted_slots)
+ *   entry part  (jitted, binding, entry)
+ *   environment (array_types, match_slow, closure module globals, kinds,
+ *                ignore, empty, ignored, SiteCall type, raise_failure) */
+static PyObject *
+fast_call(PyObject *plan, PyObject *args)
+{
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 3) {
+        PyErr_SetString(PyExc_TypeError, "treemode: a memo plan is a 3-tuple");
+        return NULL;
+    }
+    PyObject *site_part = PyTuple_GET_ITEM(plan, 0);
+    PyObject *entry_part = PyTuple_GET_ITEM(plan, 1);
+    PyObject *env = PyTuple_GET_ITEM(plan, 2);
+    if (!PyTuple_Check(site_part) || PyTuple_GET_SIZE(site_part) != 6 ||
+        !PyTuple_Check(entry_part) || PyTuple_GET_SIZE(entry_part) != 3 || !PyTuple_Check(env) ||
+        PyTuple_GET_SIZE(env) != 9 || !PyTuple_Check(PyTuple_GET_ITEM(site_part, 1)) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(site_part, 2)) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(site_part, 5)) || !PyAnySet_Check(PyTuple_GET_ITEM(env, 0)) ||
+        !PyType_Check(PyTuple_GET_ITEM(env, 7)) ||
+        !PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(env, 7), &SiteCallFields_Type)) {
+        PyErr_SetString(PyExc_TypeError, "treemode: malformed memo plan");
+        return NULL;
+    }
+    PyObject *site = PyTuple_GET_ITEM(site_part, 0), *slots = PyTuple_GET_ITEM(site_part, 1);
+    PyObject *partial = PyTuple_GET_ITEM(site_part, 2), *fn = PyTuple_GET_ITEM(site_part, 3);
+    PyObject *snapshot = PyTuple_GET_ITEM(site_part, 4);
+    PyObject *lifted_slots = PyTuple_GET_ITEM(site_part, 5);
+    PyObject *jitted = PyTuple_GET_ITEM(entry_part, 0);
+    PyObject *binding = PyTuple_GET_ITEM(entry_part, 1);
+    PyObject *entry = PyTuple_GET_ITEM(entry_part, 2);
+    PyObject *array_types = PyTuple_GET_ITEM(env, 0), *slow = PyTuple_GET_ITEM(env, 1);
+    PyTypeObject *site_call_type = (PyTypeObject *)PyTuple_GET_ITEM(env, 7);
+    PyObject *raise_failure = PyTuple_GET_ITEM(env, 8);
+
+    PyObject *roots = NULL, *dynamic = NULL, *sources = NULL, *kwargs = NULL, *call = NULL;
+    PyObject *result = NULL, *out = NULL;
+    int ok = 0;
+    if (PyTuple_GET_SIZE(partial) == 0) {
+        Py_INCREF(args);
+        roots = args;
+    }
+    else {
+        roots = PySequence_Concat(partial, args);
+        if (roots == NULL)
+            goto done;
+    }
+    if (PyTuple_GET_SIZE(roots) != PyTuple_GET_SIZE(slots))
+        goto done; /* a miss */
+    dynamic = PyList_New(0);
+    sources = PyList_New(0);
+    if (dynamic == NULL || sources == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(slots); i++) {
+        ok = match_one(PyTuple_GET_ITEM(slots, i), PyTuple_GET_ITEM(roots, i), dynamic, sources,
+                       array_types, slow);
+        if (ok != 1)
+            goto done;
+    }
+    ok = match_closure(fn, snapshot, lifted_slots, env, dynamic, sources);
+    if (ok != 1)
+        goto done;
+    ok = -1; /* from here on, every failure is an error */
+    kwargs = PyDict_New();
+    if (kwargs == NULL)
+        goto done;
+    call = site_call_new(site_call_type, site, roots, kwargs, dynamic, sources);
+    if (call == NULL)
+        goto done;
+    result = run_bound(jitted, binding, call, dynamic, raise_failure);
+    if (result == NULL)
+        goto done;
+    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 2) {
+        PyErr_SetString(PyExc_TypeError, "treemode: a compiled entry returns (out, updates)");
+        goto done;
+    }
+    /* Whether to write back is read after the call: a trace it made may have set it. */
+    PyObject *writes = PyObject_GetAttr(entry, writes_name);
+    if (writes == NULL)
+        goto done;
+    int truth = PyObject_IsTrue(writes);
+    Py_DECREF(writes);
+    if (truth < 0)
+        goto done;
+    if (truth) {
+        PyObject *written = PyObject_CallMethodObjArgs(entry, write_back_name, call,
+                                                       PyTuple_GET_ITEM(result, 1), NULL);
+        if (written == NULL)
+            goto done;
+        Py_DECREF(written);
+    }
+    out = PyTuple_GET_ITEM(result, 0);
+    Py_INCREF(out);
+done:
+    if (ok < 0 && out == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_SystemError, "treemode: the memo call failed without an error");
+    Py_XDECREF(result);
+    Py_XDECREF(call);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(sources);
+    Py_XDECREF(dynamic);
+    Py_XDECREF(roots);
+    return out;
+}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *memo;
+} MemoCallObject;
+
+static PyObject *
+memo_call(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    PyObject *memo = ((MemoCallObject *)self)->memo;
+    if (memo != NULL && PyTuple_Check(memo) && PyTuple_GET_SIZE(memo) == 3 &&
+        PyTuple_GET_ITEM(memo, 2) != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+        Py_INCREF(memo); /* another thread may replace it meanwhile */
+        PyObject *result = fast_call(PyTuple_GET_ITEM(memo, 2), args);
+        Py_DECREF(memo);
+        if (result != NULL || PyErr_Occurred())
+            return result;
+    }
+    PyObject *slow_path = PyObject_GetAttr(self, slow_call_name);
+    if (slow_path == NULL)
+        return NULL;
+    PyObject *result = PyObject_Call(slow_path, args, kwargs);
+    Py_DECREF(slow_path);
+    return result;
+}
+
+static int
+memo_call_traverse(MemoCallObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->memo);
+    return 0;
+}
+
+static int
+memo_call_clear(MemoCallObject *self)
+{
+    Py_CLEAR(self->memo);
+    return 0;
+}
+
+static void
+memo_call_dealloc(MemoCallObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    memo_call_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef memo_call_members[] = {
+    {"_memo", T_OBJECT, offsetof(MemoCallObject, memo), 0,
+     "None, or (CallSite, compiled entry, plan or None) of the last call"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject MemoCall_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "treemode._guard.MemoCall",
+    .tp_doc = PyDoc_STR("Base of a callable whose calls first try its call-site memo's plan "
+                        "in C, then its `_call` method."),
+    .tp_basicsize = sizeof(MemoCallObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_call = memo_call,
+    .tp_traverse = (traverseproc)memo_call_traverse,
+    .tp_clear = (inquiry)memo_call_clear,
+    .tp_dealloc = (destructor)memo_call_dealloc,
+    .tp_members = memo_call_members,
+};
+
 static PyMethodDef methods[] = {
     {"holds", (PyCFunction)(void (*)(void))holds, METH_FASTCALL, holds_doc},
     {"match_into", (PyCFunction)(void (*)(void))match_into, METH_FASTCALL, match_into_doc},
@@ -652,8 +1043,34 @@ PyInit__guard(void)
     fast_name = PyUnicode_InternFromString("_fast");
     code_name = PyUnicode_InternFromString("__code__");
     closure_name = PyUnicode_InternFromString("__closure__");
+    snapshots_name = PyUnicode_InternFromString("_snapshots");
+    reads_name = PyUnicode_InternFromString("reads");
+    found_name = PyUnicode_InternFromString("found");
+    call_name = PyUnicode_InternFromString("call");
+    writes_name = PyUnicode_InternFromString("writes");
+    write_back_name = PyUnicode_InternFromString("write_back");
+    slow_call_name = PyUnicode_InternFromString("_call");
     if (metadata_name == NULL || raw_value_name == NULL || fast_name == NULL ||
-        code_name == NULL || closure_name == NULL)
+        code_name == NULL || closure_name == NULL || snapshots_name == NULL ||
+        reads_name == NULL || found_name == NULL || call_name == NULL || writes_name == NULL ||
+        write_back_name == NULL || slow_call_name == NULL)
         return NULL;
-    return PyModule_Create(&module_def);
+    if (PyType_Ready(&SiteCallFields_Type) < 0 || PyType_Ready(&MemoCall_Type) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    Py_INCREF(&SiteCallFields_Type);
+    if (PyModule_AddObject(module, "SiteCallFields", (PyObject *)&SiteCallFields_Type) < 0) {
+        Py_DECREF(&SiteCallFields_Type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&MemoCall_Type);
+    if (PyModule_AddObject(module, "MemoCall", (PyObject *)&MemoCall_Type) < 0) {
+        Py_DECREF(&MemoCall_Type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -20,3 +20,23 @@ def reads_hold(
     /,
 ) -> bool: ...
 def write_changed(variables: Sequence[Any], updates: Sequence[Any], /) -> int: ...
+
+class SiteCallFields:
+    site: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    dynamic: list[Any]
+    sources: list[Any]
+    _full: Any
+    def __init__(
+        self,
+        site: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        dynamic: list[Any],
+        sources: list[Any],
+    ) -> None: ...
+
+class MemoCall:
+    _memo: Any
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

@@ -5,12 +5,12 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, ParamSpec, TypeVar, overload
 
 import jax
 from jax.core import Tracer
 
-from . import _core
+from . import _callsite, _core
 from ._callsite import CallSite, SiteCall
 from ._errors import DonationError, StaticArgumentError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
@@ -120,8 +120,33 @@ class _Entry:
         """Arrange a per-dynamic-array list (e.g. shardings) like `args`."""
         return self.args(per_dynamic)
 
+    def write_back(self, call: _core.Call | SiteCall, updates: Sequence[Any]) -> None:
+        """Store a call's updates (and any metadata update its trace recorded)."""
+        _core.write_back(call, updates, self.pure.record.metadata_updates)
 
-class JitWrapped(Generic[P, R]):
+
+class _PythonMemoCall:
+    """What ``_guard.MemoCall`` does, where it is not built: every call runs `_call`."""
+
+    _memo: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+if TYPE_CHECKING:
+    _MemoCall = _PythonMemoCall
+else:
+    try:  # calls matching the memo run in C, without a Python frame
+        from ._guard import MemoCall as _MemoCall
+    except ImportError:  # built without the C extension
+        _MemoCall = _PythonMemoCall
+
+
+class JitWrapped(_MemoCall, Generic[P, R]):
     """A function compiled with `treemode.jit`."""
 
     def __init__(
@@ -171,10 +196,11 @@ class JitWrapped(Generic[P, R]):
         self.donate_argnames = donate_names
         self._n_partial = n_partial
         self._cache: dict[_core.CallKey, _Entry] = {}
-        # The last call's memo (see ``_callsite``) and its compiled entry, set
-        # together (one attribute, so threads never pair one call's site with
-        # another's entry): a loop calling with the same objects skips ``prepare``.
-        self._memo: tuple[CallSite, _Entry] | None = None
+        # The last call's memo (see ``_callsite``), its compiled entry and the plan
+        # the compiled call path runs (None: calls match in Python), set together
+        # (one attribute, so threads never pair one call's site with another's
+        # entry): a loop calling with the same objects skips ``prepare``.
+        self._memo: tuple[CallSite, _Entry, Any] | None = None
 
     # -- descriptor protocol: methods ------------------------------------------
 
@@ -287,18 +313,29 @@ class JitWrapped(Generic[P, R]):
         out += [None] * (len(call.variables) - len(out))
         return out
 
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+    if TYPE_CHECKING:  # at run time, the base class's call (the compiled path) runs `_call`
+
+        def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         memo = self._memo
         if memo is not None:
-            site, entry = memo
+            site, entry, _ = memo
             matched = site.match((*self.partial_args, *args) if self._n_partial else args, kwargs)
             if matched is not None:
                 return self._run(matched, entry, entry.jitted)
         call = self._prepare(args, kwargs, abstract=False)
         entry = self._entry(call)
         site = CallSite.record(call, self._prepare_in_full)
-        self._memo = None if site is None else (site, entry)
+        self._memo = None if site is None else (site, entry, self._plan(site, entry))
         return self._run(call, entry, entry.jitted)
+
+    def _plan(self, site: CallSite, entry: _Entry) -> Any:
+        """The compiled call path's plan for ``site`` (``None``: match in Python)."""
+        if entry.donated:  # the shared-buffer check runs in Python
+            return None
+        run = (entry.jitted, entry.pure.binding, entry)
+        return _callsite.compiled_plan(site, self.partial_args, run, _raise_failure)
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
         """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
@@ -318,14 +355,11 @@ class JitWrapped(Generic[P, R]):
         try:
             out, updates = executable(*arrays)
         except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
-            better = _core.explain_failure(call.full(), e)
-            if better is not None:
-                raise better from e
-            raise
+            _raise_failure(call, e)
         finally:
             binding.call = None
         if entry.writes:
-            _core.write_back(call, updates, entry.pure.record.metadata_updates)
+            entry.write_back(call, updates)
         return out if not call.graph else _core.finish(call.full(), out)
 
     # -- AOT ---------------------------------------------------------------------
@@ -359,6 +393,15 @@ class JitWrapped(Generic[P, R]):
     def clear_cache(self) -> None:
         self._cache.clear()
         self._memo = None
+
+
+def _raise_failure(call: _core.Call | SiteCall, error: BaseException) -> NoReturn:
+    """Raise what a failed compiled call should: a treemode error naming the input, if any."""
+    if isinstance(error, (RuntimeError, jax.errors.UnexpectedTracerError)):
+        better = _core.explain_failure(call.full(), error)
+        if better is not None:
+            raise better from error
+    raise error
 
 
 def _is_sharding(x: Any) -> bool:
