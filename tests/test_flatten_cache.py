@@ -208,3 +208,29 @@ def test_compiled_guard_reads_metadata_kept_outside_slots():
     assert not guard.holds(state, [v])  # no metadata: False, and no exception leaks
     with pytest.raises(TypeError, match="8-tuple"):
         guard.holds(state[:3], [v])
+
+
+def test_version_tags_skip_unmodified_dicts_and_never_hide_a_change():
+    # With version tags (CPython 3.11), a dict not modified since the snapshot is
+    # not compared; a modified one is compared in full, so a change restored to the
+    # same objects still validates and any real change is caught.
+    guard = importlib.import_module("treemode._guard")
+    v = nnx.Param(jnp.ones(2))
+    m = nnx.Module()
+    m.w = v
+    m.label = "a"
+    flat = _flatten.flatten_arg(m, treemode._leaves.is_array)
+    entry = flat.origin or flat
+    state = flat._guard.compiled_state if flat._guard else None
+    if state is None:  # the Python guard: no tags
+        assert _flatten._compiled_holds is None
+        return
+    tags_built = guard.version_tags([{}]) is not None
+    assert len(state) == (11 if tags_built else 8)
+    assert guard.holds(state, [v])
+    m.label = "b"
+    m.label = "a"  # modified, then restored: compared in full, still the same objects
+    assert guard.holds(state, [v])
+    assert _flatten.flatten_arg(m, treemode._leaves.is_array).origin is entry
+    v.set_metadata("note", "x")  # in place, in the metadata dict
+    assert not guard.holds(state, [v])

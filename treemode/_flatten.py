@@ -34,8 +34,10 @@ from ._paths import format_path
 
 try:  # the compiled guard (treemode/_guard.c); optional, same checks in Python below
     from ._guard import holds as _compiled_holds
+    from ._guard import version_tags as _version_tags
 except ImportError:  # pragma: no cover - built wherever a C compiler is available
     _compiled_holds = None
+    _version_tags = None
 
 Variable = Any  # nnx.Variable; kept loose for speed-critical annotations
 
@@ -265,15 +267,24 @@ class _Guard:
                 self.dicts.append(obj)
             else:
                 self.dicts.append(obj.__dict__)
+        exact = (dict, list)
+        compiled = _compiled_holds is not None and all(type(c) in exact for c in self.ordered)
+        if compiled:
+            metadata = tuple(v._var_metadata for v in variables)
+            # Version tags are read before the contents they vouch for: a change in
+            # between makes a tag stale (a full comparison), never a content.
+            tags = (
+                ()
+                if _version_tags is None
+                else tuple(map(_version_tags, (self.dicts, self.ordered, metadata)))
+            )
         self.sized = self.dicts + [obj for obj in self.ordered if isinstance(obj, list)]
         self.lens = list(map(len, self.sized))
         self.values = tuple(chain.from_iterable(map(dict.values, self.dicts)))
         self.items = tuple(chain.from_iterable(self.ordered))
         self.compiled_state: tuple[Any, ...] | None = None
         self.metadata_copies: list[dict[str, Any]] = []
-        exact = (dict, list)
-        if _compiled_holds is not None and all(type(c) in exact for c in self.ordered):
-            metadata = tuple(v._var_metadata for v in variables)
+        if compiled:
             entries = tuple(tuple(chain.from_iterable(m.items())) for m in metadata)
             self.compiled_state = (
                 tuple(self.sized),
@@ -284,6 +295,7 @@ class _Guard:
                 self.items,
                 metadata,
                 entries,
+                *(tags if tags and None not in tags else ()),
             )
         else:
             self.metadata_copies = [dict(v._var_metadata) for v in variables]

@@ -27,6 +27,72 @@ static PyObject *writes_name;    /* interned "writes" */
 static PyObject *write_back_name; /* interned "write_back" */
 static PyObject *slow_call_name; /* interned "_call" */
 
+/* Dict version tags (CPython 3.11: `ma_version_tag` changes whenever a dict is
+ * modified). A dict whose tag is the one saved with a snapshot has not been
+ * modified since, so its contents need no comparison. Where tags are not
+ * available (3.12 deprecated them), `version_tags` returns None and every
+ * comparison is made. */
+#if PY_VERSION_HEX < 0x030C0000
+#define HAVE_VERSION_TAGS 1
+#else
+#define HAVE_VERSION_TAGS 0
+#endif
+
+/* The saved tags of a snapshot's `n` containers (a bytes of n uint64), or NULL. */
+static const uint64_t *
+saved_tags(PyObject *tags, Py_ssize_t n)
+{
+    if (!HAVE_VERSION_TAGS || tags == NULL || !PyBytes_Check(tags) ||
+        PyBytes_GET_SIZE(tags) != n * (Py_ssize_t)sizeof(uint64_t))
+        return NULL;
+    return (const uint64_t *)PyBytes_AS_STRING(tags);
+}
+
+/* Whether `container` is a dict not modified since its tag `saved` was read. */
+static int
+unmodified(PyObject *container, const uint64_t *tags, Py_ssize_t i)
+{
+#if HAVE_VERSION_TAGS
+    return tags != NULL && PyDict_Check(container) &&
+           ((PyDictObject *)container)->ma_version_tag == tags[i];
+#else
+    (void)container;
+    (void)tags;
+    (void)i;
+    return 0;
+#endif
+}
+
+PyDoc_STRVAR(version_tags_doc,
+"version_tags(containers) -> bytes | None\n\n"
+"The current version tag of each dict in `containers` (0 for anything else),\n"
+"packed as uint64 for a guard state; None where the interpreter has none.\n"
+"Read the tags before the contents they vouch for.");
+
+static PyObject *
+version_tags(PyObject *Py_UNUSED(module), PyObject *containers)
+{
+#if HAVE_VERSION_TAGS
+    PyObject *seq = PySequence_Fast(containers, "version_tags: a sequence of containers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *tags = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint64_t));
+    if (tags != NULL) {
+        uint64_t *out = (uint64_t *)PyBytes_AS_STRING(tags);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *c = PySequence_Fast_GET_ITEM(seq, i);
+            out[i] = PyDict_Check(c) ? ((PyDictObject *)c)->ma_version_tag : 0;
+        }
+    }
+    Py_DECREF(seq);
+    return tags;
+#else
+    (void)containers;
+    Py_RETURN_NONE;
+#endif
+}
+
 /* Whether `container` (a dict or a list) has `expected` entries. */
 static int
 same_length(PyObject *container, PyObject *expected)
@@ -139,19 +205,22 @@ slot_offset(PyTypeObject *type, PyObject *name, SlotCache *cache)
 
 /* Whether `var`'s `_var_metadata` is `expected`, holding exactly `entries`. */
 static int
-same_metadata(PyObject *var, PyObject *expected, PyObject *entries)
+same_metadata(PyObject *var, PyObject *expected, PyObject *entries, const uint64_t *tags,
+              Py_ssize_t i)
 {
     Py_ssize_t offset = slot_offset(Py_TYPE(var), metadata_name, &metadata_slots);
     if (offset >= 0) {
         PyObject *current = *(PyObject **)((char *)var + offset); /* borrowed; NULL if unset */
-        return current == expected && PyDict_Check(current) && same_entries(current, entries);
+        return current == expected && PyDict_Check(current) &&
+               (unmodified(current, tags, i) || same_entries(current, entries));
     }
     PyObject *current = PyObject_GetAttr(var, metadata_name);
     if (current == NULL) {
         PyErr_Clear(); /* no metadata any more: not the flattening's Variable */
         return 0;
     }
-    int same = current == expected && PyDict_Check(current) && same_entries(current, entries);
+    int same = current == expected && PyDict_Check(current) &&
+               (unmodified(current, tags, i) || same_entries(current, entries));
     Py_DECREF(current);
     return same;
 }
@@ -162,8 +231,8 @@ same_metadata(PyObject *var, PyObject *expected, PyObject *entries)
 static int
 state_holds(PyObject *state, PyObject *variables)
 {
-    if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != 8) {
-        PyErr_SetString(PyExc_TypeError, "a guard state is an 8-tuple");
+    if (!PyTuple_Check(state) || (PyTuple_GET_SIZE(state) != 8 && PyTuple_GET_SIZE(state) != 11)) {
+        PyErr_SetString(PyExc_TypeError, "a guard state is an 8-tuple, or 11 with version tags");
         return -1;
     }
     PyObject *sized = PyTuple_GET_ITEM(state, 0);
@@ -174,6 +243,13 @@ state_holds(PyObject *state, PyObject *variables)
     PyObject *items = PyTuple_GET_ITEM(state, 5);
     PyObject *metadata = PyTuple_GET_ITEM(state, 6);
     PyObject *metadata_entries = PyTuple_GET_ITEM(state, 7);
+    int tagged = PyTuple_GET_SIZE(state) == 11;
+    const uint64_t *dict_tags =
+        tagged ? saved_tags(PyTuple_GET_ITEM(state, 8), PyTuple_GET_SIZE(dicts)) : NULL;
+    const uint64_t *ordered_tags =
+        tagged ? saved_tags(PyTuple_GET_ITEM(state, 9), PyTuple_GET_SIZE(ordered)) : NULL;
+    const uint64_t *metadata_tags =
+        tagged ? saved_tags(PyTuple_GET_ITEM(state, 10), PyTuple_GET_SIZE(metadata)) : NULL;
     Py_ssize_t k;
 
     /* Lengths first: they keep the element-wise passes below aligned. */
@@ -183,14 +259,24 @@ state_holds(PyObject *state, PyObject *variables)
     }
     k = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dicts); i++) {
-        if (!same_values(PyTuple_GET_ITEM(dicts, i), values, &k))
+        PyObject *d = PyTuple_GET_ITEM(dicts, i);
+        if (unmodified(d, dict_tags, i)) {
+            k += PyDict_GET_SIZE(d); /* its length was checked above */
+            continue;
+        }
+        if (!same_values(d, values, &k))
             return 0;
     }
     if (k != PyTuple_GET_SIZE(values))
         return 0;
     k = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ordered); i++) {
-        if (!same_iteration(PyTuple_GET_ITEM(ordered, i), items, &k))
+        PyObject *c = PyTuple_GET_ITEM(ordered, i);
+        if (unmodified(c, ordered_tags, i)) {
+            k += PyDict_GET_SIZE(c);
+            continue;
+        }
+        if (!same_iteration(c, items, &k))
             return 0;
     }
     if (k != PyTuple_GET_SIZE(items))
@@ -200,7 +286,7 @@ state_holds(PyObject *state, PyObject *variables)
         return 0;
     for (Py_ssize_t i = 0; i < n_vars; i++) {
         if (!same_metadata(PySequence_Fast_GET_ITEM(variables, i), PyTuple_GET_ITEM(metadata, i),
-                           PyTuple_GET_ITEM(metadata_entries, i)))
+                           PyTuple_GET_ITEM(metadata_entries, i), metadata_tags, i))
             return PyErr_Occurred() ? -1 : 0;
     }
     return 1;
@@ -1016,6 +1102,7 @@ static PyTypeObject MemoCall_Type = {
 
 static PyMethodDef methods[] = {
     {"holds", (PyCFunction)(void (*)(void))holds, METH_FASTCALL, holds_doc},
+    {"version_tags", (PyCFunction)version_tags, METH_O, version_tags_doc},
     {"match_into", (PyCFunction)(void (*)(void))match_into, METH_FASTCALL, match_into_doc},
     {"reads_hold", (PyCFunction)(void (*)(void))reads_hold, METH_FASTCALL, reads_hold_doc},
     {"write_changed", (PyCFunction)(void (*)(void))write_changed, METH_FASTCALL,
