@@ -304,16 +304,44 @@ def test_traces_of_one_structure_that_update_different_variables():
     assert m.count[...] == 2
 
 
-def test_the_compiled_call_path_is_used(matcher):
+def test_the_compiled_call_path_is_used(matcher, monkeypatch):
     f = treemode.jit(_step)
     m = Counter()
     f(m, jnp.ones(3))
+    f(m, jnp.ones(3))  # the first write through the memo remembers the trace writable
     assert f._memo is not None
     assert (f._memo[2] is not None) == (matcher == "compiled call")
-    if matcher == "compiled call":  # the Python path is not entered for a matching call
+    if matcher == "compiled call":  # neither the Python call nor the Python write runs
         f._call = None  # pyright: ignore[reportAttributeAccessIssue]
+
+        def python_write(*args):
+            raise AssertionError("written in Python")
+
+        monkeypatch.setattr(type(f._memo[1]), "write_back", python_write)
         f(m, jnp.ones(3))
-        assert m.count[...] == 2
+        assert m.count[...] == 3
+        np.testing.assert_allclose(m.w[...], np.full(3, 4.0))
+
+
+def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(monkeypatch):
+    @treemode.jit
+    def f(m, x):
+        m.count[...] += 1
+        m.w.set_metadata("seen", True)  # a metadata update: written in Python
+        return x
+
+    m = Counter()
+    for _ in range(3):
+        f(m, jnp.ones(3))
+    assert m.count[...] == 3 and m.w.get_metadata("seen") is True
+    stores: list[object] = []
+    real = _core.store
+    monkeypatch.setattr(_core, "store", lambda v, *a: (stores.append(v), real(v, *a)))
+    g = treemode.jit(_step)
+    n = Counter()
+    for _ in range(3):
+        g(n, jnp.ones(3))
+    assert n.count[...] == 3 and len(stores) == 6  # every write went through the hook
 
 
 def test_a_failing_matched_call_names_the_input_and_unbinds():

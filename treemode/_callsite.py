@@ -250,14 +250,17 @@ class SiteCall(_SiteCallFields):
 def compiled_plan(
     site: CallSite,
     partial_args: tuple[Any, ...],
-    run: tuple[Callable[..., Any], Any, Any],
+    run: tuple[Callable[..., Any], Any, Any, tuple[Any, ...]],
     raise_failure: Callable[[SiteCall, BaseException], None],
 ) -> tuple[Any, ...] | None:
     """What the compiled call path (``_guard.MemoCall``) runs for calls matching ``site``.
 
-    ``run`` is ``(jitted, binding, entry)``: the executable, the thread-local
-    its `PureFunction` reads the current call from, and the compiled entry
-    (read for ``writes``, called for ``write_back(call, updates)``).
+    ``run`` is ``(jitted, binding, entry, writing)``: the executable, the
+    thread-local its `PureFunction` reads the current call from, the compiled
+    entry (read for ``writes``, called for ``write_back(call, updates)`` when
+    the write cannot be made in C) and what writing in C reads: ``(trace
+    record, the _core module's globals, the default store hook,
+    current_trace_ref)``.
     ``raise_failure(call, error)`` raises the error a failed executable call
     should raise. ``None`` when the compiled path cannot run this site (the
     extension is not built, or the site was recorded with keyword arguments:

@@ -785,7 +785,7 @@ def check_writable(call: Call | SiteCall, updates: Sequence[Any]) -> None:
     # A Variable may be written in the trace it was created in (as Variable itself
     # checks). Fast path: the traces' weak references compared by identity, and
     # remembered per cached argument (a Variable's trace never changes).
-    ref = _current_trace_ref()
+    ref = current_trace_ref()
     if ref is not None:
         for flat in call.sources:
             if (flat.origin or flat).writable_in is not ref and not _writable_in(ref, flat):
@@ -829,7 +829,7 @@ def write_back(
     metadata_updates: dict[int, dict[str, Any]] | None = None,
 ) -> None:
     """Store the changed values into the caller's Variables, all or nothing."""
-    if not metadata_updates and store is _store and _write_changed is not None:
+    if not metadata_updates and store is DEFAULT_STORE and _write_changed is not None:
         # The common case, in one C pass: new values only, with the default hook.
         if any(map(operator.is_not, updates, repeat(None))):
             check_writable(call, updates)
@@ -848,7 +848,7 @@ def write_back(
     meta_targets = [call.variables[i] for i in metadata_updates] if metadata_updates else []
     old_meta = [(var, var._raw_value, var._var_metadata) for var in meta_targets]
     try:
-        if store is _store:
+        if store is DEFAULT_STORE:
             # The default hook, in one C-level pass (no interrupt can land midway).
             list(map(_setattr, targets, repeat("_raw_value"), values))
         else:
@@ -885,13 +885,13 @@ def _trace_ref_from_context() -> Any:
 try:  # the same reference read directly, without building NNX's wrapper object
     from jax._src.core import trace_ctx as _trace_context
 
-    _current_trace_ref = (
+    current_trace_ref = (
         _trace_ref_from_context
         if _trace_ref_from_context() is _trace_ref_from_jax()
         else _trace_ref_from_jax
     )
 except (ImportError, AttributeError):  # pragma: no cover - another JAX version
-    _current_trace_ref = _trace_ref_from_jax
+    current_trace_ref = _trace_ref_from_jax
 
 
 def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:
@@ -905,7 +905,7 @@ def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:
         object.__setattr__(var, "_var_metadata", metadata)
 
 
-_store = store
+DEFAULT_STORE = store  # the compiled write path runs only while `store` is this one
 
 
 def _restore(var: Any, value: Any, metadata: dict[str, Any]) -> None:

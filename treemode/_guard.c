@@ -26,6 +26,10 @@ static PyObject *call_name;      /* interned "call" */
 static PyObject *writes_name;    /* interned "writes" */
 static PyObject *write_back_name; /* interned "write_back" */
 static PyObject *slow_call_name; /* interned "_call" */
+static PyObject *metadata_updates_name; /* interned "metadata_updates" */
+static PyObject *store_name;     /* interned "store" */
+static PyObject *writable_in_name; /* interned "writable_in" */
+static PyObject *variables_name; /* interned "variables" */
 
 /* Dict version tags (CPython 3.11: `ma_version_tag` changes whenever a dict is
  * modified). A dict whose tag is the one saved with a snapshot has not been
@@ -670,30 +674,15 @@ PyDoc_STRVAR(write_changed_doc,
 "every update that is not None, all or nothing; returns how many were written.\n"
 "The replaced values are released only after the last write.");
 
-static PyObject *
-write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+/* Writes every non-None `updates[i]` into `variables[i]` (both fast
+ * sequences of one length), all or nothing: the count written, or -1. */
+static Py_ssize_t
+write_all(PyObject *variables, PyObject *updates)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "write_changed(variables, updates) takes 2 arguments");
-        return NULL;
-    }
-    PyObject *variables = PySequence_Fast(args[0], "variables must be a sequence");
-    if (variables == NULL)
-        return NULL;
-    PyObject *updates = PySequence_Fast(args[1], "updates must be a sequence");
-    if (updates == NULL) {
-        Py_DECREF(variables);
-        return NULL;
-    }
-    PyObject *previous = NULL, *result = NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(variables);
-    if (PySequence_Fast_GET_SIZE(updates) != n) {
-        PyErr_SetString(PyExc_ValueError, "write_changed: one update per Variable");
-        goto done;
-    }
-    previous = PyList_New(0);
+    PyObject *previous = PyList_New(0); /* the replaced values, released last */
     if (previous == NULL)
-        goto done;
+        return -1;
     Py_ssize_t written = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *update = PySequence_Fast_GET_ITEM(updates, i);
@@ -715,13 +704,39 @@ write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
                 Py_XDECREF(scratch);
             }
             PyErr_Restore(type, value, traceback);
-            goto done;
+            written = -1;
+            break;
         }
         written++;
     }
-    result = PyLong_FromSsize_t(written);
-done:
-    Py_XDECREF(previous); /* the replaced values go only now */
+    Py_DECREF(previous);
+    return written;
+}
+
+static PyObject *
+write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "write_changed(variables, updates) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *variables = PySequence_Fast(args[0], "variables must be a sequence");
+    if (variables == NULL)
+        return NULL;
+    PyObject *updates = PySequence_Fast(args[1], "updates must be a sequence");
+    if (updates == NULL) {
+        Py_DECREF(variables);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (PySequence_Fast_GET_SIZE(updates) != PySequence_Fast_GET_SIZE(variables)) {
+        PyErr_SetString(PyExc_ValueError, "write_changed: one update per Variable");
+    }
+    else {
+        Py_ssize_t written = write_all(variables, updates);
+        if (written >= 0)
+            result = PyLong_FromSsize_t(written);
+    }
     Py_DECREF(updates);
     Py_DECREF(variables);
     return result;
@@ -922,13 +937,79 @@ run_bound(PyObject *jitted, PyObject *binding, PyObject *call, PyObject *dynamic
     return NULL;
 }
 
+/* The write-back of a memo-matched call, in C when nothing needs Python: no
+ * metadata update was traced, the store hook is the default, and every source
+ * flattening is remembered as writable in the current trace. 1 written, 0 not
+ * attempted (the caller writes in Python), -1 error.
+ *
+ * write_env = (record, core module globals, default store, current_trace_ref) */
+static int
+write_in_c(PyObject *write_env, PyObject *sources, PyObject *updates)
+{
+    if (!PyTuple_Check(write_env) || PyTuple_GET_SIZE(write_env) != 4 || !PyList_Check(sources) ||
+        !PyTuple_Check(updates))
+        return 0;
+    PyObject *metadata = PyObject_GetAttr(PyTuple_GET_ITEM(write_env, 0), metadata_updates_name);
+    if (metadata == NULL)
+        return -1;
+    int has_metadata = PyObject_IsTrue(metadata);
+    Py_DECREF(metadata);
+    if (has_metadata != 0)
+        return has_metadata < 0 ? -1 : 0;
+    PyObject *store = PyDict_GetItemWithError(PyTuple_GET_ITEM(write_env, 1), store_name);
+    if (store != PyTuple_GET_ITEM(write_env, 2))
+        return PyErr_Occurred() ? -1 : 0; /* replaced (tests inject faults there) */
+    PyObject *ref = PyObject_CallNoArgs(PyTuple_GET_ITEM(write_env, 3));
+    if (ref == NULL)
+        return -1;
+    PyObject *variables = PyList_New(0);
+    if (variables == NULL) {
+        Py_DECREF(ref);
+        return -1;
+    }
+    int ok = ref != Py_None;
+    for (Py_ssize_t i = 0; ok == 1 && i < PyList_GET_SIZE(sources); i++) {
+        PyObject *source = PyList_GET_ITEM(sources, i);
+        PyObject *writable_in = PyObject_GetAttr(source, writable_in_name);
+        if (writable_in == NULL) {
+            ok = -1;
+            break;
+        }
+        Py_DECREF(writable_in); /* only compared */
+        if (writable_in != ref) {
+            ok = 0;
+            break;
+        }
+        PyObject *own = PyObject_GetAttr(source, variables_name);
+        if (own == NULL) {
+            ok = -1;
+            break;
+        }
+        if (!PyList_Check(own)) {
+            ok = 0;
+        }
+        else {
+            Py_ssize_t n = PyList_GET_SIZE(variables);
+            ok = PyList_SetSlice(variables, n, n, own) < 0 ? -1 : 1;
+        }
+        Py_DECREF(own);
+    }
+    Py_DECREF(ref);
+    if (ok == 1 && PyList_GET_SIZE(variables) != PyTuple_GET_SIZE(updates))
+        ok = 0;
+    if (ok == 1 && write_all(variables, updates) < 0)
+        ok = -1;
+    Py_DECREF(variables);
+    return ok;
+}
+
 /* A call through a memo's plan: its result, or NULL with an exception, or
  * NULL without one when the arguments do not match the memo (the caller then
  * takes the Python path, which decides everything again).
  *
  * plan = (site part, entry part, environment):
  *   site part   (site, slots, partial_args, fn, snapshot, lifted_slots)
- *   entry part  (jitted, binding, entry)
+ *   entry part  (jitted, binding, entry, write environment: see write_in_c)
  *   environment (array_types, match_slow, closure module globals, kinds,
  *                ignore, empty, ignored, SiteCall type, raise_failure) */
 static PyObject *
@@ -942,7 +1023,7 @@ fast_call(PyObject *plan, PyObject *args)
     PyObject *entry_part = PyTuple_GET_ITEM(plan, 1);
     PyObject *env = PyTuple_GET_ITEM(plan, 2);
     if (!PyTuple_Check(site_part) || PyTuple_GET_SIZE(site_part) != 6 ||
-        !PyTuple_Check(entry_part) || PyTuple_GET_SIZE(entry_part) != 3 || !PyTuple_Check(env) ||
+        !PyTuple_Check(entry_part) || PyTuple_GET_SIZE(entry_part) != 4 || !PyTuple_Check(env) ||
         PyTuple_GET_SIZE(env) != 9 || !PyTuple_Check(PyTuple_GET_ITEM(site_part, 1)) ||
         !PyTuple_Check(PyTuple_GET_ITEM(site_part, 2)) ||
         !PyTuple_Check(PyTuple_GET_ITEM(site_part, 5)) || !PyAnySet_Check(PyTuple_GET_ITEM(env, 0)) ||
@@ -1012,11 +1093,16 @@ fast_call(PyObject *plan, PyObject *args)
     if (truth < 0)
         goto done;
     if (truth) {
-        PyObject *written = PyObject_CallMethodObjArgs(entry, write_back_name, call,
-                                                       PyTuple_GET_ITEM(result, 1), NULL);
-        if (written == NULL)
+        int in_c = write_in_c(PyTuple_GET_ITEM(entry_part, 3), sources, PyTuple_GET_ITEM(result, 1));
+        if (in_c < 0)
             goto done;
-        Py_DECREF(written);
+        if (in_c == 0) {
+            PyObject *written = PyObject_CallMethodObjArgs(entry, write_back_name, call,
+                                                           PyTuple_GET_ITEM(result, 1), NULL);
+            if (written == NULL)
+                goto done;
+            Py_DECREF(written);
+        }
     }
     out = PyTuple_GET_ITEM(result, 0);
     Py_INCREF(out);
@@ -1137,10 +1223,15 @@ PyInit__guard(void)
     writes_name = PyUnicode_InternFromString("writes");
     write_back_name = PyUnicode_InternFromString("write_back");
     slow_call_name = PyUnicode_InternFromString("_call");
+    metadata_updates_name = PyUnicode_InternFromString("metadata_updates");
+    store_name = PyUnicode_InternFromString("store");
+    writable_in_name = PyUnicode_InternFromString("writable_in");
+    variables_name = PyUnicode_InternFromString("variables");
     if (metadata_name == NULL || raw_value_name == NULL || fast_name == NULL ||
         code_name == NULL || closure_name == NULL || snapshots_name == NULL ||
         reads_name == NULL || found_name == NULL || call_name == NULL || writes_name == NULL ||
-        write_back_name == NULL || slow_call_name == NULL)
+        write_back_name == NULL || slow_call_name == NULL || metadata_updates_name == NULL ||
+        store_name == NULL || writable_in_name == NULL || variables_name == NULL)
         return NULL;
     if (PyType_Ready(&SiteCallFields_Type) < 0 || PyType_Ready(&MemoCall_Type) < 0)
         return NULL;

@@ -334,7 +334,8 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         """The compiled call path's plan for ``site`` (``None``: match in Python)."""
         if entry.donated:  # the shared-buffer check runs in Python
             return None
-        run = (entry.jitted, entry.pure.binding, entry)
+        writing = (entry.pure.record, vars(_core), _core.DEFAULT_STORE, _core.current_trace_ref)
+        run = (entry.jitted, entry.pure.binding, entry, writing)
         return _callsite.compiled_plan(site, self.partial_args, run, _raise_failure)
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
