@@ -3,20 +3,24 @@
 The dispatch case (``dispatch.py``) gives the total time of a call; this script
 splits treemode's share of it into the stages of the pipeline, each timed on its
 own (interleaved with the others, minimum of many samples, as every benchmark
-here), for the dispatch models' forward pass and train step:
+here), for the dispatch models' forward pass and train step. A call with the
+same objects as the previous one takes the compiled call path
+(``treemode/_guard.c``), whose stages are:
 
 - ``floor``: ``jax.jit`` on a flat tuple of the same arrays (the reference);
 - ``JAX dispatch``: the compiled entry treemode calls, given the prepared arrays
   directly (JAX's own cost for our calling convention; compare with the floor);
-- ``validate cache``: the identity checks (the compiled guard where it is
-  built) that revalidate every argument's cached flattening (linear in the
-  attributes of the modules and optimizer state);
-- ``read values``: reading the current Variable values (one per Variable);
+- ``match arguments``: the identity checks of the call-site memo, in C: each
+  argument is the same object, its cached flattening still holds (containers
+  not modified since the snapshot are vouched for by their version tags), and
+  the Variables' current values are read;
 - ``closure``: checking that the closure still reaches the same objects;
-- ``match, rest``: the rest of the call-site memo's match (argument identities,
-  building the call), measured as the whole match minus the stages above;
 - ``write back``: storing the changed Variables (skipped outright for a
-  function that never updates one, like a forward pass);
+  function that never updates one, like a forward pass), timed through
+  ``_core.write_back``, which the compiled path runs without its Python frame;
+- ``rest of the call``: the whole call minus the stages above (building the
+  matched call, binding it for a retrace, the calls between C and Python); an
+  estimate, as the stages are timed separately;
 - ``whole call``: a `treemode.jit` call end to end;
 - ``prepare (memo miss)``: for comparison, the full ``prepare`` that a call
   runs instead of the memo's match when its arguments are other objects than
@@ -57,16 +61,16 @@ from _models import (
 from flax import nnx
 
 import treemode
-from treemode import _closure, _core, _flatten
+from treemode import _callsite, _closure, _core
+from treemode._leaves import CONCRETE_ARRAY_TYPES
 
 STAGES = [
     "floor",
     "JAX dispatch",
-    "validate cache",
-    "read values",
+    "match arguments",
     "closure",
-    "match, rest",
     "write back",
+    "rest of the call",
     "whole call",
     "prepare (memo miss)",
 ]
@@ -116,7 +120,6 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
     prepared = entry.args(call.dynamic)
     out, updates = entry.jitted(*prepared)
     jax.block_until_ready(out)
-    entries = [_flatten._cache[id(a)] for a in args if id(a) in _flatten._cache]
     jitted(*args)  # records the call-site memo
     assert jitted._memo is not None, "the call-site memo was not recorded"
     site = jitted._memo[0]
@@ -134,17 +137,13 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
         if entry.writes:
             _core.write_back(call, updates, entry.pure.record.metadata_updates)
 
-    def validate() -> None:
-        assert all([e._guard.holds(e.variables) for e in entries])
-
-    def read_values() -> None:
-        [_flatten.current_dynamic(e) for e in entries]
+    def match_arguments() -> None:
+        assert _callsite.match_into(
+            site.slots, args, [], [], CONCRETE_ARRAY_TYPES, _callsite._match_slow
+        )
 
     def closure() -> None:
         assert _closure.unchanged_closure_objects(fn, site.snapshot) is not None
-
-    def match() -> None:
-        site.match(args, {})
 
     def prepare() -> None:
         jitted._prepare(args, {}, abstract=False)
@@ -152,10 +151,8 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
     return {
         "floor": _floor(depth, train, x),
         "JAX dispatch": dispatch,
-        "validate cache": validate,
-        "read values": read_values,
+        "match arguments": match_arguments,
         "closure": closure,
-        "match": match,
         "write back": write_back,
         "whole call": lambda: jitted(*args),
         "prepare (memo miss)": prepare,
@@ -180,8 +177,8 @@ def run(config: Config) -> list[Table]:
             continue
         timings = measure(stage_fns(depth, train), config)
         best = {name: t.best for name, t in timings.items()}
-        parts = ("validate cache", "read values", "closure")
-        best["match, rest"] = max(0.0, best.pop("match") - sum(best[p] for p in parts))
+        parts = ("JAX dispatch", "match arguments", "closure", "write back")
+        best["rest of the call"] = max(0.0, best["whole call"] - sum(best[p] for p in parts))
         data[case] = best
         floor = best["floor"]
         cells = [f"{floor:.0f} µs"] + [
@@ -195,11 +192,13 @@ def run(config: Config) -> list[Table]:
         rows=rows,
         note=(
             "Each stage is timed on its own. `JAX dispatch` is the compiled call with the "
-            "arrays already prepared; the Python stages of the call-site memo add to it. "
-            "`validate cache` and `read values` grow with the number of attributes and "
-            "Variables, the others are a fixed cost per call. `prepare (memo miss)` is "
-            "not part of the call: it is what a call whose arguments are other objects "
-            "than the previous call's runs instead of the memo's match."
+            "arrays already prepared; the stages of the compiled call path add to it. "
+            "`match arguments` grows with the number of Variables (one value read each) "
+            "and of containers (one version-tag check each); `closure` and `rest of the "
+            "call` are a fixed cost per call; `rest of the call` is the whole call minus "
+            "the other stages (an estimate). `prepare (memo miss)` is not part of the "
+            "call: it is what a call whose arguments are other objects than the previous "
+            "call's runs instead of the memo's match."
         ),
         data={"stages": data},
     )
