@@ -392,3 +392,14 @@ def test_a_jitted_function_in_a_reference_cycle_is_collected():
     del f
     gc.collect()
     assert ref() is None
+
+
+def test_a_shallow_copy_of_a_jitted_function_calls_like_the_original():
+    import copy
+
+    f = treemode.jit(_step)
+    m = Counter()
+    f(m, jnp.ones(3))
+    g = copy.copy(f)
+    np.testing.assert_allclose(g(m, jnp.ones(3)), f(m, jnp.ones(3)) - 3.0)
+    assert m.count[...] == 3 and g._cache is f._cache

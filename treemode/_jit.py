@@ -202,6 +202,13 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         # entry): a loop calling with the same objects skips ``prepare``.
         self._memo: tuple[CallSite, _Entry, Any] | None = None
 
+    def __copy__(self) -> JitWrapped[P, R]:
+        """A shallow copy sharing the compiled entries (as before the C base class)."""
+        copied = type(self).__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        copied._memo = self._memo
+        return copied
+
     # -- descriptor protocol: methods ------------------------------------------
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
