@@ -45,7 +45,10 @@ CASES = {
     "eager": ("eager", ["vmap (eager)", "scan (eager)", "grad (eager)", "nnx (graph=False)"]),
     "memory": ("memory", ["donated train step", "exactly 1.0"]),
     "compilation": ("compilation", ["Trace count", "Compile time"]),
-    "stages": ("stages", ["match arguments", "JAX dispatch", "closure", "write back", "whole call"]),
+    "stages": (
+        "stages",
+        ["match arguments", "JAX dispatch", "closure", "write back", "whole call"],
+    ),
 }
 
 

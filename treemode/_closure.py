@@ -397,9 +397,11 @@ class _Walk:
 class _Snapshot:
     """One function's answer and every read it depends on, checked in bulk.
 
-    The global reads are checked in one C-level pass (``dict.get`` over all the
-    ``(globals, name)`` pairs, compared with ``is``); the functions' code
-    objects, closure cells and Module classes one by one.
+    Where the extension is built, every read is checked in one call of the
+    compiled ``reads_hold`` over ``reads`` (the same groups, as tuples). In
+    Python, the global reads are checked in one C-level pass (``dict.get`` over
+    all the ``(globals, name)`` pairs, compared with ``is``); the functions'
+    code objects, closure cells and Module classes one by one.
     """
 
     __slots__ = (
