@@ -212,6 +212,22 @@ def test_closure_rebinding_is_seen():
 _GLOBAL_MODEL: Counter | None = None
 
 
+def test_a_cleared_closure_cache_does_not_stale_the_memo():
+    from treemode import _closure
+
+    global _GLOBAL_MODEL
+    _GLOBAL_MODEL = first = Counter()
+    g = treemode.jit(_reads_global)
+    one = jnp.float32(1.0)
+    g(one)
+    g(one)
+    _closure._snapshots.clear()  # the closure cache forgets the function
+    np.testing.assert_allclose(g(one), 3.0)  # the memo's reads still hold: same answer
+    _GLOBAL_MODEL = Counter(scale=2.0)
+    np.testing.assert_allclose(g(one), 6.0)  # and a rebinding is still seen
+    assert first.count[...] == 3 and _GLOBAL_MODEL.count[...] == 1
+
+
 def _reads_global(x):
     assert _GLOBAL_MODEL is not None
     _GLOBAL_MODEL.count[...] += 1

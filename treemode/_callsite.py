@@ -268,18 +268,12 @@ def compiled_plan(
     """
     if _SiteCallFields is _PythonSiteCallFields or site.kw_names:
         return None
-    site_part = (
-        site,
-        site.slots,
-        partial_args,
-        site.fn,
-        site.snapshot,
-        site.lifted_slots,
-    )
+    # The snapshot's reads and answer never change once it is made.
+    snapshot = site.snapshot
+    site_part = (site, site.slots, partial_args, snapshot.reads, snapshot.found, site.lifted_slots)
     environment = (
         CONCRETE_ARRAY_TYPES,
         _match_slow,
-        vars(_closure),  # read per call: ``_snapshots`` may be replaced
         _closure._kinds,
         _closure._IGNORE,
         _closure._EMPTY,

@@ -19,9 +19,6 @@ static PyObject *raw_value_name; /* interned "_raw_value" */
 static PyObject *fast_name;      /* interned "_fast" */
 static PyObject *code_name;      /* interned "__code__" */
 static PyObject *closure_name;   /* interned "__closure__" */
-static PyObject *snapshots_name; /* interned "_snapshots" */
-static PyObject *reads_name;     /* interned "reads" */
-static PyObject *found_name;     /* interned "found" */
 static PyObject *call_name;      /* interned "call" */
 static PyObject *writes_name;    /* interned "writes" */
 static PyObject *write_back_name; /* interned "write_back" */
@@ -470,6 +467,8 @@ match_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 held(PyObject *holder)
 {
+    if (PyWeakref_CheckRef(holder))
+        return referent(holder);
     PyObject *obj = PyObject_CallNoArgs(holder);
     if (obj == NULL) {
         PyErr_Clear();
@@ -594,7 +593,9 @@ closure_reads_hold(PyObject *reads, PyObject *kinds, PyObject *ignore, PyObject 
     }
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(functions); i++) {
         PyObject *f = held(PyTuple_GET_ITEM(functions, i));
-        ok = f != NULL && attribute_is(f, code_name, PyTuple_GET_ITEM(codes, i));
+        PyObject *code = PyTuple_GET_ITEM(codes, i);
+        ok = f != NULL && (PyFunction_Check(f) ? PyFunction_GET_CODE(f) == code
+                                               : attribute_is(f, code_name, code));
         Py_XDECREF(f);
     }
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(cells); i++) {
@@ -852,35 +853,24 @@ static PyTypeObject SiteCallFields_Type = {
     .tp_members = site_call_members,
 };
 
-/* The objects a closure snapshot still answers, matched against the memo's
- * `lifted_slots` (appending their arrays and flattenings): 1, 0, -1. */
+/* The objects a cached closure search still answers, matched against the
+ * memo's `lifted_slots` (appending their arrays and flattenings): 1, 0, -1.
+ *
+ * `reads` and `found` are the snapshot's (see treemode._closure._Snapshot).
+ * Unlike the Python path, this does not ask whether the snapshot is still the
+ * closure cache's entry for the function: every read the answer depends on is
+ * checked, so an answer whose reads hold is right whether or not the cache
+ * has since been cleared. */
 static int
-match_closure(PyObject *fn, PyObject *snapshot, PyObject *lifted_slots, PyObject *env,
+match_closure(PyObject *reads, PyObject *found, PyObject *lifted_slots, PyObject *env,
               PyObject *dynamic, PyObject *sources)
 {
     PyObject *array_types = PyTuple_GET_ITEM(env, 0), *slow = PyTuple_GET_ITEM(env, 1);
-    PyObject *closure_globals = PyTuple_GET_ITEM(env, 2);
-    PyObject *snapshots = PyDict_GetItemWithError(closure_globals, snapshots_name);
-    if (snapshots == NULL || !PyDict_Check(snapshots))
-        return PyErr_Occurred() ? -1 : 0;
-    PyObject *key = PyLong_FromVoidPtr(fn); /* id(fn), the cache's key */
-    if (key == NULL)
-        return -1;
-    PyObject *current = PyDict_GetItemWithError(snapshots, key);
-    Py_DECREF(key);
-    if (current != snapshot)
-        return PyErr_Occurred() ? -1 : 0;
-    PyObject *reads = PyObject_GetAttr(snapshot, reads_name);
-    if (reads == NULL)
-        return -1;
-    int ok = closure_reads_hold(reads, PyTuple_GET_ITEM(env, 3), PyTuple_GET_ITEM(env, 4),
-                                PyTuple_GET_ITEM(env, 5), PyTuple_GET_ITEM(env, 6));
-    Py_DECREF(reads);
+    int ok = closure_reads_hold(reads, PyTuple_GET_ITEM(env, 2), PyTuple_GET_ITEM(env, 3),
+                                PyTuple_GET_ITEM(env, 4), PyTuple_GET_ITEM(env, 5));
     if (ok != 1)
         return ok;
-    PyObject *found = PyObject_GetAttr(snapshot, found_name); /* [(name, holder), ...] */
-    if (found == NULL)
-        return -1;
+    /* found: [(name, holder), ...] */
     ok = PyList_Check(found) && PyList_GET_SIZE(found) == PyTuple_GET_SIZE(lifted_slots);
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(lifted_slots); i++) {
         PyObject *pair = PyList_GET_ITEM(found, i);
@@ -897,7 +887,6 @@ match_closure(PyObject *fn, PyObject *snapshot, PyObject *lifted_slots, PyObject
                        slow);
         Py_DECREF(obj);
     }
-    Py_DECREF(found);
     return ok;
 }
 
@@ -1008,10 +997,11 @@ write_in_c(PyObject *write_env, PyObject *sources, PyObject *updates)
  * takes the Python path, which decides everything again).
  *
  * plan = (site part, entry part, environment):
- *   site part   (site, slots, partial_args, fn, snapshot, lifted_slots)
+ *   site part   (site, slots, partial_args, closure reads, closure answer,
+ *                lifted_slots)
  *   entry part  (jitted, binding, entry, write environment: see write_in_c)
- *   environment (array_types, match_slow, closure module globals, kinds,
- *                ignore, empty, ignored, SiteCall type, raise_failure) */
+ *   environment (array_types, match_slow, kinds, ignore, empty, ignored,
+ *                SiteCall type, raise_failure) */
 static PyObject *
 fast_call(PyObject *plan, PyObject *args)
 {
@@ -1024,24 +1014,24 @@ fast_call(PyObject *plan, PyObject *args)
     PyObject *env = PyTuple_GET_ITEM(plan, 2);
     if (!PyTuple_Check(site_part) || PyTuple_GET_SIZE(site_part) != 6 ||
         !PyTuple_Check(entry_part) || PyTuple_GET_SIZE(entry_part) != 4 || !PyTuple_Check(env) ||
-        PyTuple_GET_SIZE(env) != 9 || !PyTuple_Check(PyTuple_GET_ITEM(site_part, 1)) ||
+        PyTuple_GET_SIZE(env) != 8 || !PyTuple_Check(PyTuple_GET_ITEM(site_part, 1)) ||
         !PyTuple_Check(PyTuple_GET_ITEM(site_part, 2)) ||
         !PyTuple_Check(PyTuple_GET_ITEM(site_part, 5)) || !PyAnySet_Check(PyTuple_GET_ITEM(env, 0)) ||
-        !PyType_Check(PyTuple_GET_ITEM(env, 7)) ||
-        !PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(env, 7), &SiteCallFields_Type)) {
+        !PyType_Check(PyTuple_GET_ITEM(env, 6)) ||
+        !PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(env, 6), &SiteCallFields_Type)) {
         PyErr_SetString(PyExc_TypeError, "treemode: malformed memo plan");
         return NULL;
     }
     PyObject *site = PyTuple_GET_ITEM(site_part, 0), *slots = PyTuple_GET_ITEM(site_part, 1);
-    PyObject *partial = PyTuple_GET_ITEM(site_part, 2), *fn = PyTuple_GET_ITEM(site_part, 3);
-    PyObject *snapshot = PyTuple_GET_ITEM(site_part, 4);
+    PyObject *partial = PyTuple_GET_ITEM(site_part, 2), *reads = PyTuple_GET_ITEM(site_part, 3);
+    PyObject *found = PyTuple_GET_ITEM(site_part, 4);
     PyObject *lifted_slots = PyTuple_GET_ITEM(site_part, 5);
     PyObject *jitted = PyTuple_GET_ITEM(entry_part, 0);
     PyObject *binding = PyTuple_GET_ITEM(entry_part, 1);
     PyObject *entry = PyTuple_GET_ITEM(entry_part, 2);
     PyObject *array_types = PyTuple_GET_ITEM(env, 0), *slow = PyTuple_GET_ITEM(env, 1);
-    PyTypeObject *site_call_type = (PyTypeObject *)PyTuple_GET_ITEM(env, 7);
-    PyObject *raise_failure = PyTuple_GET_ITEM(env, 8);
+    PyTypeObject *site_call_type = (PyTypeObject *)PyTuple_GET_ITEM(env, 6);
+    PyObject *raise_failure = PyTuple_GET_ITEM(env, 7);
 
     PyObject *roots = NULL, *dynamic = NULL, *sources = NULL, *kwargs = NULL, *call = NULL;
     PyObject *result = NULL, *out = NULL;
@@ -1067,7 +1057,7 @@ fast_call(PyObject *plan, PyObject *args)
         if (ok != 1)
             goto done;
     }
-    ok = match_closure(fn, snapshot, lifted_slots, env, dynamic, sources);
+    ok = match_closure(reads, found, lifted_slots, env, dynamic, sources);
     if (ok != 1)
         goto done;
     ok = -1; /* from here on, every failure is an error */
@@ -1216,9 +1206,6 @@ PyInit__guard(void)
     fast_name = PyUnicode_InternFromString("_fast");
     code_name = PyUnicode_InternFromString("__code__");
     closure_name = PyUnicode_InternFromString("__closure__");
-    snapshots_name = PyUnicode_InternFromString("_snapshots");
-    reads_name = PyUnicode_InternFromString("reads");
-    found_name = PyUnicode_InternFromString("found");
     call_name = PyUnicode_InternFromString("call");
     writes_name = PyUnicode_InternFromString("writes");
     write_back_name = PyUnicode_InternFromString("write_back");
@@ -1228,8 +1215,7 @@ PyInit__guard(void)
     writable_in_name = PyUnicode_InternFromString("writable_in");
     variables_name = PyUnicode_InternFromString("variables");
     if (metadata_name == NULL || raw_value_name == NULL || fast_name == NULL ||
-        code_name == NULL || closure_name == NULL || snapshots_name == NULL ||
-        reads_name == NULL || found_name == NULL || call_name == NULL || writes_name == NULL ||
+        code_name == NULL || closure_name == NULL || call_name == NULL || writes_name == NULL ||
         write_back_name == NULL || slow_call_name == NULL || metadata_updates_name == NULL ||
         store_name == NULL || writable_in_name == NULL || variables_name == NULL)
         return NULL;
