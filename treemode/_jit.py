@@ -203,7 +203,7 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         self._memo: tuple[CallSite, _Entry, Any] | None = None
 
     def __copy__(self) -> JitWrapped[P, R]:
-        """A shallow copy sharing the compiled entries (as before the C base class)."""
+        """``copy.copy``: a wrapper of the same function sharing its compiled entries."""
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
         copied._memo = self._memo
