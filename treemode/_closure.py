@@ -203,12 +203,7 @@ def unchanged_closure_objects(fn: Callable[..., Any], snapshot: Any) -> list[Any
     again). The list returned for a function without closure objects is shared:
     do not modify it.
     """
-    if _snapshots.get(id(fn)) is not snapshot:
-        return None
-    if _reads_hold is not None:  # still_valid, without its Python frame
-        if not _reads_hold(snapshot.reads, _kinds, _IGNORE, _EMPTY, _IGNORED):
-            return None
-    elif not snapshot.still_valid():
+    if _snapshots.get(id(fn)) is not snapshot or not snapshot.still_valid():
         return None
     if not snapshot.found:
         return _EMPTY_ANSWER
@@ -394,6 +389,20 @@ class _Walk:
         self.visit(obj, depth + 1)
 
 
+# Every read a closure search made: (globals dicts, names, values) read with
+# ``dict.get``, (function holders, code objects), (function holder, cell contents)
+# pairs and (owner, attribute, value) triples.
+_Reads = tuple[
+    tuple[dict[str, Any], ...],
+    tuple[str, ...],
+    tuple[Any, ...],
+    tuple[Any, ...],
+    tuple[types.CodeType, ...],
+    tuple[tuple[Any, tuple[Any, ...]], ...],
+    tuple[tuple[Any, str, Any], ...],
+]
+
+
 class _Snapshot:
     """One function's answer and every read it depends on, checked in bulk.
 
@@ -404,44 +413,32 @@ class _Snapshot:
     code objects, closure cells and Module classes one by one.
     """
 
-    __slots__ = (
-        "ref",
-        "found",
-        "dicts",
-        "names",
-        "values",
-        "functions",
-        "codes",
-        "cells",
-        "attrs",
-        "reads",
-    )
+    __slots__ = ("ref", "found", "reads")
 
     def __init__(self, ref: Any, walk: _Walk):
-        # the walk's lists, never changed again
         self.ref = ref
         self.found = [(name, walk.hold(obj)) for name, obj in walk.found]
-        self.dicts = walk.dicts
-        self.names = walk.names
-        self.values = walk.values
-        self.functions = walk.functions
-        self.codes = walk.codes
-        self.cells = walk.cells
-        self.attrs = walk.attrs
-        self.reads = tuple(
-            map(tuple, (self.dicts, self.names, self.values, self.functions, self.codes))
-        ) + (tuple(self.cells), tuple(self.attrs))
+        self.reads: _Reads = (
+            tuple(walk.dicts),
+            tuple(walk.names),
+            tuple(walk.values),
+            tuple(walk.functions),
+            tuple(walk.codes),
+            tuple(walk.cells),
+            tuple(walk.attrs),
+        )
 
     def still_valid(self) -> bool:
         if _reads_hold is not None:
             return _reads_hold(self.reads, _kinds, _IGNORE, _EMPTY, _IGNORED)
+        dicts, names, values, functions, codes, cells, attrs = self.reads
         is_ = operator.is_
-        if self.names and not all(map(is_, map(dict.get, self.dicts, self.names), self.values)):
+        if names and not all(map(is_, map(dict.get, dicts, names), values)):
             return False
-        for holder, code in zip(self.functions, self.codes, strict=True):
+        for holder, code in zip(functions, codes, strict=True):
             if getattr(holder(), "__code__", None) is not code:  # changed, or died
                 return False
-        for holder, contents in self.cells:
+        for holder, contents in cells:
             f = holder()
             if f is None:
                 return False
@@ -455,7 +452,7 @@ class _Snapshot:
                         return False
                 elif value() is not current:
                     return False
-        for owner, name, value in self.attrs:
+        for owner, name, value in attrs:
             if getattr(owner, name, None) is not value:
                 return False
         return True

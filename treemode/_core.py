@@ -26,7 +26,7 @@ import operator
 import threading
 from collections.abc import Callable, Sequence
 from itertools import chain, compress, repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import jax
 from flax.nnx import tracers
@@ -786,12 +786,8 @@ def check_writable(call: Call | SiteCall, updates: Sequence[Any]) -> None:
     # checks). Fast path: the traces' weak references compared by identity, and
     # remembered per cached argument (a Variable's trace never changes).
     ref = current_trace_ref()
-    if ref is not None:
-        for flat in call.sources:
-            if (flat.origin or flat).writable_in is not ref and not _writable_in(ref, flat):
-                break
-        else:
-            return
+    if ref is not None and all(_writable_in(ref, flat) for flat in call.sources):
+        return
     current = tracers.current_jax_trace()
     targets = [var for var, new in zip(call.variables, updates, strict=True) if new is not None]
     for var in targets:
@@ -920,12 +916,18 @@ def bound(pure: PureFunction, call: Call):
     try:
         yield
     except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
-        better = explain_failure(call, e)
-        if better is not None:
-            raise better from e
-        raise
+        raise_explained(call, e)
     finally:
         pure.bind(None)
+
+
+def raise_explained(call: Call | SiteCall, error: BaseException) -> NoReturn:
+    """Raise ``error``, or the treemode error `explain_failure` finds behind it."""
+    if isinstance(error, (RuntimeError, jax.errors.UnexpectedTracerError)):
+        better = explain_failure(call.full(), error)
+        if better is not None:
+            raise better from error
+    raise error
 
 
 def explain_failure(call: Call, error: BaseException) -> Exception | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
 from jax.core import Tracer
@@ -343,7 +343,7 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             return None
         writing = (entry.pure.record, vars(_core), _core.DEFAULT_STORE, _core.current_trace_ref)
         run = (entry.jitted, entry.pure.binding, entry, writing)
-        return _callsite.compiled_plan(site, self.partial_args, run, _raise_failure)
+        return _callsite.compiled_plan(site, self.partial_args, run, _core.raise_explained)
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
         """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
@@ -355,15 +355,13 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
         if entry.donated:
             _check_donation(call, entry)
-            arrays = entry.args(call.dynamic)
-        else:
-            arrays = (tuple(call.dynamic),)
+        arrays = entry.args(call.dynamic)
         binding = entry.pure.binding
         binding.call = call
         try:
             out, updates = executable(*arrays)
         except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
-            _raise_failure(call, e)
+            _core.raise_explained(call, e)
         finally:
             binding.call = None
         if entry.writes:
@@ -401,15 +399,6 @@ class JitWrapped(_MemoCall, Generic[P, R]):
     def clear_cache(self) -> None:
         self._cache.clear()
         self._memo = None
-
-
-def _raise_failure(call: _core.Call | SiteCall, error: BaseException) -> NoReturn:
-    """Raise what a failed compiled call should: a treemode error naming the input, if any."""
-    if isinstance(error, (RuntimeError, jax.errors.UnexpectedTracerError)):
-        better = _core.explain_failure(call.full(), error)
-        if better is not None:
-            raise better from error
-    raise error
 
 
 def _is_sharding(x: Any) -> bool:
