@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _callsite, _core
+from treemode import _callsite, _core, _jit
 
 
 class Counter(nnx.Module):
@@ -337,6 +337,63 @@ def test_the_compiled_call_path_is_used(matcher, monkeypatch):
         f(m, jnp.ones(3))
         assert m.count[...] == 3
         np.testing.assert_allclose(m.w[...], np.full(3, 4.0))
+
+
+def test_donated_calls_take_the_compiled_path_and_get_fresh_buffers(matcher):
+    f = treemode.jit(_step, donate_argnums=0)
+    m = Counter()
+    f(m, jnp.ones(3))
+    f(m, jnp.ones(3))
+    assert f._memo is not None
+    assert (f._memo[2] is not None) == (matcher == "compiled call")
+    if matcher == "compiled call":
+        f._call = None  # pyright: ignore[reportAttributeAccessIssue]
+    for i in range(3):
+        before = m.w[...]
+        out = f(m, jnp.ones(3))
+        assert before.is_deleted()  # donated to XLA
+        assert not m.w[...].is_deleted()
+        np.testing.assert_allclose(out, 3 * (2.0 + 2 + i))
+    assert m.count[...] == 5
+
+
+def test_harmless_shared_objects_in_donated_arguments_are_allowed(matcher, monkeypatch):
+    # Two Variables holding the same Python int: a number is copied to the
+    # device, so nothing is donated twice. The compiled path hands only calls
+    # with a repeated object to the Python check.
+    checks: list[object] = []
+    check = _jit._check_donation
+    monkeypatch.setattr(
+        _jit, "_check_donation", lambda call, entry: (checks.append(call), check(call, entry))
+    )
+
+    class Ints(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Variable(0)
+            self.b = nnx.Variable(0)
+            self.w = nnx.Param(jnp.ones(2))
+
+    @treemode.jit(donate_argnums=0)
+    def f(m, x):
+        m.w[...] = m.w[...] + x
+        return m.a[...] + m.b[...]
+
+    m = Ints()
+    for i in range(3):
+        shared = 1000 + i  # one int object in both Variables
+        m.a.set_raw_value(shared)
+        m.b.set_raw_value(shared)
+        assert f(m, jnp.ones(2)) == 2 * shared
+    np.testing.assert_allclose(m.w[...], np.full(2, 4.0))
+    assert len(checks) == 3  # every call has the shared int
+
+    g = treemode.jit(_step, donate_argnums=0)
+    n = Counter()
+    for _ in range(3):
+        g(n, jnp.ones(3))
+    # Nothing is shared there: after the first (full) call, the compiled path
+    # decides alone.
+    assert len(checks) == 3 + (1 if matcher == "compiled call" else 3)
 
 
 def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(monkeypatch):

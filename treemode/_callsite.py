@@ -195,7 +195,7 @@ class _PythonSiteCallFields:
         site: CallSite,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        dynamic: list[Any],
+        dynamic: Sequence[Any],
         sources: list[ArgFlat],
     ):
         self.site = site
@@ -219,10 +219,12 @@ class SiteCall(_SiteCallFields):
     """A call matched to a `CallSite`: the site's bookkeeping and this call's arrays.
 
     ``SiteCall(site, args, kwargs, dynamic, sources)``: ``args`` include the
-    bound arguments of a `jit_partial`; ``sources`` are the flattenings the
-    Variables come from, in order. Offers what running and writing back need
-    (``dynamic``, ``sources``, ``variables``, ``transform``, ``graph``); `full`
-    prepares the whole `Call` once, for a retrace or an error message.
+    bound arguments of a `jit_partial`; ``dynamic`` is a list, or a tuple
+    when the compiled call path made it (the tuple it hands to JAX);
+    ``sources`` are the flattenings the Variables come from, in order.
+    Offers what running and writing back need (``dynamic``, ``sources``,
+    ``variables``, ``transform``, ``graph``); `full` prepares the whole
+    `Call` once, for a retrace or an error message.
     """
 
     __slots__ = ()
@@ -250,17 +252,21 @@ class SiteCall(_SiteCallFields):
 def compiled_plan(
     site: CallSite,
     partial_args: tuple[Any, ...],
-    run: tuple[Callable[..., Any], Any, Any, tuple[Any, ...]],
+    run: tuple[Callable[..., Any], Any, Any, tuple[Any, ...], tuple[Any, ...] | None],
     raise_failure: Callable[[SiteCall, BaseException], None],
 ) -> tuple[Any, ...] | None:
     """What the compiled call path (``_guard.MemoCall``) runs for calls matching ``site``.
 
-    ``run`` is ``(jitted, binding, entry, writing)``: the executable, the
-    thread-local its `PureFunction` reads the current call from, the compiled
-    entry (read for ``writes``, called for ``write_back(call, updates)`` when
-    the write cannot be made in C) and what writing in C reads: ``(trace
-    record, the _core module's globals, the default store hook,
-    current_trace_ref)``.
+    ``run`` is ``(jitted, binding, entry, writing, donation)``: the
+    executable, the per-thread binding its `PureFunction` reads the current
+    call from, the compiled entry (read for ``writes``, called for
+    ``write_back(call, updates)`` when the write cannot be made in C), what
+    writing in C reads: ``(trace record, the _core module's globals, the
+    default store hook, current_trace_ref)``, and ``None`` or, for an entry
+    with donated arrays, ``(donated indices, kept indices, check)``: the
+    executable takes the two tuples, and ``check(call)`` runs when two of
+    them are the same object (it raises the shared-buffer error, or returns
+    when the object is not a device buffer).
     ``raise_failure(call, error)`` raises the error a failed executable call
     should raise. ``None`` when the compiled path cannot run this site (the
     extension is not built, or the site was recorded with keyword arguments:

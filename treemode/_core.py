@@ -419,6 +419,15 @@ class TraceRecord:
     metadata_updates: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
+if TYPE_CHECKING:
+    _Binding = threading.local
+else:
+    try:  # a threading.local whose ``call`` costs a pointer store (treemode/_guard.c)
+        from ._guard import Binding as _Binding
+    except ImportError:  # built without the C extension, or without a GIL
+        _Binding = threading.local
+
+
 class PureFunction:
     """The user function as a pure function of the dynamic arrays.
 
@@ -445,9 +454,9 @@ class PureFunction:
         self.force = force_updates
         self.allow_output_variables = allow_output_variables
         self.record = TraceRecord()
-        # The current Call in ``binding.call``, thread-local so concurrent calls do
+        # The current Call in ``binding.call``, per thread so concurrent calls do
         # not see each other. `bind` sets it; a hot path may set it directly.
-        self.binding = threading.local()
+        self.binding = _Binding()
 
     def bind(self, call: Call | SiteCall | None) -> None:
         self.binding.call = call

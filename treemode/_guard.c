@@ -172,7 +172,7 @@ typedef struct {
     int n;
 } SlotCache;
 
-static SlotCache metadata_slots, raw_value_slots;
+static SlotCache metadata_slots, raw_value_slots, fast_slots, writes_slots;
 
 static Py_ssize_t
 slot_offset(PyTypeObject *type, PyObject *name, SlotCache *cache)
@@ -202,6 +202,22 @@ slot_offset(PyTypeObject *type, PyObject *name, SlotCache *cache)
         cache->n++;
     }
     return offset;
+}
+
+/* `obj.name` (a new reference), read from its `__slots__` slot when its type
+ * has one there, else with getattr. */
+static PyObject *
+slot_get(PyObject *obj, PyObject *name, SlotCache *cache)
+{
+    Py_ssize_t offset = slot_offset(Py_TYPE(obj), name, cache);
+    if (offset >= 0) {
+        PyObject *value = *(PyObject **)((char *)obj + offset);
+        if (value != NULL) {
+            Py_INCREF(value);
+            return value;
+        }
+    }
+    return PyObject_GetAttr(obj, name); /* unset: raises AttributeError as usual */
 }
 
 /* Whether `var`'s `_var_metadata` is `expected`, holding exactly `entries`. */
@@ -343,28 +359,104 @@ referent(PyObject *ref)
 #endif
 }
 
-/* Appends `var`'s `_raw_value` to `out`: 1, 0 if it has none, -1 on error. */
+/* References gathered while matching, in order: a buffer on the C stack that
+ * becomes a tuple or a list once the count is known (no list regrowth, and the
+ * arrays reach JAX without another copy). Holds new references. */
+#define GATHERED_INLINE 32
+typedef struct {
+    PyObject **items;
+    Py_ssize_t n, cap;
+    PyObject *inline_items[GATHERED_INLINE];
+} Gathered;
+
+static void
+gathered_init(Gathered *g)
+{
+    g->items = g->inline_items;
+    g->n = 0;
+    g->cap = GATHERED_INLINE;
+}
+
 static int
-append_raw_value(PyObject *out, PyObject *var)
+gathered_push(Gathered *g, PyObject *obj)
+{
+    if (g->n == g->cap) {
+        Py_ssize_t cap = g->cap * 2;
+        PyObject **items;
+        if (g->items == g->inline_items) {
+            items = PyMem_New(PyObject *, cap);
+            if (items != NULL)
+                memcpy(items, g->inline_items, g->n * sizeof(PyObject *));
+        }
+        else {
+            items = PyMem_Resize(g->items, PyObject *, cap);
+        }
+        if (items == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        g->items = items;
+        g->cap = cap;
+    }
+    Py_INCREF(obj);
+    g->items[g->n++] = obj;
+    return 0;
+}
+
+static void
+gathered_release(Gathered *g)
+{
+    Py_ssize_t n = g->n;
+    g->n = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_DECREF(g->items[i]);
+    if (g->items != g->inline_items)
+        PyMem_Free(g->items);
+    gathered_init(g);
+}
+
+/* The gathered references as a new tuple (as_list 0) or list; empties `g`. */
+static PyObject *
+gathered_take(Gathered *g, int as_list)
+{
+    PyObject *out = as_list ? PyList_New(g->n) : PyTuple_New(g->n);
+    if (out == NULL) {
+        gathered_release(g);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < g->n; i++) {
+        if (as_list)
+            PyList_SET_ITEM(out, i, g->items[i]);
+        else
+            PyTuple_SET_ITEM(out, i, g->items[i]);
+    }
+    g->n = 0; /* the references moved into `out` */
+    gathered_release(g);
+    return out;
+}
+
+/* Gathers `var`'s `_raw_value`: 1, 0 if it has none, -1 on error. */
+static int
+gather_raw_value(Gathered *out, PyObject *var)
 {
     Py_ssize_t offset = slot_offset(Py_TYPE(var), raw_value_name, &raw_value_slots);
     if (offset >= 0) {
         PyObject *value = *(PyObject **)((char *)var + offset); /* borrowed; NULL if unset */
-        return value == NULL ? 0 : (PyList_Append(out, value) < 0 ? -1 : 1);
+        return value == NULL ? 0 : (gathered_push(out, value) < 0 ? -1 : 1);
     }
     PyObject *value = PyObject_GetAttr(var, raw_value_name);
     if (value == NULL) {
         PyErr_Clear();
         return 0;
     }
-    int appended = PyList_Append(out, value);
+    int pushed = gathered_push(out, value);
     Py_DECREF(value);
-    return appended < 0 ? -1 : 1;
+    return pushed < 0 ? -1 : 1;
 }
 
-/* One argument of `match_into`: 1 matched (appended), 0 not, -1 error. */
+/* One argument of `match_into`: 1 matched (gathered), 0 not, -1 error. */
 static int
-match_one(PyObject *slot, PyObject *obj, PyObject *dynamic, PyObject *sources,
+match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *sources,
           PyObject *array_types, PyObject *slow)
 {
     if (slot == Py_None) { /* a bare array */
@@ -372,7 +464,7 @@ match_one(PyObject *slot, PyObject *obj, PyObject *dynamic, PyObject *sources,
         if (known < 0)
             return -1;
         if (known)
-            return PyList_Append(dynamic, obj) < 0 ? -1 : 1;
+            return gathered_push(dynamic, obj) < 0 ? -1 : 1;
     }
     PyObject *entry = NULL, *fast = NULL;
     int result = 0;
@@ -380,7 +472,7 @@ match_one(PyObject *slot, PyObject *obj, PyObject *dynamic, PyObject *sources,
         entry = referent(slot);
         if (entry == NULL)
             return 0; /* the flattening was dropped */
-        fast = PyObject_GetAttr(entry, fast_name);
+        fast = slot_get(entry, fast_name, &fast_slots);
         if (fast == NULL)
             PyErr_Clear(); /* no fast state: decided in Python below */
     }
@@ -395,11 +487,11 @@ match_one(PyObject *slot, PyObject *obj, PyObject *dynamic, PyObject *sources,
         if (result != 1)
             goto done;
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(variables); i++) {
-            result = append_raw_value(dynamic, PyTuple_GET_ITEM(variables, i));
+            result = gather_raw_value(dynamic, PyTuple_GET_ITEM(variables, i));
             if (result != 1)
                 goto done;
         }
-        result = PyList_Append(sources, entry) < 0 ? -1 : 1;
+        result = gathered_push(sources, entry) < 0 ? -1 : 1;
         goto done;
     }
     /* Anything else is decided in Python: the new dynamic arrays, or None. */
@@ -411,10 +503,13 @@ match_one(PyObject *slot, PyObject *obj, PyObject *dynamic, PyObject *sources,
         result = 0;
     }
     else {
-        Py_ssize_t n = PyList_GET_SIZE(dynamic);
-        result = PyList_SetSlice(dynamic, n, n, found) < 0 ? -1 : 1;
+        PyObject *items = PySequence_Fast(found, "the slow match returns a list or None");
+        result = items == NULL ? -1 : 1;
+        for (Py_ssize_t i = 0; result == 1 && i < PySequence_Fast_GET_SIZE(items); i++)
+            result = gathered_push(dynamic, PySequence_Fast_GET_ITEM(items, i)) < 0 ? -1 : 1;
+        Py_XDECREF(items);
         if (result == 1 && entry != NULL)
-            result = PyList_Append(sources, entry) < 0 ? -1 : 1;
+            result = gathered_push(sources, entry) < 0 ? -1 : 1;
     }
     Py_XDECREF(found);
 done:
@@ -425,11 +520,24 @@ done:
     return result;
 }
 
+/* Appends the gathered references to `list`, emptying `g`: 0, or -1. */
+static int
+gathered_extend(Gathered *g, PyObject *list)
+{
+    PyObject *items = gathered_take(g, 0);
+    if (items == NULL)
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    int result = PyList_SetSlice(list, n, n, items);
+    Py_DECREF(items);
+    return result;
+}
+
 PyDoc_STRVAR(match_into_doc,
 "match_into(slots, objs, dynamic, sources, array_types, slow) -> bool\n\n"
 "Whether every object of `objs` still matches its slot of a call-site memo\n"
-"(treemode._callsite); appends their arrays to `dynamic` and the matched\n"
-"flattenings to `sources` on the way.\n\n"
+"(treemode._callsite); if so, appends their arrays to `dynamic` and the\n"
+"matched flattenings to `sources`.\n\n"
 "A slot is None (a bare array: its type must be in `array_types`) or a weak\n"
 "reference to a cached flattening whose `_fast` attribute is (weak reference\n"
 "to the argument, guard state, Variables): the argument must be that object,\n"
@@ -450,12 +558,19 @@ match_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     PyObject *objs = PySequence_Fast(args[1], "objs must be a sequence");
     if (objs == NULL)
         return NULL;
+    Gathered dynamic, sources;
+    gathered_init(&dynamic);
+    gathered_init(&sources);
     int ok = PySequence_Fast_GET_SIZE(objs) == PyTuple_GET_SIZE(slots);
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(slots); i++) {
-        ok = match_one(PyTuple_GET_ITEM(slots, i), PySequence_Fast_GET_ITEM(objs, i), args[2],
-                       args[3], args[4], args[5]);
+        ok = match_one(PyTuple_GET_ITEM(slots, i), PySequence_Fast_GET_ITEM(objs, i), &dynamic,
+                       &sources, args[4], args[5]);
     }
     Py_DECREF(objs);
+    if (ok == 1 && (gathered_extend(&dynamic, args[2]) < 0 || gathered_extend(&sources, args[3]) < 0))
+        ok = -1;
+    gathered_release(&dynamic);
+    gathered_release(&sources);
     if (ok < 0)
         return NULL;
     return PyBool_FromLong(ok);
@@ -863,7 +978,7 @@ static PyTypeObject SiteCallFields_Type = {
  * has since been cleared. */
 static int
 match_closure(PyObject *reads, PyObject *found, PyObject *lifted_slots, PyObject *env,
-              PyObject *dynamic, PyObject *sources)
+              Gathered *dynamic, Gathered *sources)
 {
     PyObject *array_types = PyTuple_GET_ITEM(env, 0), *slow = PyTuple_GET_ITEM(env, 1);
     int ok = closure_reads_hold(reads, PyTuple_GET_ITEM(env, 2), PyTuple_GET_ITEM(env, 3),
@@ -890,20 +1005,184 @@ match_closure(PyObject *reads, PyObject *found, PyObject *lifted_slots, PyObject
     return ok;
 }
 
-/* Runs `jitted(arrays)` with `call` bound, then unbinds; on failure, hands the
- * error to `raise_failure(call, error)` (which raises the better error). */
+/* Binding: the call a PureFunction runs, per thread (what a threading.local
+ * with a `call` attribute gives, at the cost of a pointer store). Nearly always
+ * one thread calls a given function, so that thread's call sits in `call`;
+ * calls on other threads while it is bound go to `others`, by thread ident.
+ * Every access holds the GIL: this type is not built without one. */
+#ifndef Py_GIL_DISABLED
+#define HAVE_BINDING 1
+typedef struct {
+    PyObject_HEAD
+    int owned;           /* whether `owner`'s call is in `call` */
+    unsigned long owner; /* the thread ident of that call */
+    PyObject *call;      /* NULL unless owned */
+    PyObject *others;    /* dict {thread ident: call} of other threads, or NULL */
+} BindingObject;
+
+static PyTypeObject Binding_Type;
+
+/* The calling thread's call (borrowed), or NULL (no exception) if none. */
 static PyObject *
-run_bound(PyObject *jitted, PyObject *binding, PyObject *call, PyObject *dynamic,
-          PyObject *raise_failure)
+binding_current(BindingObject *self)
 {
-    if (PyObject_SetAttr(binding, call_name, call) < 0)
+    unsigned long me = PyThread_get_thread_ident();
+    if (self->owned && self->owner == me)
+        return self->call;
+    if (self->others == NULL || PyDict_GET_SIZE(self->others) == 0)
         return NULL;
-    PyObject *arrays = PyList_AsTuple(dynamic);
-    PyObject *result = arrays == NULL ? NULL : PyObject_CallOneArg(jitted, arrays);
-    Py_XDECREF(arrays);
+    PyObject *key = PyLong_FromUnsignedLong(me);
+    if (key == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *call = PyDict_GetItemWithError(self->others, key);
+    Py_DECREF(key);
+    if (call == NULL)
+        PyErr_Clear();
+    return call;
+}
+
+/* Sets the calling thread's call (`call` NULL or None: unbinds): 0, or -1. */
+static int
+binding_set(BindingObject *self, PyObject *call)
+{
+    unsigned long me = PyThread_get_thread_ident();
+    if (call == Py_None)
+        call = NULL;
+    if (self->owned && self->owner == me) {
+        PyObject *previous = self->call; /* released last: its finalizer may call back */
+        Py_XINCREF(call);
+        self->call = call;
+        self->owned = call != NULL;
+        Py_XDECREF(previous);
+        return 0;
+    }
+    PyObject *key = NULL;
+    if (self->others != NULL && PyDict_GET_SIZE(self->others) > 0) {
+        key = PyLong_FromUnsignedLong(me);
+        if (key == NULL)
+            return -1;
+        /* this thread's entry moves to (or stays in) the slot below */
+        if (PyDict_DelItem(self->others, key) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+                Py_DECREF(key);
+                return -1;
+            }
+            PyErr_Clear();
+        }
+    }
+    int result = 0;
+    if (call == NULL) {
+        /* nothing bound for this thread any more */
+    }
+    else if (!self->owned) {
+        Py_INCREF(call);
+        self->call = call;
+        self->owner = me;
+        self->owned = 1;
+    }
+    else { /* another thread's call is in the slot */
+        if (self->others == NULL && (self->others = PyDict_New()) == NULL)
+            result = -1;
+        if (result == 0 && key == NULL && (key = PyLong_FromUnsignedLong(me)) == NULL)
+            result = -1;
+        if (result == 0)
+            result = PyDict_SetItem(self->others, key, call);
+    }
+    Py_XDECREF(key);
+    return result;
+}
+
+static PyObject *
+binding_get_call(BindingObject *self, void *Py_UNUSED(closure))
+{
+    PyObject *call = binding_current(self);
+    if (call == NULL)
+        Py_RETURN_NONE;
+    Py_INCREF(call);
+    return call;
+}
+
+static int
+binding_set_call(BindingObject *self, PyObject *value, void *Py_UNUSED(closure))
+{
+    return binding_set(self, value); /* deleting (NULL) unbinds too */
+}
+
+static int
+binding_traverse(BindingObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->call);
+    Py_VISIT(self->others);
+    return 0;
+}
+
+static int
+binding_clear(BindingObject *self)
+{
+    self->owned = 0;
+    Py_CLEAR(self->call);
+    Py_CLEAR(self->others);
+    return 0;
+}
+
+static void
+binding_dealloc(BindingObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    binding_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyGetSetDef binding_getset[] = {
+    {"call", (getter)binding_get_call, (setter)binding_set_call,
+     PyDoc_STR("The calling thread's call (None when nothing is bound)."), NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject Binding_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "treemode._guard.Binding",
+    .tp_doc = PyDoc_STR("Binding()\n\nThe call a function is running, per thread: `call` reads "
+                        "and sets the calling thread's (None when unbound)."),
+    .tp_basicsize = sizeof(BindingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_traverse = (traverseproc)binding_traverse,
+    .tp_clear = (inquiry)binding_clear,
+    .tp_dealloc = (destructor)binding_dealloc,
+    .tp_getset = binding_getset,
+};
+
+static int
+bind_call(PyObject *binding, PyObject *call)
+{
+    if (Py_IS_TYPE(binding, &Binding_Type))
+        return binding_set((BindingObject *)binding, call);
+    return PyObject_SetAttr(binding, call_name, call);
+}
+#else
+static int
+bind_call(PyObject *binding, PyObject *call)
+{
+    return PyObject_SetAttr(binding, call_name, call);
+}
+#endif
+
+/* Runs `jitted(*arrays)` (one tuple, or the donated and the kept tuples) with
+ * `call` bound, then unbinds; on failure, hands the error to
+ * `raise_failure(call, error)` (which raises the better error). */
+static PyObject *
+run_bound(PyObject *jitted, PyObject *binding, PyObject *call, PyObject *const *arrays,
+          Py_ssize_t n_arrays, PyObject *raise_failure)
+{
+    if (bind_call(binding, call) < 0)
+        return NULL;
+    PyObject *result = PyObject_Vectorcall(jitted, arrays, n_arrays, NULL);
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    if (PyObject_SetAttr(binding, call_name, Py_None) < 0) {
+    if (bind_call(binding, Py_None) < 0) {
         if (type == NULL) { /* the unbinding failed alone: report it */
             Py_XDECREF(result);
             return NULL;
@@ -924,6 +1203,89 @@ run_bound(PyObject *jitted, PyObject *binding, PyObject *call, PyObject *dynamic
         PyErr_SetString(PyExc_SystemError, "treemode: the failure handler did not raise");
     }
     return NULL;
+}
+
+/* Donation: XLA cannot donate one buffer twice, nor a buffer also passed
+ * undonated. `donation` = (donated indices, kept indices, check) splits the
+ * call's arrays into the two tuples the entry takes; when two of them are the
+ * same object, `check(call)` decides (it raises the error naming both paths, or
+ * returns when the shared object is not a device buffer, like a Python int).
+ * Fills split[0..1]: 0, or -1 with an exception. */
+static int
+compare_pointers(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t)*(PyObject *const *)a, y = (uintptr_t)*(PyObject *const *)b;
+    return x < y ? -1 : x > y;
+}
+
+static PyObject *
+pick(PyObject *arrays, PyObject *indices)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(indices);
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t j = PyLong_AsSsize_t(PyTuple_GET_ITEM(indices, i));
+        if (j < 0 || j >= PyTuple_GET_SIZE(arrays)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "treemode: a donation index is out of range");
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *item = PyTuple_GET_ITEM(arrays, j);
+        Py_INCREF(item);
+        PyTuple_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+/* Whether an object of `donated` appears twice, or also in `kept`: 1, 0, or -1. */
+static int
+shares_an_object(PyObject *donated, PyObject *kept)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(donated);
+    PyObject **sorted = PyMem_New(PyObject *, n > 0 ? n : 1);
+    if (sorted == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(sorted, &PyTuple_GET_ITEM(donated, 0), n * sizeof(PyObject *));
+    qsort(sorted, n, sizeof(PyObject *), compare_pointers);
+    int shared = 0;
+    for (Py_ssize_t i = 1; !shared && i < n; i++)
+        shared = sorted[i] == sorted[i - 1];
+    for (Py_ssize_t i = 0; !shared && i < PyTuple_GET_SIZE(kept); i++) {
+        PyObject *item = PyTuple_GET_ITEM(kept, i);
+        shared = bsearch(&item, sorted, n, sizeof(PyObject *), compare_pointers) != NULL;
+    }
+    PyMem_Free(sorted);
+    return shared;
+}
+
+static int
+split_donated(PyObject *donation, PyObject *arrays, PyObject *call, PyObject **split)
+{
+    if (!PyTuple_Check(donation) || PyTuple_GET_SIZE(donation) != 3 ||
+        !PyTuple_Check(PyTuple_GET_ITEM(donation, 0)) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(donation, 1))) {
+        PyErr_SetString(PyExc_TypeError, "treemode: malformed donation plan");
+        return -1;
+    }
+    split[0] = pick(arrays, PyTuple_GET_ITEM(donation, 0));
+    split[1] = split[0] == NULL ? NULL : pick(arrays, PyTuple_GET_ITEM(donation, 1));
+    int shared = split[1] == NULL ? -1 : shares_an_object(split[0], split[1]);
+    if (shared == 1) {
+        PyObject *checked = PyObject_CallOneArg(PyTuple_GET_ITEM(donation, 2), call);
+        Py_XDECREF(checked);
+        shared = checked == NULL ? -1 : 0;
+    }
+    if (shared < 0) {
+        Py_CLEAR(split[0]);
+        Py_CLEAR(split[1]);
+        return -1;
+    }
+    return 0;
 }
 
 /* The write-back of a memo-matched call, in C when nothing needs Python: no
@@ -999,7 +1361,8 @@ write_in_c(PyObject *write_env, PyObject *sources, PyObject *updates)
  * plan = (site part, entry part, environment):
  *   site part   (site, slots, partial_args, closure reads, closure answer,
  *                lifted_slots)
- *   entry part  (jitted, binding, entry, write environment: see write_in_c)
+ *   entry part  (jitted, binding, entry, write environment: see write_in_c,
+ *                donation: None or see split_donated)
  *   environment (array_types, match_slow, kinds, ignore, empty, ignored,
  *                SiteCall type, raise_failure) */
 static PyObject *
@@ -1013,7 +1376,7 @@ fast_call(PyObject *plan, PyObject *args)
     PyObject *entry_part = PyTuple_GET_ITEM(plan, 1);
     PyObject *env = PyTuple_GET_ITEM(plan, 2);
     if (!PyTuple_Check(site_part) || PyTuple_GET_SIZE(site_part) != 6 ||
-        !PyTuple_Check(entry_part) || PyTuple_GET_SIZE(entry_part) != 4 || !PyTuple_Check(env) ||
+        !PyTuple_Check(entry_part) || PyTuple_GET_SIZE(entry_part) != 5 || !PyTuple_Check(env) ||
         PyTuple_GET_SIZE(env) != 8 || !PyTuple_Check(PyTuple_GET_ITEM(site_part, 1)) ||
         !PyTuple_Check(PyTuple_GET_ITEM(site_part, 2)) ||
         !PyTuple_Check(PyTuple_GET_ITEM(site_part, 5)) || !PyAnySet_Check(PyTuple_GET_ITEM(env, 0)) ||
@@ -1029,12 +1392,16 @@ fast_call(PyObject *plan, PyObject *args)
     PyObject *jitted = PyTuple_GET_ITEM(entry_part, 0);
     PyObject *binding = PyTuple_GET_ITEM(entry_part, 1);
     PyObject *entry = PyTuple_GET_ITEM(entry_part, 2);
+    PyObject *donation = PyTuple_GET_ITEM(entry_part, 4);
     PyObject *array_types = PyTuple_GET_ITEM(env, 0), *slow = PyTuple_GET_ITEM(env, 1);
     PyTypeObject *site_call_type = (PyTypeObject *)PyTuple_GET_ITEM(env, 6);
     PyObject *raise_failure = PyTuple_GET_ITEM(env, 7);
 
     PyObject *roots = NULL, *dynamic = NULL, *sources = NULL, *kwargs = NULL, *call = NULL;
-    PyObject *result = NULL, *out = NULL;
+    PyObject *result = NULL, *out = NULL, *split[2] = {NULL, NULL};
+    Gathered gathered_dynamic, gathered_sources;
+    gathered_init(&gathered_dynamic);
+    gathered_init(&gathered_sources);
     int ok = 0;
     if (PyTuple_GET_SIZE(partial) == 0) {
         Py_INCREF(args);
@@ -1047,27 +1414,34 @@ fast_call(PyObject *plan, PyObject *args)
     }
     if (PyTuple_GET_SIZE(roots) != PyTuple_GET_SIZE(slots))
         goto done; /* a miss */
-    dynamic = PyList_New(0);
-    sources = PyList_New(0);
-    if (dynamic == NULL || sources == NULL)
-        goto done;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(slots); i++) {
-        ok = match_one(PyTuple_GET_ITEM(slots, i), PyTuple_GET_ITEM(roots, i), dynamic, sources,
-                       array_types, slow);
+        ok = match_one(PyTuple_GET_ITEM(slots, i), PyTuple_GET_ITEM(roots, i), &gathered_dynamic,
+                       &gathered_sources, array_types, slow);
         if (ok != 1)
             goto done;
     }
-    ok = match_closure(reads, found, lifted_slots, env, dynamic, sources);
+    ok = match_closure(reads, found, lifted_slots, env, &gathered_dynamic, &gathered_sources);
     if (ok != 1)
         goto done;
     ok = -1; /* from here on, every failure is an error */
+    dynamic = gathered_take(&gathered_dynamic, 0); /* the arrays, as JAX takes them */
+    sources = gathered_take(&gathered_sources, 1);
+    if (dynamic == NULL || sources == NULL)
+        goto done;
     kwargs = PyDict_New();
     if (kwargs == NULL)
         goto done;
     call = site_call_new(site_call_type, site, roots, kwargs, dynamic, sources);
     if (call == NULL)
         goto done;
-    result = run_bound(jitted, binding, call, dynamic, raise_failure);
+    if (donation == Py_None) {
+        result = run_bound(jitted, binding, call, &dynamic, 1, raise_failure);
+    }
+    else {
+        if (split_donated(donation, dynamic, call, split) < 0)
+            goto done;
+        result = run_bound(jitted, binding, call, split, 2, raise_failure);
+    }
     if (result == NULL)
         goto done;
     if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 2) {
@@ -1075,7 +1449,7 @@ fast_call(PyObject *plan, PyObject *args)
         goto done;
     }
     /* Whether to write back is read after the call: a trace it made may have set it. */
-    PyObject *writes = PyObject_GetAttr(entry, writes_name);
+    PyObject *writes = slot_get(entry, writes_name, &writes_slots);
     if (writes == NULL)
         goto done;
     int truth = PyObject_IsTrue(writes);
@@ -1100,11 +1474,15 @@ done:
     if (ok < 0 && out == NULL && !PyErr_Occurred())
         PyErr_SetString(PyExc_SystemError, "treemode: the memo call failed without an error");
     Py_XDECREF(result);
+    Py_XDECREF(split[0]);
+    Py_XDECREF(split[1]);
     Py_XDECREF(call);
     Py_XDECREF(kwargs);
     Py_XDECREF(sources);
     Py_XDECREF(dynamic);
     Py_XDECREF(roots);
+    gathered_release(&gathered_dynamic);
+    gathered_release(&gathered_sources);
     return out;
 }
 
@@ -1221,6 +1599,10 @@ PyInit__guard(void)
         return NULL;
     if (PyType_Ready(&SiteCallFields_Type) < 0 || PyType_Ready(&MemoCall_Type) < 0)
         return NULL;
+#ifdef HAVE_BINDING
+    if (PyType_Ready(&Binding_Type) < 0)
+        return NULL;
+#endif
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
@@ -1236,5 +1618,13 @@ PyInit__guard(void)
         Py_DECREF(module);
         return NULL;
     }
+#ifdef HAVE_BINDING
+    Py_INCREF(&Binding_Type);
+    if (PyModule_AddObject(module, "Binding", (PyObject *)&Binding_Type) < 0) {
+        Py_DECREF(&Binding_Type);
+        Py_DECREF(module);
+        return NULL;
+    }
+#endif
     return module;
 }

@@ -111,7 +111,7 @@ class _Entry:
             self.writes = True
         return result
 
-    def args(self, dynamic: list[Any]) -> tuple[Any, ...]:
+    def args(self, dynamic: Sequence[Any]) -> tuple[Any, ...]:
         if not self.donated:
             return (tuple(dynamic),)
         return tuple(dynamic[i] for i in self.donated), tuple(dynamic[i] for i in self.kept)
@@ -339,10 +339,12 @@ class JitWrapped(_MemoCall, Generic[P, R]):
 
     def _plan(self, site: CallSite, entry: _Entry) -> Any:
         """The compiled call path's plan for ``site`` (``None``: match in Python)."""
-        if entry.donated:  # the shared-buffer check runs in Python
-            return None
         writing = (entry.pure.record, vars(_core), _core.DEFAULT_STORE, _core.current_trace_ref)
-        run = (entry.jitted, entry.pure.binding, entry, writing)
+        donation = None
+        if entry.donated:
+            check = functools.partial(_check_donation, entry=entry)
+            donation = (tuple(entry.donated), tuple(entry.kept), check)
+        run = (entry.jitted, entry.pure.binding, entry, writing, donation)
         return _callsite.compiled_plan(site, self.partial_args, run, _core.raise_explained)
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
