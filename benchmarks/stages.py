@@ -134,7 +134,7 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
 
     def write_back() -> None:
         # Writes the values the call just produced (the same arrays each time).
-        if entry.writes:
+        if updates is not None:  # None: the trace updates no Variable
             _core.write_back(call, updates, entry.pure.record.metadata_updates)
 
     def match_arguments() -> None:

@@ -259,10 +259,10 @@ def compiled_plan(
 
     ``run`` is ``(jitted, binding, entry, writing, donation)``: the
     executable, the per-thread binding its `PureFunction` reads the current
-    call from, the compiled entry (read for ``writes``, called for
-    ``write_back(call, updates)`` when the write cannot be made in C), what
+    call from, the compiled entry (called for ``write_back(call, updates)``
+    when a call has updates the C write cannot make), what
     writing in C reads: ``(trace record, the _core module's globals, the
-    default store hook, current_trace_ref)``, and ``None`` or, for an entry
+    default store hook, _core.TRACE_REF)``, and ``None`` or, for an entry
     with donated arrays, ``(donated indices, kept indices, check)``: the
     executable takes the two tuples, and ``check(call)`` runs when two of
     them are the same object (it raises the shared-buffer error, or returns

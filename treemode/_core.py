@@ -883,20 +883,38 @@ def _trace_ref_from_jax() -> Any:
     return getattr(tracers.current_jax_trace(), "_trace_ref", None)
 
 
-def _trace_ref_from_context() -> Any:
-    return _trace_context.trace._weakref
+class _TraceRefFromJax:
+    """Gives `_trace_ref_from_jax()` as ``value``, like JAX's per-thread ``trace_state``."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> Any:
+        return _trace_ref_from_jax()
 
 
-try:  # the same reference read directly, without building NNX's wrapper object
-    from jax._src.core import trace_ctx as _trace_context
+def _verified_trace_state() -> Any:
+    # JAX keeps the current trace's weak reference in a per-thread config value;
+    # read it directly (without building NNX's wrapper object) where it is the
+    # reference NNX compares.
+    try:
+        from jax._src.core import trace_state
 
-    current_trace_ref = (
-        _trace_ref_from_context
-        if _trace_ref_from_context() is _trace_ref_from_jax()
-        else _trace_ref_from_jax
-    )
-except (ImportError, AttributeError):  # pragma: no cover - another JAX version
-    current_trace_ref = _trace_ref_from_jax
+        if trace_state.value is _trace_ref_from_jax():
+            return trace_state
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX version
+        pass
+    return _TraceRefFromJax()  # pragma: no cover - another JAX version
+
+
+# ``TRACE_REF.value``: the current trace's weak reference (the compiled write
+# path reads it too).
+TRACE_REF = _verified_trace_state()
+
+
+def current_trace_ref() -> Any:
+    """The weak reference identifying the current JAX trace."""
+    return TRACE_REF.value
 
 
 def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:

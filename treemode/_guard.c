@@ -20,13 +20,13 @@ static PyObject *fast_name;      /* interned "_fast" */
 static PyObject *code_name;      /* interned "__code__" */
 static PyObject *closure_name;   /* interned "__closure__" */
 static PyObject *call_name;      /* interned "call" */
-static PyObject *writes_name;    /* interned "writes" */
 static PyObject *write_back_name; /* interned "write_back" */
 static PyObject *slow_call_name; /* interned "_call" */
 static PyObject *metadata_updates_name; /* interned "metadata_updates" */
 static PyObject *store_name;     /* interned "store" */
 static PyObject *writable_in_name; /* interned "writable_in" */
 static PyObject *variables_name; /* interned "variables" */
+static PyObject *value_name;     /* interned "value" */
 
 /* Dict version tags (CPython 3.11: `ma_version_tag` changes whenever a dict is
  * modified). A dict whose tag is the one saved with a snapshot has not been
@@ -172,7 +172,7 @@ typedef struct {
     int n;
 } SlotCache;
 
-static SlotCache metadata_slots, raw_value_slots, fast_slots, writes_slots;
+static SlotCache metadata_slots, raw_value_slots, fast_slots, writable_in_slots, variables_slots;
 
 static Py_ssize_t
 slot_offset(PyTypeObject *type, PyObject *name, SlotCache *cache)
@@ -1293,7 +1293,8 @@ split_donated(PyObject *donation, PyObject *arrays, PyObject *call, PyObject **s
  * flattening is remembered as writable in the current trace. 1 written, 0 not
  * attempted (the caller writes in Python), -1 error.
  *
- * write_env = (record, core module globals, default store, current_trace_ref) */
+ * write_env = (record, core module globals, default store, trace ref source: its
+ *              `value` is the current trace's weak reference) */
 static int
 write_in_c(PyObject *write_env, PyObject *sources, PyObject *updates)
 {
@@ -1310,7 +1311,7 @@ write_in_c(PyObject *write_env, PyObject *sources, PyObject *updates)
     PyObject *store = PyDict_GetItemWithError(PyTuple_GET_ITEM(write_env, 1), store_name);
     if (store != PyTuple_GET_ITEM(write_env, 2))
         return PyErr_Occurred() ? -1 : 0; /* replaced (tests inject faults there) */
-    PyObject *ref = PyObject_CallNoArgs(PyTuple_GET_ITEM(write_env, 3));
+    PyObject *ref = PyObject_GetAttr(PyTuple_GET_ITEM(write_env, 3), value_name);
     if (ref == NULL)
         return -1;
     PyObject *variables = PyList_New(0);
@@ -1321,7 +1322,7 @@ write_in_c(PyObject *write_env, PyObject *sources, PyObject *updates)
     int ok = ref != Py_None;
     for (Py_ssize_t i = 0; ok == 1 && i < PyList_GET_SIZE(sources); i++) {
         PyObject *source = PyList_GET_ITEM(sources, i);
-        PyObject *writable_in = PyObject_GetAttr(source, writable_in_name);
+        PyObject *writable_in = slot_get(source, writable_in_name, &writable_in_slots);
         if (writable_in == NULL) {
             ok = -1;
             break;
@@ -1331,7 +1332,7 @@ write_in_c(PyObject *write_env, PyObject *sources, PyObject *updates)
             ok = 0;
             break;
         }
-        PyObject *own = PyObject_GetAttr(source, variables_name);
+        PyObject *own = slot_get(source, variables_name, &variables_slots);
         if (own == NULL) {
             ok = -1;
             break;
@@ -1448,21 +1449,15 @@ fast_call(PyObject *plan, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "treemode: a compiled entry returns (out, updates)");
         goto done;
     }
-    /* Whether to write back is read after the call: a trace it made may have set it. */
-    PyObject *writes = slot_get(entry, writes_name, &writes_slots);
-    if (writes == NULL)
-        goto done;
-    int truth = PyObject_IsTrue(writes);
-    Py_DECREF(writes);
-    if (truth < 0)
-        goto done;
-    if (truth) {
-        int in_c = write_in_c(PyTuple_GET_ITEM(entry_part, 3), sources, PyTuple_GET_ITEM(result, 1));
+    /* A trace without updates returns (out, None): nothing to write. */
+    PyObject *updates = PyTuple_GET_ITEM(result, 1);
+    if (updates != Py_None) {
+        int in_c = write_in_c(PyTuple_GET_ITEM(entry_part, 3), sources, updates);
         if (in_c < 0)
             goto done;
         if (in_c == 0) {
-            PyObject *written = PyObject_CallMethodObjArgs(entry, write_back_name, call,
-                                                           PyTuple_GET_ITEM(result, 1), NULL);
+            PyObject *written =
+                PyObject_CallMethodObjArgs(entry, write_back_name, call, updates, NULL);
             if (written == NULL)
                 goto done;
             Py_DECREF(written);
@@ -1585,17 +1580,17 @@ PyInit__guard(void)
     code_name = PyUnicode_InternFromString("__code__");
     closure_name = PyUnicode_InternFromString("__closure__");
     call_name = PyUnicode_InternFromString("call");
-    writes_name = PyUnicode_InternFromString("writes");
     write_back_name = PyUnicode_InternFromString("write_back");
     slow_call_name = PyUnicode_InternFromString("_call");
     metadata_updates_name = PyUnicode_InternFromString("metadata_updates");
     store_name = PyUnicode_InternFromString("store");
     writable_in_name = PyUnicode_InternFromString("writable_in");
     variables_name = PyUnicode_InternFromString("variables");
+    value_name = PyUnicode_InternFromString("value");
     if (metadata_name == NULL || raw_value_name == NULL || fast_name == NULL ||
-        code_name == NULL || closure_name == NULL || call_name == NULL || writes_name == NULL ||
+        code_name == NULL || closure_name == NULL || call_name == NULL ||
         write_back_name == NULL || slow_call_name == NULL || metadata_updates_name == NULL ||
-        store_name == NULL || writable_in_name == NULL || variables_name == NULL)
+        store_name == NULL || writable_in_name == NULL || variables_name == NULL || value_name == NULL)
         return NULL;
     if (PyType_Ready(&SiteCallFields_Type) < 0 || PyType_Ready(&MemoCall_Type) < 0)
         return NULL;

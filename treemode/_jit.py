@@ -73,19 +73,19 @@ class _Entry:
     donated: donated first), which JAX's C++ dispatch handles faster than as
     many positional arguments.
 
-    ``writes`` says whether any trace of this entry returned an update (a
-    changed Variable value or metadata). Which Variables a trace updates is
-    fixed in its executable, so while no trace did, every call's updates are
-    all ``None`` and write-back is skipped without looking at them.
+    Which Variables a trace updates is fixed in its executable. A trace that
+    updates none (no changed value, no metadata update) returns ``(out,
+    None)`` instead of a tuple of ``None`` per Variable: its calls skip the
+    write-back without looking at their updates, and JAX rebuilds a smaller
+    output tree on every call.
     """
 
-    __slots__ = ("pure", "jitted", "donated", "kept", "_order", "writes")
+    __slots__ = ("pure", "jitted", "donated", "kept", "_order")
 
     def __init__(
         self, pure: _core.PureFunction, jit_kwargs: dict[str, Any], donated: list[int], n: int
     ):
         self.pure = pure
-        self.writes = False
         donated_set = set(donated)
         self.donated = donated
         self.kept = [i for i in range(n) if i not in donated_set]
@@ -106,10 +106,11 @@ class _Entry:
         joined = donated + kept
         return self._traced(self.pure(*(joined[j] for j in self._order)))
 
-    def _traced(self, result: tuple[Any, tuple[Any, ...]]) -> tuple[Any, tuple[Any, ...]]:
-        if any(u is not None for u in result[1]) or self.pure.record.metadata_updates:
-            self.writes = True
-        return result
+    def _traced(self, result: tuple[Any, tuple[Any, ...]]) -> tuple[Any, tuple[Any, ...] | None]:
+        out, updates = result
+        if any(u is not None for u in updates) or self.pure.record.metadata_updates:
+            return result
+        return out, None
 
     def args(self, dynamic: Sequence[Any]) -> tuple[Any, ...]:
         if not self.donated:
@@ -339,7 +340,7 @@ class JitWrapped(_MemoCall, Generic[P, R]):
 
     def _plan(self, site: CallSite, entry: _Entry) -> Any:
         """The compiled call path's plan for ``site`` (``None``: match in Python)."""
-        writing = (entry.pure.record, vars(_core), _core.DEFAULT_STORE, _core.current_trace_ref)
+        writing = (entry.pure.record, vars(_core), _core.DEFAULT_STORE, _core.TRACE_REF)
         donation = None
         if entry.donated:
             check = functools.partial(_check_donation, entry=entry)
@@ -366,7 +367,7 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             _core.raise_explained(call, e)
         finally:
             binding.call = None
-        if entry.writes:
+        if updates is not None:
             entry.write_back(call, updates)
         return out if not call.graph else _core.finish(call.full(), out)
 
