@@ -320,6 +320,23 @@ def test_traces_of_one_structure_that_update_different_variables():
     assert m.count[...] == 2
 
 
+def test_a_trace_without_updates_returns_no_update_tuple():
+    # The compiled entry of a forward pass returns (out, None): one output tree
+    # node less per call, and no write-back to decide.
+    forward = treemode.jit(lambda m, x: m.w[...] * x)
+    m = Counter()
+    forward(m, jnp.ones(3))
+    call = forward._prepare((m, jnp.ones(3)), {}, abstract=False)
+    entry = forward._entry(call)
+    assert entry.jitted(*entry.args(call.dynamic))[1] is None
+    step = treemode.jit(_step)
+    step(m, jnp.ones(3))
+    call = step._prepare((m, jnp.ones(3)), {}, abstract=False)
+    entry = step._entry(call)
+    updates = entry.jitted(*entry.args(call.dynamic))[1]
+    assert isinstance(updates, tuple) and len(updates) == 2  # one per Variable of m
+
+
 def test_the_compiled_call_path_is_used(matcher, monkeypatch):
     f = treemode.jit(_step)
     m = Counter()

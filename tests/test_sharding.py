@@ -124,6 +124,29 @@ def test_data_parallel_jit_with_module_shaped_shardings(devices):
     assert len(model.bn.var[...].sharding.device_set) == N_DEV
 
 
+def test_forward_pass_with_explicit_shardings(devices):
+    # A trace that updates no Variable, under in_shardings and out_shardings
+    # (whose per-Variable entries fix the shape of the updates output).
+    mesh = Mesh(np.array(devices), ("data",))
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    kernel = model.kernel[...]
+    replicated = NamedSharding(mesh, P())
+    data_sh = NamedSharding(mesh, P("data"))
+    forward = treemode.jit(
+        lambda m, x: m(x),
+        in_shardings=(treemode.sharding_of(model, mesh), data_sh),
+        out_shardings=data_sh,
+    )
+    x = batch()[0]
+    for _ in range(2):  # the full path, then the call-site memo
+        out = forward(model, x)
+        np.testing.assert_allclose(out, model(x), rtol=1e-5)
+        assert out.sharding == data_sh
+    assert model.kernel[...] is kernel  # nothing written back
+    only_out = treemode.jit(lambda m, x: m(x), out_shardings=replicated)
+    assert only_out(model, x).sharding == replicated
+
+
 # -- tensor parallel ----------------------------------------------------------------
 
 

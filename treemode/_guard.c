@@ -1170,7 +1170,7 @@ bind_call(PyObject *binding, PyObject *call)
 }
 #endif
 
-/* Runs `jitted(*arrays)` (one tuple, or the donated and the kept tuples) with
+/* Runs `jitted(*arrays)` (the arrays, or the donated and the kept tuples) with
  * `call` bound, then unbinds; on failure, hands the error to
  * `raise_failure(call, error)` (which raises the better error). */
 static PyObject *
@@ -1425,7 +1425,7 @@ fast_call(PyObject *plan, PyObject *args)
     if (ok != 1)
         goto done;
     ok = -1; /* from here on, every failure is an error */
-    dynamic = gathered_take(&gathered_dynamic, 0); /* the arrays, as JAX takes them */
+    dynamic = gathered_take(&gathered_dynamic, 0);
     sources = gathered_take(&gathered_sources, 1);
     if (dynamic == NULL || sources == NULL)
         goto done;
@@ -1435,8 +1435,9 @@ fast_call(PyObject *plan, PyObject *args)
     call = site_call_new(site_call_type, site, roots, kwargs, dynamic, sources);
     if (call == NULL)
         goto done;
-    if (donation == Py_None) {
-        result = run_bound(jitted, binding, call, &dynamic, 1, raise_failure);
+    if (donation == Py_None) { /* the arrays as positional arguments */
+        result = run_bound(jitted, binding, call, &PyTuple_GET_ITEM(dynamic, 0),
+                           PyTuple_GET_SIZE(dynamic), raise_failure);
     }
     else {
         if (split_donated(donation, dynamic, call, split) < 0)

@@ -69,23 +69,25 @@ def _resolve_argnums(
 class _Entry:
     """The compiled form of one call structure.
 
-    The dynamic arrays reach ``jax.jit`` as one tuple (two when some are
-    donated: donated first), which JAX's C++ dispatch handles faster than as
-    many positional arguments.
+    The dynamic arrays reach ``jax.jit`` as positional arguments (JAX's C++
+    dispatch parses those with fewer steps than one tuple argument), or as two
+    tuples when some are donated: the donated ones, then the kept ones.
 
     Which Variables a trace updates is fixed in its executable. A trace that
     updates none (no changed value, no metadata update) returns ``(out,
     None)`` instead of a tuple of ``None`` per Variable: its calls skip the
     write-back without looking at their updates, and JAX rebuilds a smaller
-    output tree on every call.
+    output tree on every call. Not with explicit shardings, whose
+    ``out_shardings`` give one entry per Variable.
     """
 
-    __slots__ = ("pure", "jitted", "donated", "kept", "_order")
+    __slots__ = ("pure", "jitted", "donated", "kept", "_order", "_compact")
 
     def __init__(
         self, pure: _core.PureFunction, jit_kwargs: dict[str, Any], donated: list[int], n: int
     ):
         self.pure = pure
+        self._compact = "out_shardings" not in jit_kwargs
         donated_set = set(donated)
         self.donated = donated
         self.kept = [i for i in range(n) if i not in donated_set]
@@ -99,7 +101,7 @@ class _Entry:
         else:
             self.jitted = jax.jit(self._call_flat, **jit_kwargs)
 
-    def _call_flat(self, dynamic: tuple[Any, ...]) -> Any:
+    def _call_flat(self, *dynamic: Any) -> Any:
         return self._traced(self.pure(*dynamic))
 
     def _call_split(self, donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
@@ -108,13 +110,17 @@ class _Entry:
 
     def _traced(self, result: tuple[Any, tuple[Any, ...]]) -> tuple[Any, tuple[Any, ...] | None]:
         out, updates = result
-        if any(u is not None for u in updates) or self.pure.record.metadata_updates:
+        if (
+            not self._compact
+            or any(u is not None for u in updates)
+            or self.pure.record.metadata_updates
+        ):
             return result
         return out, None
 
     def args(self, dynamic: Sequence[Any]) -> tuple[Any, ...]:
         if not self.donated:
-            return (tuple(dynamic),)
+            return tuple(dynamic)
         return tuple(dynamic[i] for i in self.donated), tuple(dynamic[i] for i in self.kept)
 
     def split(self, per_dynamic: list[Any]) -> tuple[Any, ...]:
