@@ -19,9 +19,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _core
-
-_guard = pytest.importorskip("treemode._guard")
+from treemode import _core, _guard  # fails where the extension was not built, on purpose
 
 KINDS: dict[str, Callable[[], Any]] = {
     "compiled": _guard.Binding,

@@ -337,6 +337,30 @@ def test_a_trace_without_updates_returns_no_update_tuple():
     assert isinstance(updates, tuple) and len(updates) == 2  # one per Variable of m
 
 
+def test_many_variables_through_the_memo(matcher):
+    # More arrays than the compiled match gathers on the C stack (32), and
+    # more than its first heap buffer holds (64).
+    class Many(nnx.Module):
+        def __init__(self, n: int):
+            self.ws = nnx.List([nnx.Param(jnp.full((2,), float(i))) for i in range(n)])
+            self.count = nnx.BatchStat(jnp.array(0))
+
+    @treemode.jit
+    def f(m, x):
+        m.count[...] += 1
+        for w in m.ws:
+            w[...] = w[...] + x
+        return sum(w[...] for w in m.ws)
+
+    m = Many(70)
+    for i in range(3):
+        out = f(m, jnp.ones(2))
+        total = sum(range(70)) + 70 * (i + 1)
+        np.testing.assert_allclose(out, np.full(2, float(total)))
+    assert int(m.count[...]) == 3
+    np.testing.assert_allclose(m.ws[69][...], np.full(2, 72.0))
+
+
 def test_the_compiled_call_path_is_used(matcher, monkeypatch):
     f = treemode.jit(_step)
     m = Counter()

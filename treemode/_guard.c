@@ -388,8 +388,8 @@ gathered_push(Gathered *g, PyObject *obj)
             if (items != NULL)
                 memcpy(items, g->inline_items, g->n * sizeof(PyObject *));
         }
-        else {
-            items = PyMem_Resize(g->items, PyObject *, cap);
+        else { /* (PyMem_Resize would overwrite g->items with NULL on failure) */
+            items = (PyObject **)PyMem_Realloc(g->items, cap * sizeof(PyObject *));
         }
         if (items == NULL) {
             PyErr_NoMemory();
