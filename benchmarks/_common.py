@@ -5,7 +5,12 @@ same process, interleaved round by round (the order rotates each round), in
 many short samples. A sample is the mean time per call over a batch of calls
 long enough to be well above the timer's resolution (``sample_ms``), blocked
 on the last result. Per peer we keep the minimum over samples (the least
-disturbed by other processes on a shared machine) and the median.
+disturbed by other processes on a shared machine) and the median. The
+dispatch case builds its peers several times over (``instances``: new models,
+arrays and compiled functions each time), times them all interleaved and pools
+each peer's samples, so that one instance's luck (a compiled function or a
+buffer placement that is slower for as long as it lives) does not decide a
+ratio.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Config:
     depths: tuple[int, ...]  # per-Variable case
     eager_repeats: int
     compile_repeats: int
+    instances: int = 1  # independently built sets of peers (dispatch case)
 
 
 FULL = Config(
@@ -46,6 +52,7 @@ FULL = Config(
     depths=(8, 64, 256, 1024),
     eager_repeats=30,
     compile_repeats=10,
+    instances=3,
 )
 QUICK = Config(
     name="quick",
@@ -65,6 +72,7 @@ SMOKE = Config(
     depths=(1, 2),
     eager_repeats=1,
     compile_repeats=1,
+    instances=2,
 )
 CONFIGS = {c.name: c for c in (FULL, QUICK, SMOKE)}
 
@@ -102,6 +110,30 @@ def measure(
     fns: Mapping[str, Callable[[], Any]], config: Config, *, warmup: int = 3
 ) -> dict[str, Timing]:
     """Time every zero-argument callable of ``fns``, interleaved, in one process."""
+    samples = _samples(fns, config, warmup)
+    return {name: Timing(min(s), statistics.median(s), len(s)) for name, s in samples.items()}
+
+
+def measure_instances(
+    make: Callable[[], Mapping[str, Callable[[], Any]]], config: Config
+) -> dict[str, Timing]:
+    """`measure` over ``config.instances`` sets of peers built by ``make()``, pooled.
+
+    Every set is timed in the same interleaved rounds; each peer's timing is
+    taken over the samples of all its instances.
+    """
+    sets = [make() for _ in range(config.instances)]
+    fns = {(name, i): fn for i, peers in enumerate(sets) for name, fn in peers.items()}
+    pooled: dict[str, list[float]] = {}
+    for (name, _), s in _samples(fns, config, 3).items():
+        pooled.setdefault(name, []).extend(s)
+    return {name: Timing(min(s), statistics.median(s), len(s)) for name, s in pooled.items()}
+
+
+def _samples(
+    fns: Mapping[Any, Callable[[], Any]], config: Config, warmup: int
+) -> dict[Any, list[float]]:
+    """Microseconds per call of each sample of each callable (see the module docstring)."""
     names = list(fns)
     calls = {}
     for name in names:  # compile, warm up, and size the batch of one sample
@@ -113,7 +145,7 @@ def measure(
             _once(fns[name])
         single = min(_once(fns[name]) for _ in range(3))
         calls[name] = max(1, min(1000, int(config.sample_ms * 1e-3 / max(single, 1e-7))))
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    samples: dict[Any, list[float]] = {name: [] for name in names}
     for r in range(config.repeats):
         k = r % len(names)
         for name in names[k:] + names[:k]:
@@ -123,7 +155,7 @@ def measure(
                 out = fn()
             jax.block_until_ready(out)  # pyright: ignore[reportPossiblyUnbound]
             samples[name].append((time.perf_counter() - start) / n * 1e6)
-    return {name: Timing(min(s), statistics.median(s), len(s)) for name, s in samples.items()}
+    return samples
 
 
 def best_seconds(fn: Callable[[], Any], repeats: int) -> float:

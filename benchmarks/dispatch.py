@@ -11,9 +11,10 @@ run through:
 - ``eqx.filter_jit`` on the Equinox twin of the model.
 
 Shapes are tiny so the time is dispatch, not compute. Peers are timed
-interleaved in one process (see ``_common.measure``); the tables give the floor
-in microseconds and every peer as a ratio to it, from the best sample and from
-the median sample.
+interleaved in one process, each built ``config.instances`` times over with
+the samples pooled (see ``_common.measure_instances``); the tables give the
+floor in microseconds and every peer as a ratio to it, from the best sample
+and from the median sample.
 
 Also here: the asynchronous-dispatch check (a call returns before its result
 is computed), for a computation heavy enough that XLA's CPU client runs it
@@ -24,6 +25,7 @@ Run: ``make bench`` (whole suite) or ``python benchmarks/dispatch.py [--quick]``
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -32,7 +34,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from _common import Config, Table, case_main, measure, ratio_table
+from _common import Config, Table, case_main, measure_instances, ratio_table
 from _models import (
     BATCH,
     MLP,
@@ -204,7 +206,8 @@ def run(config: Config) -> list[Table]:
     for label in config.dispatch_models:
         depth = MODELS[label]
         for task, make in (("forward", forward_peers), ("train step", train_peers)):
-            rows.append((f"{label}, {task}", measure(make(depth), config)))
+            timings = measure_instances(functools.partial(make, depth), config)
+            rows.append((f"{label}, {task}", timings))
             print(f"  measured {rows[-1][0]}", flush=True)
     return ratio_table(
         "dispatch",
