@@ -35,7 +35,7 @@ class Config:
     """How much work a run does; ``FULL`` for ``make bench``, ``QUICK`` for ``--quick``."""
 
     name: str
-    repeats: int  # samples per peer
+    repeats: int  # samples per peer (per instance, where there are several)
     sample_ms: float  # target length of one sample
     dispatch_models: tuple[str, ...]  # which models the dispatch case runs
     depths: tuple[int, ...]  # per-Variable case
@@ -46,13 +46,13 @@ class Config:
 
 FULL = Config(
     name="full",
-    repeats=60,
+    repeats=40,
     sample_ms=2.0,
     dispatch_models=("2-layer MLP", "64-layer MLP", "stateful"),
     depths=(8, 64, 256, 1024),
     eager_repeats=30,
     compile_repeats=10,
-    instances=3,
+    instances=5,
 )
 QUICK = Config(
     name="quick",
