@@ -115,7 +115,7 @@ def measure(
 
 
 def measure_instances(
-    make: Callable[[], Mapping[str, Callable[[], Any]]], config: Config
+    make: Callable[[], Mapping[str, Callable[[], Any]]], config: Config, *, warmup: int = 3
 ) -> dict[str, Timing]:
     """`measure` over ``config.instances`` sets of peers built by ``make()``, pooled.
 
@@ -125,7 +125,7 @@ def measure_instances(
     sets = [make() for _ in range(config.instances)]
     fns = {(name, i): fn for i, peers in enumerate(sets) for name, fn in peers.items()}
     pooled: dict[str, list[float]] = {}
-    for (name, _), s in _samples(fns, config, 3).items():
+    for (name, _), s in _samples(fns, config, warmup).items():
         pooled.setdefault(name, []).extend(s)
     return {name: Timing(min(s), statistics.median(s), len(s)) for name, s in pooled.items()}
 

@@ -25,7 +25,7 @@ class SiteCallFields:
     site: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    dynamic: list[Any]
+    dynamic: Sequence[Any]
     sources: list[Any]
     _full: Any
     def __init__(
@@ -33,9 +33,12 @@ class SiteCallFields:
         site: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        dynamic: list[Any],
+        dynamic: Sequence[Any],
         sources: list[Any],
     ) -> None: ...
+
+class Binding:
+    call: Any
 
 class MemoCall:
     _memo: Any
