@@ -112,7 +112,7 @@ def test_no_retrace_when_values_change_and_retrace_on_structure():
     assert len(traces) == 5
 
 
-def test_non_array_leaves_are_static():
+def test_non_array_leaves_are_static_python_numbers_are_traced():
     traces = []
 
     @treemode.jit
@@ -123,7 +123,10 @@ def test_non_array_leaves_are_static():
     np.testing.assert_allclose(f(jnp.ones(2), 2.0, jnp.tanh), jnp.tanh(1.0) * 2 * jnp.ones(2))
     f(jnp.ones(2), 2.0, jnp.tanh)
     assert len(traces) == 1
-    f(jnp.ones(2), 3.0, jnp.tanh)
+    # A new Python number is a new value of a traced argument, as in jax.jit.
+    np.testing.assert_allclose(f(jnp.ones(2), 3.0, jnp.tanh), jnp.tanh(1.0) * 3 * jnp.ones(2))
+    assert len(traces) == 1
+    f(jnp.ones(2), 3.0, jax.nn.relu)  # a new function is a new static value
     assert len(traces) == 2
 
 

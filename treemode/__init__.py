@@ -39,6 +39,7 @@ from ._pytree import Pytree as Pytree
 from ._pytree import PytreeDef as PytreeDef
 from ._remat import checkpoint as checkpoint
 from ._remat import remat as remat
+from ._rng_hints import BroadcastRngsWarning as BroadcastRngsWarning
 from ._rngs import fork_rngs as fork_rngs
 from ._rngs import split_rngs as split_rngs
 from ._scan import Carry as Carry

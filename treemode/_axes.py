@@ -31,6 +31,7 @@ from ._errors import AxisError
 from ._leaves import is_variable
 from ._paths import format_path
 from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
+from ._rng_hints import axis_hint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +266,7 @@ def check_mapped(
             raise AxisError(
                 f"treemode.{transform}: {what} maps {path} over axis {axis}, but it has "
                 f"shape {tuple(shape)} ({len(shape)} dimension(s)). Use an axis in "
-                f"[{-len(shape)}, {len(shape)}) or None to broadcast it."
+                f"[{-len(shape)}, {len(shape)}) or None to broadcast it." + axis_hint(call, i, path)
             )
         n = shape[axis]
         if size is None:
@@ -277,6 +278,7 @@ def check_mapped(
                 f"has size {size} on its mapped axis {axes[first]}, but {paths[i]} has "
                 f"size {n} on axis {axis}. Every mapped array must have the same size "
                 "along its mapped axis."
+                + (axis_hint(call, first, paths[first]) or axis_hint(call, i, paths[i]))
             )
     if size is not None and axis_size is not None and axis_size != size:
         raise AxisError(

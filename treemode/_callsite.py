@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from . import _closure
 from ._closure import closure_snapshot, unchanged_closure_objects
 from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, variables_of
-from ._leaves import CONCRETE_ARRAY_TYPES, is_array
+from ._leaves import CONCRETE_ARRAY_TYPES, is_traced
 
 if TYPE_CHECKING:
     from ._core import Call
@@ -140,7 +140,7 @@ def _match_slow(entry: ArgFlat | None, obj: Any) -> list[Any] | None:
     compiled guard or with dynamic leaves other than Variable values.
     """
     if entry is None:
-        return [obj] if is_array(obj) else None
+        return [obj] if is_traced(obj) else None
     return current_dynamic(entry) if still_flattens(entry, obj) else None
 
 

@@ -14,6 +14,7 @@ from . import _core
 def checkify(
     f: Callable[..., Any],
     errors: frozenset[Any] = jax_checkify.user_checks,
+    *,
     graph: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
     """Functionalize the checks of `f`, like `jax.experimental.checkify.checkify`.

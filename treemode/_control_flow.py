@@ -31,6 +31,7 @@ from ._loop import (
     type_problem,
     variable_specs,
 )
+from ._signature import UNSPECIFIED, legacy_operand
 from ._trace_cache import avals, cache_for, call_current_fn
 
 
@@ -126,6 +127,7 @@ def while_loop(
     cond_fun: Callable[[Any], Any],
     body_fun: Callable[[Any], Any],
     init_val: Any,
+    *,
     graph: bool = False,
 ) -> Any:
     """`jax.lax.while_loop` over values that may hold modules, with Variable write-back.
@@ -515,6 +517,7 @@ def cond(
     true_fun: Callable[..., Any],
     false_fun: Callable[..., Any],
     *operands: Any,
+    operand: Any = UNSPECIFIED,
     graph: bool = False,
 ) -> Any:
     """`jax.lax.cond` over operands that may hold modules, with Variable write-back.
@@ -528,6 +531,7 @@ def cond(
     - `pred`: scalar boolean (or integer) selecting `true_fun` when true.
     - `true_fun`, `false_fun`: called as `fn(*operands)`.
     - `*operands`: modules, pytrees, arrays.
+    - `operand`: JAX's older keyword form of a single operand.
     - `graph`: if `True`, operands may share Modules/Variables.
 
     **Returns:**
@@ -554,6 +558,7 @@ def cond(
     assert int(counter.count[...]) == 1
     ```
     """
+    operands = legacy_operand("cond", operands, operand)
     return _branches(
         "cond",
         [true_fun, false_fun],
@@ -567,6 +572,7 @@ def switch(
     index: Any,
     branches: Sequence[Callable[..., Any]],
     *operands: Any,
+    operand: Any = UNSPECIFIED,
     graph: bool = False,
 ) -> Any:
     """`jax.lax.switch` over operands that may hold modules, with Variable write-back.
@@ -579,6 +585,7 @@ def switch(
     - `index`: integer scalar selecting the branch.
     - `branches`: sequence of functions called as `fn(*operands)`.
     - `*operands`: modules, pytrees, arrays.
+    - `operand`: JAX's older keyword form of a single operand.
     - `graph`: if `True`, operands may share Modules/Variables.
 
     **Returns:**
@@ -605,6 +612,7 @@ def switch(
     assert float(acc.total[...]) == 201.0
     ```
     """
+    operands = legacy_operand("switch", operands, operand)
     branches = list(branches)
     if not branches:
         raise ValueError("treemode.switch: branches is empty; give at least one function.")

@@ -51,7 +51,14 @@ from ._flatten import (
     variables_of,
 )
 from ._hashed import HashedKey
-from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable, same_static
+from ._leaves import (
+    is_abstract_traced,
+    is_array,
+    is_graph_node,
+    is_traced,
+    is_variable,
+    same_static,
+)
 from ._paths import format_path
 from ._stale import mark_trace_time, stale_write_error
 
@@ -230,7 +237,7 @@ def prepare(
     lift_closure: bool = True,
 ) -> Call:
     """Flatten the inputs of one transform call and check them for aliases."""
-    is_dynamic = is_abstract_array if abstract else is_array
+    is_dynamic = is_abstract_traced if abstract else is_traced
     call = Call()
     call.transform = transform
     call.fn = fn

@@ -39,6 +39,7 @@ from . import _core, _graph
 from ._errors import ClosureError, MutationError
 from ._grad import DiffSplit, dynamic_like, float0_zeros, is_differentiable
 from ._leaves import ARRAY_TYPES
+from ._signature import as_tuple, resolve_argnums
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -306,8 +307,9 @@ def _resolve_kwargs(
 
 
 def custom_vjp(
-    fn: Callable[P, R] | None = None,
+    fun: Callable[P, R] | None = None,
     nondiff_argnums: Sequence[int] = (),
+    nondiff_argnames: Sequence[str] = (),
     *,
     graph: bool = False,
 ) -> Any:
@@ -326,10 +328,11 @@ def custom_vjp(
 
     **Arguments:**
 
-    - `fn`: the function. Omit it to use `custom_vjp(nondiff_argnums=...)` as a
+    - `fun`: the function. Omit it to use `custom_vjp(nondiff_argnums=...)` as a
       decorator.
-    - `nondiff_argnums`: positional arguments that are not differentiated; they
-      are passed first to `bwd`, as in JAX.
+    - `nondiff_argnums`, `nondiff_argnames`: arguments (by position or by name)
+      that are not differentiated; they are passed first to `bwd`, in
+      positional order, as in JAX.
     - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).
 
     **Returns:**
@@ -367,6 +370,13 @@ def custom_vjp(
     assert jnp.allclose(grads.y[...], jnp.sin(1.0))
     ```
     """
-    if fn is None:
-        return lambda f: CustomVjp(f, nondiff_argnums, graph)
-    return CustomVjp(fn, nondiff_argnums, graph)
+
+    def make(f: Callable[P, R]) -> CustomVjp[P, R]:
+        nums, _ = resolve_argnums(
+            "custom_vjp", f, tuple(nondiff_argnums), as_tuple(nondiff_argnames), "nondiff"
+        )
+        return CustomVjp(f, tuple(nums), graph)
+
+    if fun is None:
+        return make
+    return make(fun)

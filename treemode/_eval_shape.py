@@ -10,23 +10,23 @@ import jax
 from . import _core
 
 
-def eval_shape(fn: Callable[..., Any], *args: Any, graph: bool = False, **kwargs: Any) -> Any:
-    """Shapes and dtypes of ``fn(*args, **kwargs)`` without running it.
+def eval_shape(fun: Callable[..., Any], *args: Any, graph: bool = False, **kwargs: Any) -> Any:
+    """Shapes and dtypes of ``fun(*args, **kwargs)`` without running it.
 
     Arguments may hold `jax.ShapeDtypeStruct` in place of arrays. Variables the
     function would change are left exactly as they are, and no Variable ever ends
-    up holding a tracer. Modules created by `fn` come back with
+    up holding a tracer. Modules created by `fun` come back with
     `jax.ShapeDtypeStruct` values: the usual way to build an abstract model.
 
     **Arguments:**
 
-    - `fn`: the function to evaluate.
+    - `fun`: the function to evaluate.
     - `*args`, `**kwargs`: its arguments (modules, pytrees, arrays).
     - `graph`: if `True`, arguments may share Modules/Variables.
 
     **Returns:**
 
-    The output of `fn` with every array replaced by a `jax.ShapeDtypeStruct`.
+    The output of `fun` with every array replaced by a `jax.ShapeDtypeStruct`.
 
     ```python
     import jax
@@ -38,7 +38,7 @@ def eval_shape(fn: Callable[..., Any], *args: Any, graph: bool = False, **kwargs
     assert abstract.kernel.shape == (2, 3)
     ```
     """
-    call = _core.prepare("eval_shape", fn, args, kwargs, graph=graph, abstract=True)
+    call = _core.prepare("eval_shape", fun, args, kwargs, graph=graph, abstract=True)
     pure = _core.PureFunction(call)
     pure.bind(call)
     try:

@@ -29,7 +29,7 @@ from jax.tree_util import PyTreeDef
 
 from ._errors import AliasError
 from ._hashed import HashedKey
-from ._leaves import is_graph_node, is_variable, is_variable_value_leaf
+from ._leaves import is_graph_node, is_python_scalar, is_variable, is_variable_value_leaf
 from ._paths import format_path
 
 try:  # the compiled guard (treemode/_guard.c); optional, same checks in Python below
@@ -362,9 +362,10 @@ def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgF
     seen: set[int] = set()
     revisited = False
     cacheable = True
+    has_equinox = False
 
     def is_leaf(x: Any) -> bool:
-        nonlocal cacheable, revisited
+        nonlocal cacheable, revisited, has_equinox
         if is_variable(x):
             return True
         if is_graph_node(x) or isinstance(x, (dict, list)):
@@ -377,9 +378,12 @@ def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgF
             containers.append(x)
         elif isinstance(x, State):
             _add_state(x, containers)
-        elif not isinstance(x, _IMMUTABLE_NODES) and not _is_frozen_node(x):
-            # A mutable pytree node we cannot guard: never reuse this flattening.
-            cacheable = cacheable and _is_plain_leaf(x)
+        elif not isinstance(x, _IMMUTABLE_NODES):
+            if not has_equinox and _is_equinox_module(x):
+                has_equinox = True
+            if not _is_frozen_node(x):
+                # A mutable pytree node we cannot guard: never reuse this flattening.
+                cacheable = cacheable and _is_plain_leaf(x)
         return False
 
     with recursion_headroom():
@@ -392,11 +396,14 @@ def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgF
             # Only shared objects (no cycle): flatten them in full.
             containers.clear()
             leaves, treedef = jax.tree_util.tree_flatten(arg, is_leaf=_no_cut(containers))
+    if revisited:
+        has_equinox = _contains_equinox_module(arg)
+    in_equinox = _in_equinox_module(arg) if has_equinox else None
     specs: list[Spec] = []
-    for leaf in leaves:
+    for j, leaf in enumerate(leaves):
         if is_variable(leaf):
             specs.append(variable_spec(leaf)[0])
-        elif is_dynamic(leaf):
+        elif is_dynamic(leaf) and not (in_equinox and in_equinox[j] and is_python_scalar(leaf)):
             specs.append(DYNAMIC)
         else:
             specs.append(StaticLeaf(leaf))
@@ -439,6 +446,47 @@ def _is_frozen_node(x: Any) -> bool:
     # Equinox modules and frozen dataclasses cannot be mutated after construction.
     params = getattr(type(x), "__dataclass_params__", None)
     return params is not None and params.frozen
+
+
+def _is_equinox_module(x: Any) -> bool:
+    eqx = sys.modules.get("equinox")
+    return eqx is not None and isinstance(x, eqx.Module)
+
+
+def _contains_equinox_module(tree: Any) -> bool:
+    found = False
+
+    def is_leaf(x: Any) -> bool:
+        nonlocal found
+        found = found or _is_equinox_module(x)
+        return is_variable(x)
+
+    jax.tree_util.tree_leaves(tree, is_leaf=is_leaf)
+    return found
+
+
+def _in_equinox_module(tree: Any) -> list[bool]:
+    """Per leaf (Variables as leaves), whether it sits inside an Equinox module.
+
+    Python numbers there are static, as ``eqx.filter_jit`` makes every non-array
+    field of a module static; elsewhere they are traced, as in ``jax.jit``.
+    """
+    inside: list[bool] = []
+
+    def walk(node: Any, within: bool) -> None:
+        if is_variable(node):
+            inside.append(within)
+            return
+        within = within or _is_equinox_module(node)
+        children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+        if jax.tree_util.treedef_is_leaf(treedef) and len(children) == 1 and children[0] is node:
+            inside.append(within)
+            return
+        for child in children:
+            walk(child, within)
+
+    walk(tree, False)
+    return inside
 
 
 def _is_plain_leaf(x: Any) -> bool:

@@ -29,6 +29,7 @@ from ._errors import StructureError
 from ._flatten import DYNAMIC, StaticLeaf, VarSpec
 from ._leaves import ARRAY_TYPES, is_graph_node, is_variable
 from ._paths import format_path
+from ._signature import check_reduce_axes
 
 # ---------------------------------------------------------------------------
 # Shared helpers (used by _vjp, _custom_vjp)
@@ -231,12 +232,13 @@ def to_array_args(args: tuple[Any, ...], positions: Sequence[int]) -> tuple[Any,
 
 
 def _numbers_to_arrays(x: Any) -> Any:
+    # ``device_put`` keeps a Python number weakly typed, as ``jax.grad`` does.
     if isinstance(x, (float, complex, int)) and not isinstance(x, bool):
-        return jnp.asarray(x)
+        return jax.device_put(x)
     if isinstance(x, (tuple, list, dict)):
         return jax.tree_util.tree_map(
             lambda v: (
-                jnp.asarray(v)
+                jax.device_put(v)
                 if isinstance(v, (float, complex, int)) and not isinstance(v, bool)
                 else v
             ),
@@ -361,11 +363,12 @@ def _grad_transform(
 
 
 def grad(
-    fn: Callable[..., Any] | None = None,
+    fun: Callable[..., Any] | None = None,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     holomorphic: bool = False,
     allow_int: bool = False,
+    reduce_axes: Sequence[Any] = (),
     *,
     graph: bool = False,
 ) -> Callable[..., Any]:
@@ -385,13 +388,15 @@ def grad(
 
     **Arguments:**
 
-    - `fn`: function returning a real scalar (or `(scalar, aux)` with `has_aux`).
+    - `fun`: function returning a real scalar (or `(scalar, aux)` with `has_aux`).
       Omit it to use `grad(argnums=...)` as a decorator.
     - `argnums`: int or tuple of ints, the positional arguments to differentiate.
     - `has_aux`: `fn` returns `(loss, aux)`; `aux` is returned next to the gradient.
     - `holomorphic`: as in `jax.grad` (complex inputs and output).
     - `allow_int`: accept a bare integer array in `argnums` (its gradient is
       `float0`). Integer Variables inside modules never need it.
+    - `reduce_axes`: accepted for `jax.grad`'s signature; must be empty (JAX
+      no longer supports it either).
     - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).
 
     **Returns:**
@@ -415,7 +420,8 @@ def grad(
     assert grads.kernel.shape == (2, 1)
     ```
     """
-    if fn is None:
+    check_reduce_axes("grad", reduce_axes)
+    if fun is None:
         return functools.partial(
             grad,
             argnums=argnums,
@@ -424,15 +430,16 @@ def grad(
             allow_int=allow_int,
             graph=graph,
         )
-    return _grad_transform(fn, argnums, has_aux, holomorphic, allow_int, graph, False)
+    return _grad_transform(fun, argnums, has_aux, holomorphic, allow_int, graph, False)
 
 
 def value_and_grad(
-    fn: Callable[..., Any] | None = None,
+    fun: Callable[..., Any] | None = None,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     holomorphic: bool = False,
     allow_int: bool = False,
+    reduce_axes: Sequence[Any] = (),
     *,
     graph: bool = False,
 ) -> Callable[..., Any]:
@@ -467,7 +474,8 @@ def value_and_grad(
     assert step(model, optimizer) < first
     ```
     """
-    if fn is None:
+    check_reduce_axes("value_and_grad", reduce_axes)
+    if fun is None:
         return functools.partial(
             value_and_grad,
             argnums=argnums,
@@ -476,4 +484,4 @@ def value_and_grad(
             allow_int=allow_int,
             graph=graph,
         )
-    return _grad_transform(fn, argnums, has_aux, holomorphic, allow_int, graph, True)
+    return _grad_transform(fun, argnums, has_aux, holomorphic, allow_int, graph, True)

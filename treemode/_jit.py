@@ -3,67 +3,29 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
 from jax.core import Tracer
 
-from . import _callsite, _core
+from . import _callsite, _core, _explain
 from ._callsite import CallSite, SiteCall
-from ._errors import DonationError, StaticArgumentError, StructureError
+from ._errors import DonationError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
 from ._prefix import broadcast_to_dynamic
+from ._signature import UNSPECIFIED, as_tuple, resolve_argnums
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_UNSET: Any = object()
-
-
-def _as_tuple(x: int | str | Iterable[Any] | None) -> tuple[Any, ...]:
-    if x is None:
-        return ()
-    if isinstance(x, (int, str)):
-        return (x,)
-    return tuple(x)
+_UNSET: Any = UNSPECIFIED
 
 
 def _resolve_argnums(
     fn: Callable[..., Any], argnums: tuple[int, ...], argnames: tuple[str, ...], what: str
 ) -> tuple[frozenset[int], frozenset[str]]:
-    """Complete argnums from argnames and vice versa, the way ``jax.jit`` does."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return frozenset(argnums), frozenset(argnames)
-    positional = [
-        p
-        for p in params
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    has_varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
-    names = set(argnames)
-    nums = set()
-    for i in argnums:
-        if i < 0:
-            i += len(positional)
-        if i < 0 or (i >= len(positional) and not has_varargs):
-            raise StaticArgumentError(
-                f"treemode.jit: {what}_argnums contains {i}, but "
-                f"{getattr(fn, '__name__', fn)} takes {len(positional)} positional "
-                "argument(s). Fix the index, or name the argument with "
-                f"{what}_argnames."
-            )
-        nums.add(i)
-        if i < len(positional) and positional[i].kind is not inspect.Parameter.POSITIONAL_ONLY:
-            names.add(positional[i].name)
-    for name in argnames:
-        for i, p in enumerate(positional):
-            if p.name == name:
-                nums.add(i)
-    return frozenset(nums), frozenset(names)
+    return resolve_argnums("jit", fn, argnums, argnames, what)
 
 
 class _Entry:
@@ -81,12 +43,13 @@ class _Entry:
     ``out_shardings`` give one entry per Variable.
     """
 
-    __slots__ = ("pure", "jitted", "donated", "kept", "_order", "_compact")
+    __slots__ = ("pure", "jitted", "donated", "kept", "_order", "_compact", "traced_types")
 
     def __init__(
         self, pure: _core.PureFunction, jit_kwargs: dict[str, Any], donated: list[int], n: int
     ):
         self.pure = pure
+        self.traced_types: list[tuple[Any, ...]] = []  # per trace (see `_explain`)
         self._compact = "out_shardings" not in jit_kwargs
         donated_set = set(donated)
         self.donated = donated
@@ -102,11 +65,20 @@ class _Entry:
             self.jitted = jax.jit(self._call_flat, **jit_kwargs)
 
     def _call_flat(self, *dynamic: Any) -> Any:
+        self._explain(dynamic)
         return self._traced(self.pure(*dynamic))
 
     def _call_split(self, donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
         joined = donated + kept
-        return self._traced(self.pure(*(joined[j] for j in self._order)))
+        dynamic = [joined[j] for j in self._order]
+        self._explain(dynamic)
+        return self._traced(self.pure(*dynamic))
+
+    def _explain(self, dynamic: Sequence[Any]) -> None:
+        """At trace time (JAX traces again for new shapes/dtypes): explain a retrace."""
+        call = getattr(self.pure.binding, "call", None)
+        if call is not None:
+            _explain.new_types("jit", self.pure.fn, call, self.traced_types, dynamic)
 
     def _traced(self, result: tuple[Any, tuple[Any, ...]]) -> tuple[Any, tuple[Any, ...] | None]:
         out, updates = result
@@ -170,6 +142,7 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         device: Any = None,
         backend: str | None = None,
         inline: bool = False,
+        compiler_options: dict[str, Any] | None = None,
         graph: bool = False,
         partial_args: tuple[Any, ...] = (),
     ):
@@ -182,13 +155,14 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         self.device = device
         self.backend = backend
         self.inline = inline
+        self.compiler_options = compiler_options
         self.partial_args = partial_args
         n_partial = len(partial_args)
         static_nums, static_names = _resolve_argnums(
-            fn, _as_tuple(static_argnums), _as_tuple(static_argnames), "static"
+            fn, as_tuple(static_argnums), as_tuple(static_argnames), "static"
         )
         donate_nums, donate_names = _resolve_argnums(
-            fn, _as_tuple(donate_argnums), _as_tuple(donate_argnames), "donate"
+            fn, as_tuple(donate_argnums), as_tuple(donate_argnames), "donate"
         )
         clash = (static_nums & donate_nums) or (static_names & donate_names)
         if clash:
@@ -265,6 +239,8 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             jit_kwargs["device"] = self.device
         if self.backend is not None:
             jit_kwargs["backend"] = self.backend
+        if self.compiler_options is not None:
+            jit_kwargs["compiler_options"] = self.compiler_options
         layout = _Entry.__new__(_Entry)
         layout.donated = donate_flat
         layout.kept = [i for i in range(len(call.dynamic)) if i not in set(donate_flat)]
@@ -339,9 +315,16 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             if matched is not None:
                 return self._run(matched, entry, entry.jitted)
         call = self._prepare(args, kwargs, abstract=False)
+        new = call.key not in self._cache
         entry = self._entry(call)
         site = CallSite.record(call, self._prepare_in_full)
         self._memo = None if site is None else (site, entry, self._plan(site, entry))
+        if new and _explain.enabled():
+            # treemode says what changed in the arguments; JAX, which sees a new
+            # flat function, would only say that it was never seen.
+            _explain.new_structure("jit", self.fn, call.key, list(self._cache)[:-1])
+            with jax.explain_cache_misses(False):
+                return self._run(call, entry, entry.jitted)
         return self._run(call, entry, entry.jitted)
 
     def _plan(self, site: CallSite, entry: _Entry) -> Any:
@@ -517,7 +500,8 @@ class Compiled(_Stage):
 
 @overload
 def jit(
-    fn: Callable[P, R],
+    fun: Callable[P, R],
+    /,
     *,
     in_shardings: Any = ...,
     out_shardings: Any = ...,
@@ -529,13 +513,15 @@ def jit(
     device: Any = ...,
     backend: str | None = ...,
     inline: bool = ...,
+    compiler_options: dict[str, Any] | None = ...,
     graph: bool = ...,
 ) -> JitWrapped[P, R]: ...
 
 
 @overload
 def jit(
-    fn: None = None,
+    fun: None = None,
+    /,
     *,
     in_shardings: Any = ...,
     out_shardings: Any = ...,
@@ -547,22 +533,42 @@ def jit(
     device: Any = ...,
     backend: str | None = ...,
     inline: bool = ...,
+    compiler_options: dict[str, Any] | None = ...,
     graph: bool = ...,
 ) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
 
 
-def jit(fn: Callable[P, R] | None = None, **kwargs: Any) -> Any:
+def jit(
+    fun: Callable[P, R] | None = None,
+    /,
+    *,
+    in_shardings: Any = _UNSET,
+    out_shardings: Any = _UNSET,
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    keep_unused: bool = False,
+    device: Any = None,
+    backend: str | None = None,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    graph: bool = False,
+) -> Any:
     """Compile ``fn`` with ``jax.jit``, writing Variable updates back to the inputs.
 
     Modules, Variables, Equinox modules and plain pytrees may be passed freely.
-    Arrays (including Variable values) are traced; other leaves are static, as in
-    `eqx.filter_jit`. After the call, each input Variable that the function
-    changed holds its new value; all other Variables keep their buffers.
+    Arrays, Variable values and Python numbers are traced, as in `jax.jit`; other
+    leaves (functions, strings, NNX static attributes, and every non-array field
+    of an Equinox module, as in `eqx.filter_jit`) are static; the table in
+    the concepts page gives the whole rule. After the call, each input Variable
+    that the function changed holds its new value; all other Variables keep
+    their buffers.
 
     **Arguments:**
 
-    - `fn`: the function to compile. Omit it to use `jit(...)` as a decorator
-      factory; `jit` also decorates methods.
+    - `fun`: the function to compile (positional only). Omit it to use
+      `jit(...)` as a decorator factory; `jit` also decorates methods.
     - `in_shardings`, `out_shardings`: as in `jax.jit`; a prefix may be
       module-shaped (the module with a sharding in place of each Variable).
       Updated Variables come back with their input sharding.
@@ -571,7 +577,8 @@ def jit(fn: Callable[P, R] | None = None, **kwargs: Any) -> Any:
     - `donate_argnums`, `donate_argnames`: arguments whose buffers XLA may reuse.
       Their Variables are refreshed with the output buffers, so the modules stay
       usable.
-    - `keep_unused`, `device`, `backend`, `inline`: as in `jax.jit`.
+    - `keep_unused`, `device`, `backend`, `inline`, `compiler_options`: as in
+      `jax.jit`.
     - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).
 
     **Returns:**
@@ -603,12 +610,41 @@ def jit(fn: Callable[P, R] | None = None, **kwargs: Any) -> Any:
     assert counter.count[...] == 1
     ```
     """
-    if fn is None:
-        return lambda f: JitWrapped(f, **kwargs)
-    return JitWrapped(fn, **kwargs)
+    options: dict[str, Any] = dict(
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        keep_unused=keep_unused,
+        device=device,
+        backend=backend,
+        inline=inline,
+        compiler_options=compiler_options,
+        graph=graph,
+    )
+    if fun is None:
+        return lambda f: JitWrapped(f, **options)
+    return JitWrapped(fun, **options)
 
 
-def jit_partial(fn: Callable[..., R], *partial_args: Any, **jit_kwargs: Any) -> JitWrapped[..., R]:
+def jit_partial(
+    fun: Callable[..., R],
+    *partial_args: Any,
+    in_shardings: Any = _UNSET,
+    out_shardings: Any = _UNSET,
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    keep_unused: bool = False,
+    device: Any = None,
+    backend: str | None = None,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    graph: bool = False,
+) -> JitWrapped[..., R]:
     """``jit`` with leading arguments bound once; the fast path for training loops.
 
     The bound arguments (typically the model and the optimizer) are flattened on
@@ -617,9 +653,9 @@ def jit_partial(fn: Callable[..., R], *partial_args: Any, **jit_kwargs: Any) -> 
 
     **Arguments:**
 
-    - `fn`: the function to compile.
-    - `*partial_args`: leading positional arguments of `fn` to bind.
-    - `**jit_kwargs`: any keyword of `treemode.jit`; argument indices count
+    - `fun`: the function to compile.
+    - `*partial_args`: leading positional arguments of `fun` to bind.
+    - `in_shardings`, ..., `graph`: as in `treemode.jit`; argument indices count
       the bound arguments too.
 
     **Returns:**
@@ -636,4 +672,19 @@ def jit_partial(fn: Callable[..., R], *partial_args: Any, **jit_kwargs: Any) -> 
     assert forward(jnp.ones((1, 2))).shape == (1, 2)
     ```
     """
-    return JitWrapped(fn, partial_args=tuple(partial_args), **jit_kwargs)
+    return JitWrapped(
+        fun,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        keep_unused=keep_unused,
+        device=device,
+        backend=backend,
+        inline=inline,
+        compiler_options=compiler_options,
+        graph=graph,
+        partial_args=tuple(partial_args),
+    )

@@ -69,6 +69,34 @@ def is_abstract_array(x: Any) -> bool:
     return isinstance(x, ARRAY_TYPES) or isinstance(x, jax.ShapeDtypeStruct)
 
 
+_PYTHON_SCALARS = frozenset(SCALAR_TYPES)
+
+
+def is_python_scalar(x: Any) -> bool:
+    """Whether ``x`` is a Python number (``bool``, ``int``, ``float``, ``complex``).
+
+    Enum members that are numbers (``IntEnum``) count, as in ``jax.jit``.
+    """
+    return type(x) in _PYTHON_SCALARS or (
+        isinstance(x, SCALAR_TYPES) and not isinstance(x, ARRAY_TYPES)
+    )
+
+
+def is_traced(x: Any) -> bool:
+    """Whether a non-Variable leaf is traced: an array or a Python number (``jax.jit``'s rule).
+
+    Python numbers inside Equinox modules are the exception (static, as in
+    ``eqx.filter_jit``); `treemode._flatten` applies it, since it needs the
+    leaf's position.
+    """
+    return is_array(x) or is_python_scalar(x)
+
+
+def is_abstract_traced(x: Any) -> bool:
+    """`is_traced`, plus ``jax.ShapeDtypeStruct`` (``eval_shape`` and ``.lower``)."""
+    return is_abstract_array(x) or is_python_scalar(x)
+
+
 def is_variable_value_leaf(x: Any) -> bool:
     """Leaves inside a Variable's value that are traced: arrays and Python numbers."""
     return (

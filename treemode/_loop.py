@@ -245,7 +245,8 @@ def rebuild_carry(original: Any, layout: CarryLayout, free_values: Sequence[Any]
 def scalars_to_arrays(tree: Any) -> Any:
     """Python numbers in plain containers become arrays (as ``jax.lax.scan`` does).
 
-    Numbers inside NNX objects, Equinox modules or other pytree nodes stay static.
+    Numbers inside NNX objects and Equinox modules stay static; those inside
+    other pytree nodes are traced by the flattening (see ``_leaves.is_traced``).
     """
 
     def is_leaf(x: Any) -> bool:
@@ -254,14 +255,15 @@ def scalars_to_arrays(tree: Any) -> Any:
     def is_number(x: Any) -> bool:
         return isinstance(x, (bool, int, float, complex)) and not isinstance(x, jax.Array)
 
+    # ``device_put`` keeps Python numbers weakly typed, as the JAX loops do.
     if is_number(tree):
-        return jnp.asarray(tree)
+        return jax.device_put(tree)
     if not isinstance(tree, (tuple, list, dict)):
         return tree
     if not any(map(is_number, jax.tree_util.tree_leaves(tree, is_leaf=is_leaf))):
         return tree  # keep the caller's containers
     return jax.tree_util.tree_map(
-        lambda x: jnp.asarray(x) if is_number(x) else x, tree, is_leaf=is_leaf
+        lambda x: jax.device_put(x) if is_number(x) else x, tree, is_leaf=is_leaf
     )
 
 

@@ -25,6 +25,7 @@ import jax
 
 from ._axes import is_axis, is_int_axis, positional_entries
 from ._errors import AxisError
+from ._flatten import check_no_aliases
 from ._leaves import is_variable
 from ._prefix import broadcast_to_leaves
 
@@ -152,13 +153,21 @@ def remove_axis(
 
 
 def _axis_pairs(
-    tree: Any, axes: Any, where: str, what: str, is_leaf: Callable[[Any], bool]
+    tree: Any,
+    axes: Any,
+    where: str,
+    what: str,
+    is_leaf: Callable[[Any], bool],
+    seen: set[int] | None = None,
 ) -> list[tuple[str, Any, int]]:
-    """``(path, Variable, axis)`` for each Variable of ``tree`` with an int axis."""
+    """``(path, Variable, axis)`` for each Variable of ``tree`` with an int axis.
+
+    Variables whose id is in ``seen`` are skipped; the others are added to it.
+    """
     values = broadcast_to_leaves(axes, tree, is_prefix_leaf=is_leaf, where=where, what=what)
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
     out: list[tuple[str, Any, int]] = []
-    seen: set[int] = set()
+    seen = set() if seen is None else seen
     for (path, leaf), axis in zip(leaves, values, strict=True):
         if is_variable(leaf) and is_int_axis(axis) and id(leaf) not in seen:
             seen.add(id(leaf))
@@ -175,15 +184,16 @@ def apply_axis_metadata(
     transform: str,
     where: str = "",
     is_leaf: Callable[[Any], bool] = is_axis,
+    seen: set[int] | None = None,
 ) -> None:
     """Add (or remove) the axis given by the prefix ``axes`` to each Variable of ``tree``.
 
     Variables whose axis is not an int (``None``, a ``Carry`` marker) are left
-    alone. Shared Variables are changed once.
+    alone. Shared Variables are changed once (across calls sharing ``seen``).
     """
     name, extra = _split_metadata(metadata, transform)
     try:
-        pairs = _axis_pairs(tree, axes, where or "the tree", f"treemode.{transform}", is_leaf)
+        pairs = _axis_pairs(tree, axes, where or "the tree", f"treemode.{transform}", is_leaf, seen)
     except ValueError as e:
         if isinstance(e, AxisError):
             raise
@@ -224,6 +234,7 @@ def with_axis_metadata(
         targets = [(f"args[{i}]", a, e) for i, (a, e) in enumerate(zip(args, entries, strict=True))]
         targets += [(f"kwargs[{k!r}]", v, kwargs_axis) for k, v in kwargs.items()]
         saved = [(var, var._var_metadata) for _, a, _ in targets for _, var in _variables(a)]
+        removed: set[int] = set()  # a Variable shared by two arguments moves once
         try:
             for where, tree, axes in targets:
                 apply_axis_metadata(
@@ -234,12 +245,14 @@ def with_axis_metadata(
                     transform=transform,
                     where=where,
                     is_leaf=is_leaf,
+                    seen=removed,
                 )
             out = fn(*args, **kwargs)
         except BaseException:
             for var, meta in saved:
                 object.__setattr__(var, "_var_metadata", meta)
             raise
+        added: set[int] = set()
         for where, tree, axes in targets:
             apply_axis_metadata(
                 tree,
@@ -249,6 +262,7 @@ def with_axis_metadata(
                 transform=transform,
                 where=where,
                 is_leaf=is_leaf,
+                seen=added,
             )
         apply_axis_metadata(
             out,
@@ -272,6 +286,7 @@ def transform_metadata(
     out_axes: Any = 0,
     partition: str | None = None,
     metadata: Mapping[str, Any] | None = None,
+    graph: bool = False,
 ) -> Callable[[F], F]: ...
 
 
@@ -283,6 +298,7 @@ def transform_metadata(
     out_axes: Any = 0,
     partition: str | None = None,
     metadata: Mapping[str, Any] | None = None,
+    graph: bool = False,
 ) -> F: ...
 
 
@@ -293,6 +309,7 @@ def transform_metadata(
     out_axes: Any = 0,
     partition: str | None = None,
     metadata: Mapping[str, Any] | None = None,
+    graph: bool = False,
 ) -> Any:
     """Move Variables' sharding metadata across the axis of an enclosing vmap/scan.
 
@@ -312,6 +329,9 @@ def transform_metadata(
     - `metadata`: instead of `partition`, the full mapping
       `{nnx.PARTITION_NAME: name, ...}`; other tuple-valued metadata fields it
       names get their entry inserted too.
+    - `graph`: if `True`, the arguments may reach one Variable twice (its
+      metadata is moved once); with `False` (tree mode) that raises
+      `AliasError`, as the other transforms do.
 
     **Returns:**
 
@@ -346,9 +366,22 @@ def transform_metadata(
     _split_metadata(metadata, "transform_metadata")
     if f is None:
         return functools.partial(
-            transform_metadata, in_axes=in_axes, out_axes=out_axes, metadata=metadata
+            transform_metadata,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            metadata=metadata,
+            graph=graph,
         )
-    return with_axis_metadata(f, in_axes, out_axes, metadata, transform="transform_metadata")
+    wrapped = with_axis_metadata(f, in_axes, out_axes, metadata, transform="transform_metadata")
+    if graph:
+        return wrapped
+
+    @functools.wraps(f)
+    def tree_mode(*args: Any, **kwargs: Any) -> Any:
+        check_no_aliases("transform_metadata", args=args, kwargs=kwargs)
+        return wrapped(*args, **kwargs)
+
+    return tree_mode
 
 
 __all__ = [

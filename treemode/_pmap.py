@@ -24,6 +24,7 @@ class PmapWrapped(MappedWrapper):
     """A function parallelized with `treemode.pmap`."""
 
     transform = "pmap"
+    warn_broadcast_rngs = True
 
     def __init__(
         self,
@@ -90,7 +91,20 @@ class PmapWrapped(MappedWrapper):
         translate_axis_error(error, call, entry, self.out_axes, self.axis_name, self.axis_size)
 
 
-def pmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+def pmap(
+    fun: Callable[..., Any] | None = None,
+    axis_name: Any = None,
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    static_broadcasted_argnums: int | Iterable[int] = (),
+    devices: Sequence[Any] | None = None,
+    backend: str | None = None,
+    axis_size: int | None = None,
+    donate_argnums: int | Iterable[int] = (),
+    transform_metadata: Mapping[str, Any] | None = None,
+    graph: bool = False,
+) -> Any:
     """Parallelize ``f`` over devices with ``jax.pmap``, writing Variable updates back.
 
     The arguments are split along their `in_axes` over devices, exactly as in
@@ -101,7 +115,7 @@ def pmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
 
     **Arguments:**
 
-    - `f`: the function; omit it to use `pmap(...)` as a decorator factory.
+    - `fun`: the function; omit it to use `pmap(...)` as a decorator factory.
     - `axis_name`, `in_axes`, `out_axes`, `static_broadcasted_argnums`,
       `devices`, `backend`, `axis_size`, `donate_argnums`: as in `jax.pmap`
       (`in_axes` entries may be module-shaped; keyword arguments use axis 0).
@@ -135,9 +149,21 @@ def pmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     assert stats.total[...] == 3 * n
     ```
     """
-    if f is None:
-        return lambda g: PmapWrapped(g, **kwargs)
-    return PmapWrapped(f, **kwargs)
+    options: dict[str, Any] = dict(
+        axis_name=axis_name,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        static_broadcasted_argnums=static_broadcasted_argnums,
+        devices=devices,
+        backend=backend,
+        axis_size=axis_size,
+        donate_argnums=donate_argnums,
+        transform_metadata=transform_metadata,
+        graph=graph,
+    )
+    if fun is None:
+        return lambda f: PmapWrapped(f, **options)
+    return PmapWrapped(fun, **options)
 
 
 __all__ = ["PmapWrapped", "pmap"]

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 
 from . import _core
+from ._signature import as_tuple, resolve_argnums
 
 
 def remat(
-    fn: Callable[..., Any] | None = None,
+    fun: Callable[..., Any] | None = None,
     *,
-    prevent_cse: bool = True,
-    static_argnums: int | Sequence[int] = (),
+    prevent_cse: bool | Sequence[bool] = True,
     policy: Callable[..., bool] | None = None,
+    static_argnums: int | tuple[int, ...] = (),
+    static_argnames: str | Iterable[str] = (),
     graph: bool = False,
 ) -> Callable[..., Any]:
     """Recompute ``fn``'s intermediates in the backward pass (``jax.checkpoint``).
@@ -26,13 +28,14 @@ def remat(
 
     **Arguments:**
 
-    - `fn`: the function to rematerialize. Omit it to use
+    - `fun`: the function to rematerialize. Omit it to use
       `remat(policy=...)` as a decorator.
     - `prevent_cse`: as in `jax.checkpoint`.
-    - `static_argnums`: positional arguments that are static (part of the trace,
-      must be hashable), as in `jax.checkpoint`.
     - `policy`: which intermediates may be saved instead of recomputed, e.g.
       `jax.checkpoint_policies.save_only_these_names("h")`.
+    - `static_argnums`, `static_argnames`: arguments that are static (part of
+      the trace, must be hashable), by position or by name, as in
+      `jax.checkpoint`.
     - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).
 
     **Returns:**
@@ -57,20 +60,32 @@ def remat(
     assert jnp.allclose(grads.kernel[...], expected.kernel[...])
     ```
     """
-    if fn is None:
+    if fun is None:
         return functools.partial(
             remat,
             prevent_cse=prevent_cse,
-            static_argnums=static_argnums,
             policy=policy,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
             graph=graph,
         )
-    statics = frozenset((static_argnums,) if isinstance(static_argnums, int) else static_argnums)
+    fn = fun
+    statics, static_names = resolve_argnums(
+        "remat", fn, as_tuple(static_argnums), as_tuple(static_argnames), "static"
+    )
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         nums = frozenset(i + len(args) if i < 0 else i for i in statics)
-        call = _core.prepare("remat", fn, args, kwargs, graph=graph, static_argnums=nums)
+        call = _core.prepare(
+            "remat",
+            fn,
+            args,
+            kwargs,
+            graph=graph,
+            static_argnums=nums,
+            static_argnames=static_names,
+        )
         pure = _core.PureFunction(call)
         with _core.bound(pure, call):
             out, updates = jax.checkpoint(pure, prevent_cse=prevent_cse, policy=policy)(

@@ -26,6 +26,7 @@ from ._loop import (
 )
 from ._metadata import _split_metadata, with_axis_metadata
 from ._prefix import broadcast_to_leaves
+from ._signature import UNSPECIFIED
 from ._trace_cache import TraceCache, avals, cache_for, call_current_fn
 
 
@@ -49,7 +50,7 @@ def _is_spec_leaf(x: Any) -> bool:
     return is_axis(x) or is_carry(x)
 
 
-_MISSING: Any = object()
+_MISSING: Any = UNSPECIFIED
 
 
 def _nested_carry(spec: Any, what: str) -> None:
@@ -436,11 +437,11 @@ class ScanWrapped:
 def scan(
     f: Callable[..., Any] | None = None,
     init: Any = _MISSING,
-    xs: Any = _MISSING,
-    *,
+    xs: Any = None,
     length: int | None = None,
     reverse: bool = False,
     unroll: int | bool = 1,
+    *,
     in_axes: Any = (Carry, 0),
     out_axes: Any = (Carry, 0),
     transform_metadata: Mapping[str, Any] | None = None,
@@ -474,9 +475,10 @@ def scan(
     **Arguments:**
 
     - `f`: the function to scan. Omit it to use `scan(...)` as a decorator.
-    - `init`, `xs`: if given, call the scanned function on `(init, xs)` at once.
-    - `length`: number of steps (needed when nothing is scanned).
-    - `reverse`, `unroll`: as in `jax.lax.scan`.
+    - `init`, `xs`: if `init` is given, call the scanned function on `(init,
+      xs)` at once (`xs=None`: nothing scanned, `length` steps).
+    - `length`, `reverse`, `unroll`: as in `jax.lax.scan` (positional or
+      keyword, in JAX's order).
     - `in_axes`: `Carry`, an int or `None` for all arguments, or a tuple with one
       entry per positional argument.
     - `out_axes`: `Carry`, an int (or prefix) for all outputs, or a tuple with
@@ -545,7 +547,7 @@ def scan(
     wrapped = ScanWrapped(f, **options)
     if init is _MISSING:
         return wrapped
-    return wrapped(init, None if xs is _MISSING else xs)
+    return wrapped(init, xs)
 
 
 __all__ = ["Carry", "ScanWrapped", "is_carry", "scan"]

@@ -182,10 +182,11 @@ def _check_replication(
 
 def shard_map(
     f: Callable[..., Any] | None = None,
+    /,
     *,
-    mesh: Mesh | Any,
-    in_specs: Any,
     out_specs: Any,
+    in_specs: Any,
+    mesh: Mesh | Any,
     axis_names: Set[Any] = frozenset(),
     check_vma: bool = True,
     graph: bool = False,

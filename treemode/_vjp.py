@@ -9,29 +9,38 @@ the primals after the call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from . import _core, _graph
-from ._grad import DiffSplit, dynamic_like, split_aux
+from ._grad import DiffSplit, dynamic_like, split_aux, to_array_args
+from ._signature import UNSPECIFIED, check_reduce_axes
 
 
 def vjp(
-    fn: Callable[..., Any],
+    fun: Callable[..., Any] = UNSPECIFIED,
     *primals: Any,
     has_aux: bool = False,
+    reduce_axes: Sequence[Any] = (),
     graph: bool = False,
-) -> tuple[Any, ...]:
+) -> Any:
     """``jax.vjp`` over Modules and pytrees, writing Variable updates back.
 
     **Arguments:**
 
-    - `fn`: the function to differentiate.
-    - `*primals`: its positional arguments (Modules, Variables, pytrees, arrays).
-    - `has_aux`: `fn` returns `(output, aux)`; `aux` is not differentiated.
+    - `fun`: the function to differentiate.
+    - `*primals`: its positional arguments (Modules, Variables, pytrees, arrays,
+      Python numbers).
+    - `has_aux`: `fun` returns `(output, aux)`; `aux` is not differentiated.
+    - `reduce_axes`: accepted for `jax.vjp`'s signature; must be empty.
     - `graph`: if `True`, primals may share Modules/Variables (see `to_tree`).
+
+    Without `fun` (`treemode.vjp(graph=True)`), or with `fun` but no primals,
+    returns `vjp` with these options bound, as Flax's `nnx.vjp` does, so it
+    can decorate a function: `treemode.vjp(has_aux=True)(f, x)`.
 
     **Returns:**
 
@@ -53,7 +62,13 @@ def vjp(
     assert x_ct.shape == (1, 2)
     ```
     """
-    call = _core.prepare("vjp", fn, primals, {}, graph=graph)
+    check_reduce_axes("vjp", reduce_axes)
+    if fun is UNSPECIFIED:
+        return functools.partial(vjp, has_aux=has_aux, graph=graph)
+    if not primals:
+        return functools.partial(vjp, fun, has_aux=has_aux, graph=graph)
+    primals = to_array_args(primals, range(len(primals)))
+    call = _core.prepare("vjp", fun, primals, {}, graph=graph)
     split = DiffSplit(call, range(len(call.arg_flats)))
     pure = _core.PureFunction(call)
     other = split.other_values()
@@ -82,25 +97,29 @@ def vjp(
 
 
 def jvp(
-    fn: Callable[..., Any],
-    primals: Sequence[Any],
-    tangents: Sequence[Any],
+    fun: Callable[..., Any] = UNSPECIFIED,
+    primals: Sequence[Any] = UNSPECIFIED,
+    tangents: Sequence[Any] = UNSPECIFIED,
     has_aux: bool = False,
     *,
     graph: bool = False,
-) -> tuple[Any, ...]:
+) -> Any:
     """``jax.jvp`` over Modules and pytrees, writing Variable updates back.
 
     **Arguments:**
 
-    - `fn`: the function to differentiate.
+    - `fun`: the function to differentiate.
     - `primals`: tuple of its positional arguments.
     - `tangents`: tuple with one tangent per primal, of the primal's own type (a
       Module of the same class for a Module, e.g. `jax.tree.map(jnp.ones_like,
       model)`); `None` stands for zeros. The tangents of integer and key
       Variables are ignored (they are not differentiated).
-    - `has_aux`: `fn` returns `(output, aux)`; `aux` is not differentiated.
+    - `has_aux`: `fun` returns `(output, aux)`; `aux` is not differentiated.
     - `graph`: if `True`, primals may share Modules/Variables (see `to_tree`).
+
+    Without `fun`, or without `primals` and `tangents`, returns `jvp` with the
+    given options bound (as Flax's `nnx.jvp`): `treemode.jvp(graph=True)(f,
+    primals, tangents)`.
 
     **Returns:**
 
@@ -120,14 +139,18 @@ def jvp(
     assert y_dot.shape == (1, 3)
     ```
     """
-    primals = tuple(primals)
-    tangents = tuple(tangents)
+    if fun is UNSPECIFIED:
+        return functools.partial(jvp, has_aux=has_aux, graph=graph)
+    if primals is UNSPECIFIED or tangents is UNSPECIFIED:
+        return functools.partial(jvp, fun, has_aux=has_aux, graph=graph)
+    primals = to_array_args(tuple(primals), range(len(primals)))
+    tangents = to_array_args(tuple(tangents), range(len(tangents)))
     if len(primals) != len(tangents):
         raise TypeError(
             f"treemode.jvp: got {len(primals)} primal(s) but {len(tangents)} tangent(s); "
             "give one tangent per primal (None for zeros)."
         )
-    call = _core.prepare("jvp", fn, primals, {}, graph=graph)
+    call = _core.prepare("jvp", fun, primals, {}, graph=graph)
     split = DiffSplit(call, range(len(call.arg_flats)))
     names = [f"primals[{i}]" for i in range(len(primals))]
     diff_tangents = dynamic_like(

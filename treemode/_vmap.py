@@ -11,7 +11,7 @@ resolve and check the specification and which JAX transform to call.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
@@ -26,6 +26,7 @@ from ._axes import (
 )
 from ._errors import AxisError
 from ._metadata import check_metadata, with_axis_metadata
+from ._rng_hints import warn_broadcast_draws
 from ._trace_cache import TraceCache, cache_for, call_current_fn
 
 P = ParamSpec("P")
@@ -48,6 +49,8 @@ class MappedWrapper:
     """Base of the wrappers returned by ``vmap``, ``pmap`` and ``shard_map``."""
 
     transform = "vmap"
+    # Warn once per trace when a broadcast nnx.Rngs is drawn from (see `_rng_hints`).
+    warn_broadcast_rngs = False
 
     def __init__(
         self,
@@ -158,6 +161,8 @@ class MappedWrapper:
             except ValueError as e:
                 self.translate(e, call, entry)
                 raise
+        if not entry.checked and self.warn_broadcast_rngs:
+            warn_broadcast_draws(call, entry.axes.variables, updates, self.in_axes)
         entry.checked = True
         _core.write_back(call, updates, entry.pure.record.metadata_updates)
         return _core.finish(call, out)
@@ -225,6 +230,7 @@ class VmapWrapped(MappedWrapper):
     """A function vectorized with `treemode.vmap`."""
 
     transform = "vmap"
+    warn_broadcast_rngs = True
 
     def __init__(
         self,
@@ -235,6 +241,7 @@ class VmapWrapped(MappedWrapper):
         axis_name: Any = None,
         axis_size: int | None = None,
         spmd_axis_name: Any = None,
+        sum_match: bool = False,
         transform_metadata: Mapping[str, Any] | None = None,
         graph: bool = False,
     ):
@@ -248,6 +255,7 @@ class VmapWrapped(MappedWrapper):
         self.axis_name = axis_name
         self.axis_size = axis_size
         self.spmd_axis_name = spmd_axis_name
+        self.sum_match = sum_match
         check_axes_spec(out_axes, transform=self.transform, what="out_axes")
         # Wrappers of one function with the same options (e.g. `treemode.vmap(f)(x)`
         # written inside a loop) share their entries.
@@ -260,6 +268,7 @@ class VmapWrapped(MappedWrapper):
                 axis_name,
                 axis_size,
                 spmd_axis_name,
+                sum_match,
                 tuple(sorted(self.metadata.items())) if self.metadata else None,
                 graph,
             ),
@@ -276,7 +285,23 @@ class VmapWrapped(MappedWrapper):
             axis_name=self.axis_name,
             axis_size=self.axis_size,
             spmd_axis_name=self.spmd_axis_name,
+            sum_match=self.sum_match,
         )
+
+    def first_call_check(self, entry: _Entry, call: _core.Call) -> None:
+        # With sum_match, jax.vmap would sum the per-example updates of a broadcast
+        # Variable instead of failing: check once, with the outputs mapped, that
+        # no broadcast Variable gets a per-example value.
+        if self.sum_match:
+            find_batched_update(
+                entry.pure,
+                call,
+                entry.axes,
+                0,
+                axis_name=self.axis_name,
+                axis_size=self.axis_size,
+                check_first=True,
+            )
 
     def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
         translate_axis_error(error, call, entry, self.out_axes, self.axis_name, self.axis_size)
@@ -304,33 +329,46 @@ def translate_axis_error(
 
 @overload
 def vmap(
-    f: Callable[P, R],
+    fun: Callable[P, R],
+    in_axes: int | None | Sequence[Any] = ...,
+    out_axes: Any = ...,
+    axis_name: Any = ...,
+    axis_size: int | None = ...,
+    spmd_axis_name: Any = ...,
+    sum_match: bool = ...,
     *,
-    in_axes: Any = 0,
-    out_axes: Any = 0,
-    axis_name: Any = None,
-    axis_size: int | None = None,
-    spmd_axis_name: Any = None,
-    transform_metadata: Mapping[str, Any] | None = None,
-    graph: bool = False,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
 ) -> VmapWrapped: ...
 
 
 @overload
 def vmap(
-    f: None = None,
+    fun: None = None,
+    in_axes: int | None | Sequence[Any] = ...,
+    out_axes: Any = ...,
+    axis_name: Any = ...,
+    axis_size: int | None = ...,
+    spmd_axis_name: Any = ...,
+    sum_match: bool = ...,
     *,
-    in_axes: Any = 0,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> Callable[[Callable[..., Any]], VmapWrapped]: ...
+
+
+def vmap(
+    fun: Callable[..., Any] | None = None,
+    in_axes: int | None | Sequence[Any] = 0,
     out_axes: Any = 0,
     axis_name: Any = None,
     axis_size: int | None = None,
     spmd_axis_name: Any = None,
+    sum_match: bool = False,
+    *,
     transform_metadata: Mapping[str, Any] | None = None,
     graph: bool = False,
-) -> Callable[[Callable[..., Any]], VmapWrapped]: ...
-
-
-def vmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+) -> Any:
     """Vectorize ``f`` with ``jax.vmap``, writing Variable updates back on their axis.
 
     Every array of the arguments, Variable values included, is mapped over the
@@ -340,13 +378,17 @@ def vmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
 
     **Arguments:**
 
-    - `f`: the function; omit it to use `vmap(...)` as a decorator factory.
+    - `fun`: the function; omit it to use `vmap(...)` as a decorator factory.
     - `in_axes`: an int, `None`, or a tuple with one entry per positional
       argument. An entry is a prefix of its argument and may be module-shaped
       (see `treemode.prefix`), giving each Variable its own axis. Keyword
       arguments are mapped over axis 0, as in `jax.vmap`.
     - `out_axes`: prefix of the output (may be module-shaped).
     - `axis_name`, `axis_size`, `spmd_axis_name`: as in `jax.vmap`.
+    - `sum_match`: as in `jax.vmap`: an output with out axis `None` that
+      depends on the mapped axis is summed over it instead of failing. It
+      applies to the function's outputs only; a broadcast Variable set to a
+      per-example value still raises `AxisError`.
     - `transform_metadata`: `{nnx.PARTITION_NAME: name}` to add `name` to the
       `out_sharding` of the Variables stacked by the transform (and to hide the
       mapped axis from the function), see `treemode.transform_metadata`.
@@ -381,9 +423,19 @@ def vmap(f: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     assert forward(stack, jnp.ones((5, 2))).shape == (4, 5, 3)
     ```
     """
-    if f is None:
-        return lambda g: VmapWrapped(g, **kwargs)
-    return VmapWrapped(f, **kwargs)
+    options: dict[str, Any] = dict(
+        in_axes=in_axes,
+        out_axes=out_axes,
+        axis_name=axis_name,
+        axis_size=axis_size,
+        spmd_axis_name=spmd_axis_name,
+        sum_match=sum_match,
+        transform_metadata=transform_metadata,
+        graph=graph,
+    )
+    if fun is None:
+        return lambda f: VmapWrapped(f, **options)
+    return VmapWrapped(fun, **options)
 
 
 __all__ = [
