@@ -35,6 +35,13 @@ bench: $(STAMP)
 	$(PIP) install --quiet -e '.[bench]'
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
+# Flax's own tests/nnx with their transform calls routed to treemode (docs/conformance.md):
+# tree mode, drop-in and Flax's forced tree mode, report in conformance/results/ (slow).
+# `.ci/run` runs `make conformance CONFORMANCE_ARGS=--ci`: tree mode and the baseline check.
+.PHONY: conformance
+conformance: $(STAMP)
+	$(PY) conformance/run.py $(CONFORMANCE_ARGS)
+
 lint: $(STAMP)
 	$(PIP) install --quiet -e '.[dev]'
 	$(VENV)/bin/ruff check treemode tests benchmarks examples

@@ -236,9 +236,7 @@ def _analyse(item: pytest.Item, excinfo: pytest.ExceptionInfo[BaseException]) ->
         origin = _origin(frame.filename)
         if origin != "other":
             break
-    expected_error = bool(
-        test_frames and test_frames[-1].lineno in _raises_lines(test_file)
-    )
+    expected_error = bool(test_frames and test_frames[-1].lineno in _raises_lines(test_file))
     text_mismatch = isinstance(exc, AssertionError) and any(
         p.match(message) for p in _TEXT_MISMATCH
     )
