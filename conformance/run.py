@@ -211,7 +211,7 @@ def summarize_tree(tests: dict[str, Any], entries: list[dict[str, str]]) -> dict
     # difference went away).
     stale = sorted(k for k in passed if match_entry(k, entries) is not None)
     by_graph: dict[str, Counter[str]] = defaultdict(Counter)
-    for test, entry in routed_tests.items():
+    for entry in routed_tests.values():
         by_graph[graph_kind(entry)][entry["outcome"]] += 1
     return {
         "tests": len(tests),
