@@ -156,6 +156,9 @@ def _make_router(name: str, flax_fn: Any) -> Any:
     return router
 
 
+_ORIGINALS: dict[str, Any] = {}
+
+
 def install(mode: str) -> None:
     """Replace the ``flax.nnx`` transforms by routers for ``mode``."""
     if mode not in MODES:
@@ -167,7 +170,18 @@ def install(mode: str) -> None:
         flax_fn = getattr(nnx, name)
         if getattr(flax_fn, "__conformance_router__", False):
             continue
+        _ORIGINALS[name] = flax_fn
         setattr(nnx, name, _make_router(name, flax_fn))
+
+
+def uninstall() -> None:
+    """Put Flax's own transforms back (used by the harness's tests)."""
+    from flax import nnx
+
+    for name, flax_fn in _ORIGINALS.items():
+        setattr(nnx, name, flax_fn)
+    _ORIGINALS.clear()
+    _State.calls.clear()
 
 
 # --- failure analysis -------------------------------------------------------------
