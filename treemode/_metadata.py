@@ -23,9 +23,9 @@ from typing import Any, TypeVar, overload
 
 import jax
 
+from . import _core
 from ._axes import is_axis, is_int_axis, positional_entries
 from ._errors import AxisError
-from ._flatten import check_no_aliases
 from ._leaves import is_variable
 from ._prefix import broadcast_to_leaves
 
@@ -372,16 +372,19 @@ def transform_metadata(
             metadata=metadata,
             graph=graph,
         )
-    wrapped = with_axis_metadata(f, in_axes, out_axes, metadata, transform="transform_metadata")
-    if graph:
-        return wrapped
+    inner = with_axis_metadata(f, in_axes, out_axes, metadata, transform="transform_metadata")
 
     @functools.wraps(f)
-    def tree_mode(*args: Any, **kwargs: Any) -> Any:
-        check_no_aliases("transform_metadata", args=args, kwargs=kwargs)
-        return wrapped(*args, **kwargs)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # The whole pipeline around a direct call (no JAX transform of its own): the
+        # function sees trace-time copies whose metadata it may change freely, and
+        # the caller's Variables get the changed values, all or nothing.
+        call = _core.prepare("transform_metadata", f, args, kwargs, graph=graph)
+        pure = _core.PureFunction(call)
+        pure.fn = inner
+        return _core.run(call, pure, lambda: pure(*call.dynamic))
 
-    return tree_mode
+    return wrapper
 
 
 __all__ = [

@@ -8,6 +8,8 @@ same key, so every example draws the same numbers.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -124,8 +126,19 @@ def warn_broadcast_draws(call: Call, variable_axes: Any, updates: Any, in_axes: 
         "None in a module-shaped in_axes (treemode.prefix) or filter "
         "treemode.BroadcastRngsWarning.",
         BroadcastRngsWarning,
-        stacklevel=3,
+        stacklevel=_user_stacklevel(),
     )
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside treemode (the user's call)."""
+    package = os.path.dirname(__file__)
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == package:
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def _blanket_none(call: Call, index: int, in_axes: Any) -> bool:

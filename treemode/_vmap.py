@@ -153,19 +153,21 @@ class MappedWrapper:
         call = self.prepare(args, kwargs)
         entry = self._entry(call)
         self.check(call, entry.axes)
-        with _core.bound(entry.pure, call):
+
+        def jax_call() -> tuple[Any, Any]:
             try:
                 if not entry.checked:
                     self.first_call_check(entry, call)
-                out, updates = entry.mapped(*call.dynamic)
+                result = entry.mapped(*call.dynamic)
             except ValueError as e:
                 self.translate(e, call, entry)
                 raise
-        if not entry.checked and self.warn_broadcast_rngs:
-            warn_broadcast_draws(call, entry.axes.variables, updates, self.in_axes)
-        entry.checked = True
-        _core.write_back(call, updates, entry.pure.record.metadata_updates)
-        return _core.finish(call, out)
+            if not entry.checked and self.warn_broadcast_rngs:
+                warn_broadcast_draws(call, entry.axes.variables, result[1], self.in_axes)
+            entry.checked = True
+            return result
+
+        return _core.run(call, entry.pure, jax_call)
 
     def clear_cache(self) -> None:
         self._cache.clear()
