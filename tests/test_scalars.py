@@ -259,3 +259,40 @@ def test_jit_partial_loop_over_step_numbers_traces_once():
     for n in range(4):
         jitted(n)
     assert len(traces) == 1
+
+
+def test_vjp_jvp_of_python_numbers_like_jax():
+    f = lambda x, y: x * y  # noqa: E731
+    out, vjp_fn = treemode.vjp(f, 2.0, 3.0)
+    jout, jvjp_fn = jax.vjp(f, 2.0, 3.0)
+    assert_same_array(out, jout)
+    for a, b in zip(vjp_fn(1.0), jvjp_fn(1.0), strict=True):
+        assert_same_array(a, b)
+    (out, tangent), (jout, jtangent) = (
+        treemode.jvp(f, (2.0, 3.0), (1.0, 0.0)),
+        jax.jvp(f, (2.0, 3.0), (1.0, 0.0)),
+    )
+    assert_same_array(out, jout)
+    assert_same_array(tangent, jtangent)
+
+
+def test_remat_and_checkify_of_python_numbers_like_jax():
+    f = lambda x, n: jnp.sin(x) * n  # noqa: E731
+    assert_same_array(treemode.remat(f)(1.0, 2), jax.checkpoint(f)(1.0, 2))
+    assert_same_array(
+        jax.grad(lambda x: treemode.remat(f)(x, 2))(1.0),
+        jax.grad(lambda x: jax.checkpoint(f)(x, 2))(1.0),
+    )
+    from jax.experimental import checkify
+
+    err, out = treemode.checkify(f)(1.0, 2)
+    jerr, jout = checkify.checkify(f)(1.0, 2)
+    assert err.get() is None and jerr.get() is None
+    assert_same_array(out, jout)
+
+
+def test_pmap_broadcasts_a_number_like_jax():
+    n = jax.local_device_count()
+    f = lambda x, k: x * k  # noqa: E731
+    out = treemode.pmap(f, in_axes=(0, None))(jnp.ones(n), 3)
+    assert_same_array(out, jax.pmap(f, in_axes=(0, None))(jnp.ones(n), 3))
