@@ -67,13 +67,15 @@ class Hooks:
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
-        from treemode import _core, _writeback
+        from treemode import _core, _specs, _writeback
 
         self._patch = monkeypatch
         self._core = _core
+        self._specs = _specs
         self._writeback = _writeback
         self.real_store = _writeback.store
         self.real_prepare = _core.prepare
+        self.real_value_spec = _specs.value_spec
 
     def store(self, fn) -> None:
         """Route every Variable write through ``fn(var, value, metadata=None)``."""
@@ -90,6 +92,10 @@ class Hooks:
     def pure_check(self, name: str, fn) -> None:
         """Replace one check of the pure function (a method of `PureFunction`)."""
         self._patch.setattr(self._core.PureFunction, name, fn)
+
+    def value_spec(self, fn) -> None:
+        """Replace the spec of a Variable's value (called once per Variable flattened)."""
+        self._patch.setattr(self._specs, "value_spec", fn)
 
     def undo(self) -> None:
         self._patch.undo()

@@ -314,11 +314,6 @@ def batched_update_error(call: Call, index: int, *, axis_name: Any = None) -> Ax
     )
 
 
-def variable_axes(axes: CallAxes) -> tuple[Any, ...]:
-    """``out_axes`` entries for the updates tuple: each Variable's input axis."""
-    return axes.variables
-
-
 __all__ = [
     "CallAxes",
     "batched_update_error",
@@ -329,5 +324,4 @@ __all__ = [
     "is_axis",
     "is_int_axis",
     "positional_entries",
-    "variable_axes",
 ]
