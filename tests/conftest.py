@@ -67,15 +67,13 @@ class Hooks:
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
-        from treemode import _core, _specs, _writeback
+        from treemode import _core, _writeback
 
         self._patch = monkeypatch
         self._core = _core
-        self._specs = _specs
         self._writeback = _writeback
         self.real_store = _writeback.store
         self.real_prepare = _core.prepare
-        self.real_value_spec = _specs.value_spec
 
     def store(self, fn) -> None:
         """Route every Variable write through ``fn(var, value, metadata=None)``."""
@@ -93,9 +91,29 @@ class Hooks:
         """Replace one check of the pure function (a method of `PureFunction`)."""
         self._patch.setattr(self._core.PureFunction, name, fn)
 
-    def value_spec(self, fn) -> None:
-        """Replace the spec of a Variable's value (called once per Variable flattened)."""
-        self._patch.setattr(self._specs, "value_spec", fn)
+    # What `calls` can count: name -> (module of treemode, function).
+    COUNTED = {
+        "prepare": ("_core", "prepare"),  # a transform call prepared in full
+        "value_spec": ("_specs", "value_spec"),  # one Variable's spec built
+        "proxy_build": ("_pytree", "from_tree"),  # a Pytree proxy's module built
+        "donation_check": ("_jit", "_check_donation"),  # the Python donation check
+    }
+
+    def calls(self, name: str) -> list:
+        """Record the first argument of every call of the step ``name`` (see `COUNTED`)."""
+        import importlib
+
+        module_name, attr = self.COUNTED[name]
+        module = importlib.import_module(f"treemode.{module_name}")
+        real = getattr(module, attr)
+        seen: list = []
+
+        def counting(first, *args, **kwargs):
+            seen.append(first)
+            return real(first, *args, **kwargs)
+
+        self._patch.setattr(module, attr, counting)
+        return seen
 
     def undo(self) -> None:
         self._patch.undo()
