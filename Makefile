@@ -38,6 +38,14 @@ bench: $(STAMP)
 	$(PIP) install --quiet $(CONSTRAINTS) -e '.[bench]'
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
+# Flax's own tests/nnx with their transform calls routed to treemode (docs/conformance.md):
+# tree mode, drop-in and Flax's forced tree mode, report in conformance/results/ (slow).
+# `.ci/run` runs `make conformance CONFORMANCE_ARGS=--ci`: tree mode and the baseline check.
+.PHONY: conformance
+conformance: $(STAMP)
+	$(PY) -m pytest -q -p no:randomly -p no:cacheprovider -n 0 conformance/test_harness.py
+	$(PY) conformance/run.py $(CONFORMANCE_ARGS)
+
 lint: $(STAMP)
 	$(PIP) install --quiet $(CONSTRAINTS) -e '.[dev]'
 	$(VENV)/bin/ruff check treemode tests benchmarks examples tools
