@@ -49,14 +49,15 @@ _PROBE = r"""
 window.addEventListener("load", () => setTimeout(() => {
   const doc = document.documentElement;
   const report = {width: window.innerWidth, clientWidth: doc.clientWidth,
-                  scrollWidth: doc.scrollWidth, elements: []};
+                  scrollWidth: doc.scrollWidth, scrollHeight: doc.scrollHeight, elements: []};
   const column = document.querySelector(".md-content__inner") || document.body;
   const right = column.getBoundingClientRect().right;
   const describe = (el) => {
     const text = (el.innerText || "").trim().split("\n").sort((a, b) => b.length - a.length)[0];
     const heading = [...document.querySelectorAll("h1, h2, h3, h4")]
       .filter((h) => h.compareDocumentPosition(el) & Node.DOCUMENT_POSITION_FOLLOWING).pop();
-    return {tag: el.tagName.toLowerCase() + (el.className ? "." + String(el.className)
+    return {top: Math.round(el.getBoundingClientRect().top + window.scrollY),
+            tag: el.tagName.toLowerCase() + (el.className ? "." + String(el.className)
               .trim().split(/\s+/).join(".") : ""),
             under: heading ? heading.innerText.replace("¶", "").trim() : "",
             text: (text || "").slice(0, 120)};
@@ -165,16 +166,18 @@ def measure(chromium: str, url: str, width: int, height: int, screenshot: Path |
         proc = subprocess.run(
             [*args, "--dump-dom", url], capture_output=True, text=True, timeout=120
         )
+        m = re.search(r'<pre id="layout-report">(.*?)</pre>', proc.stdout, flags=re.S)
+        if m is None:
+            raise RuntimeError(f"{url}: no layout report from Chromium:\n{proc.stderr[-2000:]}")
+        report = json.loads(html.unescape(m.group(1)))
         if screenshot is not None:
+            # The whole page: a window as tall as the page (capped), same width.
+            tall = min(report["scrollHeight"], 16000)
+            args[args.index(f"--window-size={width},{height}")] = f"--window-size={width},{tall}"
             subprocess.run(
-                [*args, f"--screenshot={screenshot}", url],
-                capture_output=True,
-                timeout=120,
+                [*args, f"--screenshot={screenshot}", url], capture_output=True, timeout=120
             )
-    m = re.search(r'<pre id="layout-report">(.*?)</pre>', proc.stdout, flags=re.S)
-    if m is None:
-        raise RuntimeError(f"{url}: no layout report from Chromium:\n{proc.stderr[-2000:]}")
-    return json.loads(html.unescape(m.group(1)))
+    return report
 
 
 def main() -> int:
@@ -182,7 +185,9 @@ def main() -> int:
     parser.add_argument("--site", type=Path, default=ROOT / "site")
     parser.add_argument("--width", type=int, default=1280)
     parser.add_argument("--height", type=int, default=900)
-    parser.add_argument("--screenshots", type=Path, help="also save a screenshot of each page")
+    parser.add_argument(
+        "--screenshots", type=Path, help="also save a full-page screenshot of each page here"
+    )
     parser.add_argument(
         "--allow-scroll", action="store_true", help="accept code blocks that scroll sideways"
     )
@@ -223,7 +228,10 @@ def main() -> int:
                 extra = report["scrollWidth"] - report["clientWidth"]
                 print(f"     the page scrolls sideways: {extra} px wider than the window")
             for e in problems:
-                print(f"     {e['tag']} under '{e['under']}': {e['problem']} by {e['by']} px")
+                print(
+                    f"     {e['tag']} under '{e['under']}' (y={e['top']}): "
+                    f"{e['problem']} by {e['by']} px"
+                )
                 print(f"         {e['text']}")
             failures += status == "FAIL"
     finally:
