@@ -176,9 +176,11 @@ def call_axes(
         for i, value in enumerate(dynamic):
             if not valid(value):
                 path = dynamic_paths(call)[i]
+                flax_lift = type(value).__name__ in ("StateAxes", "StateSharding")
                 raise AxisError(
                     f"treemode.{transform}: {what} gives {_describe(value)} for {path}; "
                     f"each value must be {expected}."
+                    + (" See docs/migration.md#stateaxes." if flax_lift else "")
                 )
     variables = tuple(
         dynamic[r[0]] if len(r) else closure_axis for r in call.variable_dynamic_ranges()

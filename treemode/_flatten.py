@@ -509,5 +509,6 @@ def alias_error(transform: str, var: Any, first: str, second: str) -> AliasError
         "Tree mode treats modules as pytrees, so the two references would become "
         "independent copies and one of the updates would be lost.\n"
         "Fix: remove the duplicate reference, pass a copy made with treemode.clone(...), "
-        f"or keep the sharing with treemode.{transform}(..., graph=True)."
+        f"or keep the sharing with treemode.{transform}(..., graph=True).\n"
+        "See docs/migration.md#shared-variables."
     )

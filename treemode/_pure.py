@@ -206,7 +206,7 @@ class PureFunction:
                     "A tree-mode transform only writes back new values of existing "
                     "Variables. Make structural changes (new attributes, new or replaced "
                     "Variables, changed static fields) outside the transform, or return "
-                    "the new object as an output."
+                    "the new object as an output.\nSee docs/migration.md#structural-changes."
                 )
 
     def _check_outputs(self, call: Call, out_tree: Any, all_vars: list[Any]) -> None:
