@@ -51,7 +51,15 @@ from ._flatten import (
     variables_of,
 )
 from ._hashed import HashedKey
-from ._leaves import is_abstract_array, is_array, is_graph_node, is_variable, same_static
+from ._leaves import (
+    frozen_metadata,
+    is_abstract_array,
+    is_array,
+    is_graph_node,
+    is_variable,
+    same_static,
+    same_treedef,
+)
 from ._paths import format_path
 from ._stale import mark_trace_time, stale_write_error
 
@@ -67,7 +75,7 @@ class CallKey(HashedKey):
 
     def __init__(
         self,
-        positional: tuple[Any, ...],  # per positional argument: structure key or ("static", v)
+        positional: tuple[Any, ...],  # per positional argument: structure key or StaticLeaf
         keywords: tuple[tuple[str, Any], ...],
         lifted: tuple[VarSpec, ...],
         graph: bool,
@@ -202,7 +210,7 @@ class Call:
         return ids
 
 
-def _static_value(transform: str, where: str, value: Any) -> tuple[str, Any]:
+def _static_value(transform: str, where: str, value: Any) -> StaticLeaf:
     try:
         hash(value)
     except TypeError as e:
@@ -214,7 +222,7 @@ def _static_value(transform: str, where: str, value: Any) -> tuple[str, Any]:
             "cache key. Make it hashable (a tuple instead of a list, a frozen "
             "dataclass) or pass it as a traced argument."
         ) from e
-    return ("static", value)
+    return StaticLeaf(value)  # compared by value and type, as jax.jit does
 
 
 def prepare(
@@ -539,7 +547,7 @@ class PureFunction:
             leaves, treedef = jax.tree_util.tree_flatten(after, is_leaf=is_variable)
             problem = None
             owners = returned = None  # treemode.Pytree proxies; computed on a change only
-            if treedef != key.treedef:
+            if not same_treedef(treedef, key.treedef):
                 problem = describe_structure_change(before, after)
             else:
                 for j, (leaf, spec) in enumerate(zip(leaves, key.specs, strict=True)):
@@ -635,7 +643,7 @@ class PureFunction:
         for i, (var, spec) in enumerate(zip(all_vars, specs, strict=True)):
             before = spec.build([dynamic[j] for j in ranges[i]])
             changed = _value_changed(var._raw_value, before)
-            if tuple(sorted(var._var_metadata.items())) != spec.metadata:
+            if frozen_metadata(var._var_metadata) != spec.frozen:
                 metadata_updates[i] = dict(var._var_metadata)
             updates.append(var._raw_value if (changed or i in self.force) else None)
         self.record.metadata_updates = metadata_updates

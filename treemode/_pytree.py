@@ -31,10 +31,13 @@ from ._hashed import HashedKey
 from ._leaves import (
     ARRAY_TYPES,
     SCALAR_TYPES,
+    frozen_metadata,
     is_abstract_array,
     is_graph_node,
     is_variable,
     same_static,
+    same_treedef,
+    treedef_static_types,
 )
 from ._paths import format_key
 
@@ -136,6 +139,7 @@ class PytreeDef(HashedKey):
         "_layout",
         "_var_slots",
         "_masks",
+        "_static_types",
         "__weakref__",
     )
     _fields = ("treedef", "specs")
@@ -157,6 +161,21 @@ class PytreeDef(HashedKey):
         self._layout: tuple[LeafInfo, ...] | None = None
         self._var_slots: tuple[tuple[int, int, VarSpec], ...] | None = None
         self._masks: dict[Any, tuple[bool | None, ...]] = {}
+        self._static_types: tuple[Any, ...] | None = None
+
+    def __eq__(self, other: object) -> bool:
+        # Static attributes of equal value and another type (``2`` and ``2.0``)
+        # make another structure: compare their types too (see `same_treedef`).
+        if self is other:
+            return True
+        return super().__eq__(other) and self._types() == other._types()  # type: ignore[attr-defined]
+
+    __hash__ = HashedKey.__hash__
+
+    def _types(self) -> tuple[Any, ...]:
+        if self._static_types is None:
+            self._static_types = treedef_static_types(self.treedef)
+        return self._static_types
 
     def __repr__(self) -> str:
         return f"PytreeDef({self.num_leaves} leaves)"
@@ -284,7 +303,7 @@ def _reuse(flat: list[Any], old: PytreeDef) -> tuple[tuple[Any, ...], list[Any]]
         elif type(spec) is VarSpec:
             if type(x) is not spec.var_type:
                 return None
-            if tuple(sorted(x._var_metadata.items())) != spec.metadata:
+            if frozen_metadata(x._var_metadata) != spec.frozen:
                 return None
             variables.append(x)
             value = _unwrap(x._raw_value)
@@ -292,7 +311,7 @@ def _reuse(flat: list[Any], old: PytreeDef) -> tuple[tuple[Any, ...], list[Any]]
                 leaves.append(value)
                 continue
             parts, value_def = jax.tree_util.tree_flatten(value)
-            if value_def != spec.value_def:
+            if not same_treedef(value_def, spec.value_def):
                 return None
             for part, static in zip(parts, spec.value_static, strict=True):
                 if static is None:
