@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
@@ -215,6 +216,26 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         copied.__dict__.update(self.__dict__)
         copied._memo = self._memo
         return copied
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> JitWrapped[P, R]:
+        """``copy.deepcopy``: as ``jax.jit``'s wrapper, a new wrapper of the same function.
+
+        The function and the compiled entries are shared (they hold no state of
+        the caller's); the arguments bound by `jit_partial` are deep-copied, so
+        the copy updates its own modules.
+        """
+        copied = self.__copy__()
+        if self.partial_args:
+            copied.partial_args = copy.deepcopy(self.partial_args, memo)
+            copied._memo = None  # the memo matched the original's bound objects
+        return copied
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"treemode.jit: cannot pickle the jitted function {getattr(self.fn, '__name__', '')!r}"
+            " (jax.jit's wrappers cannot be pickled either). Pickle the function itself "
+            "and apply treemode.jit again after loading."
+        )
 
     # -- descriptor protocol: methods ------------------------------------------
 
