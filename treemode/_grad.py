@@ -39,7 +39,11 @@ def is_differentiable(x: Any) -> bool:
     """Whether a dynamic array is differentiated: floating point or complex.
 
     Integers, booleans and PRNG keys (``nnx.Rngs`` streams and counters) are not.
+    A Python ``float`` or ``complex`` (``nnx.Param(1.0)``) is: under ``jit`` it
+    is traced as a weakly typed float32 (complex64), and eager must agree.
     """
+    if isinstance(x, (float, complex)):
+        return True
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
