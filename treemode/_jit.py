@@ -15,7 +15,8 @@ from . import _callsite, _core
 from ._callsite import CallSite, SiteCall
 from ._errors import DonationError, StaticArgumentError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
-from ._prefix import broadcast_to_dynamic
+from ._graph import check_one_spec_per_variable, original_roots
+from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -313,6 +314,8 @@ class JitWrapped(_MemoCall, Generic[P, R]):
                 "entry per positional argument (static arguments excluded), or a single "
                 "sharding for all."
             )
+        if call.graph:
+            _check_shared_shardings(call, spec, n_traced_pos)
         flat_shardings: list[Any] = []
         roots = self._positional_roots(call)
         for k, (flat, tree) in enumerate(roots):
@@ -433,6 +436,20 @@ class JitWrapped(_MemoCall, Generic[P, R]):
 
 def _is_sharding(x: Any) -> bool:
     return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
+
+
+def _check_shared_shardings(call: _core.Call, spec: Sequence[Any], n_traced_pos: int) -> None:
+    """``graph=True``: one Variable passed in two arguments takes one sharding."""
+    per_root: list[tuple[str, Any, list[Any]]] = []
+    for k, (name, original) in enumerate(original_roots(call)[:n_traced_pos]):
+        try:
+            values = broadcast_to_leaves(
+                spec[k], original, is_prefix_leaf=_is_sharding, where=name, what="in_shardings"
+            )
+        except ValueError:
+            return  # not a prefix of the argument: reported with the per-array shardings
+        per_root.append((name, original, values))
+    check_one_spec_per_variable("jit", "in_shardings", per_root)
 
 
 def _check_donation(call: _core.Call | SiteCall, entry: _Entry) -> None:
