@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _callsite, _core, _jit
+from treemode import _callsite, _jit
 
 
 class Counter(nnx.Module):
@@ -47,16 +47,16 @@ def matcher(request, monkeypatch):
 
 
 @pytest.fixture
-def prepares(monkeypatch):
+def prepares(hooks):
     """How many calls went through the full ``prepare`` (the memo was not used)."""
     calls: list[str] = []
-    original = _core.prepare
+    original = hooks.real_prepare
 
     def counting(transform, *args, **kwargs):
         calls.append(transform)
         return original(transform, *args, **kwargs)
 
-    monkeypatch.setattr(_core, "prepare", counting)
+    hooks.prepare(counting)
     return calls
 
 
@@ -262,7 +262,7 @@ def test_shared_donated_buffer_is_named_on_the_memo_path():
     assert a.w[...] is before and not before.is_deleted()
 
 
-def test_write_back_failure_on_the_memo_path_leaves_inputs(monkeypatch):
+def test_write_back_failure_on_the_memo_path_leaves_inputs(hooks):
     f = treemode.jit(_step)
     m = Counter()
     f(m, jnp.ones(3))
@@ -271,7 +271,7 @@ def test_write_back_failure_on_the_memo_path_leaves_inputs(monkeypatch):
     def failing(var, value, metadata=None):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(_core, "store", failing)
+    hooks.store(failing)
     with pytest.raises(RuntimeError, match="injected"):
         f(m, jnp.ones(3))
     assert m.w[...] is w and m.count[...] is count
@@ -437,7 +437,7 @@ def test_harmless_shared_objects_in_donated_arguments_are_allowed(matcher, monke
     assert len(checks) == 3 + (1 if matcher == "compiled call" else 3)
 
 
-def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(monkeypatch):
+def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(hooks):
     @treemode.jit
     def f(m, x):
         m.count[...] += 1
@@ -449,8 +449,8 @@ def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(mo
         f(m, jnp.ones(3))
     assert m.count[...] == 3 and m.w.get_metadata("seen") is True
     stores: list[object] = []
-    real = _core.store
-    monkeypatch.setattr(_core, "store", lambda v, *a: (stores.append(v), real(v, *a)))
+    real = hooks.real_store
+    hooks.store(lambda v, *a: (stores.append(v), real(v, *a)))
     g = treemode.jit(_step)
     n = Counter()
     for _ in range(3):

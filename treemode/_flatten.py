@@ -11,14 +11,11 @@ through (see `flatten_arg`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import operator
-import sys
-import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any, TypeGuard
 
@@ -39,6 +36,7 @@ from ._leaves import (
     treedef_static_types,
 )
 from ._paths import format_path
+from ._recursion import CycleFound, find_cycle, recursion_headroom
 
 try:  # the compiled guard (treemode/_guard.c); optional, same checks in Python below
     from ._guard import holds as _compiled_holds
@@ -387,42 +385,6 @@ _metadata_of = operator.attrgetter("_var_metadata")
 _IMMUTABLE_NODES: tuple[type, ...] = (tuple, type(None))
 
 
-class CycleFound(RecursionError):
-    """Raised (outside JAX's flattening) for an argument that contains itself."""
-
-
-_headroom_lock = threading.Lock()
-_headroom_users = 0
-_saved_limit = 0
-RECURSION_HEADROOM = 8_000
-
-
-@contextlib.contextmanager
-def recursion_headroom() -> Iterator[None]:
-    """Raise Python's recursion limit to ``RECURSION_HEADROOM`` while flattening.
-
-    JAX flattens pytrees recursively (a few interpreter levels per nesting
-    level), and a RecursionError inside its C++ flattening leaves the
-    interpreter's recursion counter corrupted, so deep modules (hundreds of
-    levels) must not hit the default limit of 1000. The limit is only ever
-    raised, and restored when the last concurrent user leaves.
-    """
-    global _headroom_users, _saved_limit
-    with _headroom_lock:
-        if _headroom_users == 0:
-            _saved_limit = sys.getrecursionlimit()
-            if _saved_limit < RECURSION_HEADROOM:
-                sys.setrecursionlimit(RECURSION_HEADROOM)
-        _headroom_users += 1
-    try:
-        yield
-    finally:
-        with _headroom_lock:
-            _headroom_users -= 1
-            if _headroom_users == 0 and _saved_limit < RECURSION_HEADROOM:
-                sys.setrecursionlimit(_saved_limit)
-
-
 def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgFlat, bool]:
     containers: list[Any] = []
     seen: set[int] = set()
@@ -451,8 +413,6 @@ def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgF
     with recursion_headroom():
         leaves, treedef = jax.tree_util.tree_flatten(arg, is_leaf=is_leaf)
         if revisited:
-            from ._graph import find_cycle
-
             if find_cycle(arg) is not None:
                 raise CycleFound("reference cycle")
             # Only shared objects (no cycle): flatten them in full.

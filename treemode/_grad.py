@@ -365,11 +365,13 @@ def _grad_transform(
             check_scalar(name, loss, holomorphic)
             return loss, (aux, updates)
 
-        with _core.bound(pure, call):
+        def jax_call() -> tuple[Any, Any]:
             (loss, (aux, updates)), diff_grads = jax.value_and_grad(
                 differentiated, argnums=0, has_aux=True, holomorphic=holomorphic
             )(split.diff_values(), split.other_values())
-        _core.write_back(call, updates, pure.record.metadata_updates)
+            return (loss, aux, diff_grads), updates
+
+        loss, aux, diff_grads = _core.run(call, pure, jax_call, finish=False)
         grad_trees = split.cotangent_trees(diff_grads)
         grads = grad_trees[0] if single else tuple(grad_trees)
         if has_aux:

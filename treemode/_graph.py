@@ -20,10 +20,10 @@ from typing import Any
 import jax
 from jax.tree_util import PyTreeDef
 
-from ._errors import AliasError, StructureError
-from ._flatten import RECURSION_HEADROOM, recursion_headroom
+from ._errors import AliasError
 from ._leaves import is_graph_node, is_variable
 from ._paths import format_path
+from ._recursion import CycleError, below, recursion_headroom
 
 
 @jax.tree_util.register_static
@@ -69,80 +69,6 @@ class GraphNode:
 
 def _is_marker(x: Any) -> bool:
     return isinstance(x, (GraphNode, SharedRef)) or is_variable(x)
-
-
-class CycleError(StructureError):
-    """``to_tree`` found an object that contains itself."""
-
-
-def _below(x: Any) -> Any:
-    """``is_leaf`` that flattens ``x`` one level (``x`` itself as a child is a leaf)."""
-    root = [True]
-
-    def is_leaf(child: Any) -> bool:
-        if child is x and root[0]:
-            root[0] = False
-            return False
-        return True
-
-    return is_leaf
-
-
-def _children(x: Any) -> list[tuple[Any, Any]]:
-    """``(key, child)`` one level below a pytree node; ``[]`` for a leaf or a Variable."""
-    if is_variable(x):
-        return []
-    flat, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=_below(x))
-    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is x:
-        return []
-    return [(p[0], c) for p, c in flat]
-
-
-def find_cycle(tree: Any) -> tuple[Any, ...] | None:
-    """The path of the first object that contains itself, without recursion."""
-    on_path: set[int] = set()
-    stack: list[tuple[tuple[Any, ...], Any, bool]] = [((), tree, False)]
-    while stack:
-        path, x, done = stack.pop()
-        if done:
-            on_path.discard(id(x))
-            continue
-        if id(x) in on_path:
-            return path
-        if not (is_graph_node(x) or isinstance(x, (dict, list))):
-            if not _children(x):
-                continue
-        on_path.add(id(x))
-        stack.append((path, x, True))
-        for key, child in reversed(_children(x)):
-            stack.append(((*path, key), child, False))
-    return None
-
-
-def recursion_error(transform: str, roots: list[tuple[str, Any]]) -> StructureError:
-    """A clear error for a RecursionError while flattening ``roots``.
-
-    Names the reference cycle if there is one; otherwise the nesting is deeper
-    than Python's recursion limit allows JAX's (recursive) pytree flattening.
-    """
-    for root, tree in roots:
-        path = find_cycle(tree)
-        if path is not None:
-            return StructureError(
-                f"treemode.{transform}: reference cycle at {format_path(path, root)}: the "
-                "object contains itself, so it cannot be flattened into a pytree. Tree "
-                "mode needs an acyclic structure; store the back-reference outside the "
-                "module (or as a static non-NNX attribute)."
-            )
-    names = ", ".join(root for root, _ in roots)
-    limit = max(sys.getrecursionlimit(), RECURSION_HEADROOM)
-    return StructureError(
-        f"treemode.{transform}: the inputs ({names}) are nested too deeply to flatten "
-        f"within a recursion limit of {limit}: JAX flattens pytrees recursively, each "
-        "nesting level taking a few interpreter levels (about six with graph=True). "
-        "Raise the limit before calling (sys.setrecursionlimit) or store deep stacks "
-        "of layers in an nnx.List instead of nesting them."
-    )
 
 
 def to_tree(node: Any) -> Any:
@@ -204,7 +130,7 @@ def to_tree(node: Any) -> Any:
             return x
         in_progress.add(key)
         try:
-            flat, node_def = jax.tree_util.tree_flatten_with_path(x, is_leaf=_below(x))
+            flat, node_def = jax.tree_util.tree_flatten_with_path(x, is_leaf=below(x))
             keys = tuple(p[0] for p, _ in flat)
             children = [
                 jax.tree_util.tree_map_with_path(

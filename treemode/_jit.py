@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from jax.core import Tracer
 
-from . import _callsite, _core
-from ._callsite import CallSite, SiteCall
+from . import _callsite, _core, _explain, _writeback
+from ._callsite import CallSite
 from ._errors import DonationError, StaticArgumentError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
 from ._graph import check_one_spec_per_variable, original_roots
+from ._leaves import is_variable
 from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
 
 P = ParamSpec("P")
@@ -129,9 +130,12 @@ class _Entry:
         """Arrange a per-dynamic-array list (e.g. shardings) like `args`."""
         return self.args(per_dynamic)
 
-    def write_back(self, call: _core.Call | SiteCall, updates: Sequence[Any]) -> None:
-        """Store a call's updates (and any metadata update its trace recorded)."""
-        _core.write_back(call, updates, self.pure.record.metadata_updates)
+    def write_back(self, call: _core.PreparedCall, updates: Sequence[Any]) -> None:
+        """Store a call's updates (and any metadata update its trace recorded).
+
+        The compiled call path calls it for updates it does not write itself.
+        """
+        _writeback.write_back(call, updates, self.pure.record.metadata_updates)
 
 
 class _PythonMemoCall:
@@ -370,36 +374,29 @@ class JitWrapped(_MemoCall, Generic[P, R]):
 
     def _plan(self, site: CallSite, entry: _Entry) -> Any:
         """The compiled call path's plan for ``site`` (``None``: match in Python)."""
-        writing = (entry.pure.record, vars(_core), _core.DEFAULT_STORE, _core.TRACE_REF)
+        writing = (
+            entry.pure.record,
+            vars(_writeback),
+            _writeback.DEFAULT_STORE,
+            _writeback.TRACE_REF,
+        )
         donation = None
         if entry.donated:
             check = functools.partial(_check_donation, entry=entry)
             donation = (tuple(entry.donated), tuple(entry.kept), check)
         run = (entry.jitted, entry.pure.binding, entry, writing, donation)
-        return _callsite.compiled_plan(site, self.partial_args, run, _core.raise_explained)
+        return _callsite.compiled_plan(site, self.partial_args, run, _explain.raise_explained)
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
         """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
         return self._prepare(args[self._n_partial :], kwargs, abstract=False)
 
-    def _run(
-        self, call: _core.Call | SiteCall, entry: _Entry, executable: Callable[..., Any]
-    ) -> Any:
+    def _run(self, call: _core.PreparedCall, entry: _Entry, executable: Callable[..., Any]) -> Any:
         """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
         if entry.donated:
             _check_donation(call, entry)
         arrays = entry.args(call.dynamic)
-        binding = entry.pure.binding
-        binding.call = call
-        try:
-            out, updates = executable(*arrays)
-        except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
-            _core.raise_explained(call, e)
-        finally:
-            binding.call = None
-        if updates is not None:
-            entry.write_back(call, updates)
-        return out if not call.graph else _core.finish(call.full(), out)
+        return _core.run(call, entry.pure, lambda: executable(*arrays))
 
     # -- AOT ---------------------------------------------------------------------
 
@@ -407,11 +404,10 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         """Trace without compiling; ``.jaxpr`` and ``.lower()`` are available."""
         call = self._prepare(args, kwargs, abstract=True)
         entry = self._entry(call)
-        entry.pure.bind(call)
-        try:
-            traced = entry.jitted.trace(*entry.args(call.dynamic))
-        finally:
-            entry.pure.bind(None)
+        arrays = entry.args(call.dynamic)
+        traced = _core.run(
+            call, entry.pure, lambda: (entry.jitted.trace(*arrays), None), finish=False
+        )
         return Traced(self, call.key, traced)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
@@ -421,13 +417,9 @@ class JitWrapped(_MemoCall, Generic[P, R]):
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """Output shapes and dtypes of a call; the inputs are never modified."""
         call = self._prepare(args, kwargs, abstract=True)
-        entry = self._entry(call)
-        entry.pure.bind(call)
-        try:
-            out, _ = jax.eval_shape(entry.pure, *call.dynamic)
-        finally:
-            entry.pure.bind(None)
-        return _core.finish(call, out)
+        pure = self._entry(call).pure
+        # The updates' shapes are dropped: nothing is written back.
+        return _core.run(call, pure, lambda: (jax.eval_shape(pure, *call.dynamic)[0], None))
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -452,7 +444,7 @@ def _check_shared_shardings(call: _core.Call, spec: Sequence[Any], n_traced_pos:
     check_one_spec_per_variable("jit", "in_shardings", per_root)
 
 
-def _check_donation(call: _core.Call | SiteCall, entry: _Entry) -> None:
+def _check_donation(call: _core.PreparedCall, entry: _Entry) -> None:
     """Two donated leaves sharing a buffer fail inside XLA: name them here.
 
     A donated device buffer must appear once among the call's arrays; arrays
@@ -483,17 +475,11 @@ def _is_buffer(x: Any) -> bool:
 
 
 def _raise_shared_buffer(call: _core.Call, array: Any) -> None:
-    import jax.tree_util as jtu
-
-    from ._leaves import is_variable
-    from ._paths import format_path
-
-    paths: list[str] = []
-    for root, tree in call.arg_roots() + call.lifted_roots:
-        for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
-            value = leaf.get_raw_value() if is_variable(leaf) else leaf
-            if value is array:
-                paths.append(format_path(path, root))
+    paths = [
+        where
+        for where, leaf in call.paths_and_leaves()
+        if (leaf.get_raw_value() if is_variable(leaf) else leaf) is array
+    ]
     raise DonationError(
         "treemode.jit: the same buffer is reachable at "
         + " and ".join(paths[:2])
