@@ -22,9 +22,10 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
 from flax import nnx
+from jax.core import Tracer
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from ._errors import ProxyError
+from ._errors import ProxyError, TraceContextError
 from ._flatten import DYNAMIC, StaticLeaf, VarSpec, value_spec
 from ._graph import from_tree, to_tree
 from ._hashed import HashedKey
@@ -40,6 +41,7 @@ from ._leaves import (
     treedef_static_types,
 )
 from ._paths import format_key
+from ._writeback import current_trace_ref
 
 M = TypeVar("M")
 
@@ -415,8 +417,10 @@ class Pytree(Generic[M]):
     attributes with those names through `with proxy as module:`.
 
     Pass a proxy to transforms as an argument (or a field of one). A proxy read
-    through a jitted function's closure is a constant there, and calling its
-    stateful methods inside the trace would store traced values in it.
+    through the closure of a JAX transform (`jax.jit`, `jax.vmap`, `jax.lax.scan`)
+    is a constant there: calling its stateless methods works, and a call that
+    would store that transform's traced values in it (BatchNorm statistics, RNG
+    counters) raises `treemode.TraceContextError` and leaves the proxy as it was.
 
     **Arguments:**
 
@@ -437,13 +441,14 @@ class Pytree(Generic[M]):
     ```
     """
 
-    __slots__ = ("_pt_def", "_pt_leaves", "_pt_module", "_pt_vars", "_pt_watch")
+    __slots__ = ("_pt_def", "_pt_leaves", "_pt_module", "_pt_vars", "_pt_watch", "_pt_trace")
 
     _pt_def: PytreeDef
     _pt_leaves: tuple[Any, ...]
     _pt_module: Any
     _pt_vars: list[Any] | None
     _pt_watch: tuple[int, ...] | list[int]
+    _pt_trace: Any  # the JAX trace the proxy was made in (its weak reference)
 
     def __init__(self, module: M):
         if isinstance(module, Pytree):
@@ -491,12 +496,39 @@ class Pytree(Generic[M]):
         old_vars = self._pt_vars or []
         watched = [old_vars[k] for k in self._pt_watch]
         pdef, leaves, variables = capture(module, self._pt_def)
+        self._pt_check_trace(leaves)
         _set(self, "_pt_def", pdef)
         _set(self, "_pt_leaves", leaves)
         _set(self, "_pt_vars", variables)
         if watched:
             index = {id(v): k for k, v in enumerate(variables)}
             _set(self, "_pt_watch", [index[id(v)] for v in watched if id(v) in index])
+
+    def _pt_check_trace(self, leaves: Sequence[Any]) -> None:
+        """Refuse to store values traced by a JAX transform the proxy was not passed into.
+
+        A proxy read through the closure of ``jax.jit``/``jax.vmap`` is a
+        constant there: a method that changes its state would store that
+        trace's tracers in it, which outlive the trace. As NNX does for a
+        Variable mutated from another trace, raise instead (the proxy keeps its
+        state: the module run in the trace is discarded).
+        """
+        if current_trace_ref() is self._pt_trace:
+            return
+        old = set(map(id, self._pt_leaves))
+        if not any(isinstance(x, Tracer) and id(x) not in old for x in leaves):
+            return
+        name = type(self._pt_module).__name__
+        self._pt_drop()
+        raise TraceContextError(
+            f"treemode.Pytree: a call changed the state of this {name} proxy (e.g. "
+            "BatchNorm statistics, an RNG counter) inside a JAX transform that the proxy "
+            "was not passed into (a closure of jax.jit, jax.vmap, jax.lax.scan, ...): "
+            "storing that transform's traced values in the proxy would leak them. The "
+            "proxy keeps its previous state.\nFix: pass the proxy as an argument of the "
+            "transform and return it (model = step(model, x)), or call a method that "
+            "does not change state there."
+        )
 
     def _pt_run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
         module = self._pt_module
@@ -547,6 +579,7 @@ class Pytree(Generic[M]):
                     new = list(leaves)
                 new[start : start + n] = current
         if new is not None:
+            self._pt_check_trace(new)
             _set(self, "_pt_leaves", tuple(new))
 
     def _pt_expose(self, value: Any) -> Any:
@@ -677,6 +710,7 @@ def _init(p: Pytree[Any], pdef: PytreeDef, leaves: tuple[Any, ...]) -> None:
     _set(p, "_pt_module", None)
     _set(p, "_pt_vars", None)
     _set(p, "_pt_watch", ())
+    _set(p, "_pt_trace", current_trace_ref())
 
 
 def from_parts(pdef: PytreeDef, leaves: Iterable[Any]) -> Pytree[Any]:
