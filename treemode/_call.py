@@ -325,7 +325,10 @@ def _finish_prepare(
     call.lifted_roots = []
     lifted_flats: list[ArgFlat] = []
     if lift_closure:
-        call.lifted_roots = [(f"closure {name}", obj) for name, obj in closure_objects(call.fn)]
+        found = closure_objects(call.fn)
+        if found and any(name.startswith("default ") for name, _ in found):
+            found = _without_passed_defaults(call, found)
+        call.lifted_roots = [(f"closure {name}", obj) for name, obj in found]
         for _, obj in call.lifted_roots:
             flat = flatten_arg(obj, is_dynamic)
             if flat.variables:
@@ -359,6 +362,12 @@ def _finish_prepare(
     if aliased:
         _raise_alias(call)
     return call
+
+
+def _without_passed_defaults(call: Call, found: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Drop default arguments that this call passes explicitly (they are arguments then)."""
+    passed = {id(a) for a in call.args} | {id(v) for v in call.kwargs.values()}
+    return [(n, o) for n, o in found if not (n.startswith("default ") and id(o) in passed)]
 
 
 _key_of = operator.attrgetter("key")
