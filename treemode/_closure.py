@@ -67,6 +67,7 @@ MAX_DEPTH = 4  # function hops followed from the transformed function
 _IGNORE, _STATE, _FUNCTION, _WRAPPER, _HOLDER = range(5)
 _kinds: dict[type, int] = {}
 MAX_HOLDER_ITEMS = 256  # bigger lists, dicts and attribute dicts are not searched
+MAX_HOLDER_ENTRIES = 4096  # entries of holders looked at by one search, in all
 
 
 def _classify(cls: type) -> int:
@@ -293,6 +294,7 @@ class _Walk:
         "found",
         "seen",
         "volatile",
+        "budget",
         "top",
         "top_ref",
         "dicts",
@@ -308,6 +310,7 @@ class _Walk:
         self.found: list[tuple[str, Any]] = []
         self.seen: set[int] = set()
         self.volatile = False  # found an NNX object in a holder: do not cache
+        self.budget = MAX_HOLDER_ENTRIES  # entries of holders still to look at
         self.top_ref = top_ref  # None: do not record the reads
         if top_ref is None:
             return
@@ -464,6 +467,9 @@ class _Walk:
             if not isinstance(attrs, dict) or len(attrs) > MAX_HOLDER_ITEMS:
                 return
             children = [(f"{name}.{k}", v) for k, v in list(attrs.items())]
+        self.budget -= len(children)
+        if self.budget < 0:
+            return
         for child_name, child in children:
             self.search(child_name, child, depth + 1)
 
