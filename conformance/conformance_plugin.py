@@ -156,6 +156,9 @@ def _make_router(name: str, flax_fn: Any) -> Any:
     return router
 
 
+_ORIGINALS: dict[str, Any] = {}
+
+
 def install(mode: str) -> None:
     """Replace the ``flax.nnx`` transforms by routers for ``mode``."""
     if mode not in MODES:
@@ -167,7 +170,18 @@ def install(mode: str) -> None:
         flax_fn = getattr(nnx, name)
         if getattr(flax_fn, "__conformance_router__", False):
             continue
+        _ORIGINALS[name] = flax_fn
         setattr(nnx, name, _make_router(name, flax_fn))
+
+
+def uninstall() -> None:
+    """Put Flax's own transforms back (used by the harness's tests)."""
+    from flax import nnx
+
+    for name, flax_fn in _ORIGINALS.items():
+        setattr(nnx, name, flax_fn)
+    _ORIGINALS.clear()
+    _State.calls.clear()
 
 
 # --- failure analysis -------------------------------------------------------------
@@ -236,9 +250,7 @@ def _analyse(item: pytest.Item, excinfo: pytest.ExceptionInfo[BaseException]) ->
         origin = _origin(frame.filename)
         if origin != "other":
             break
-    expected_error = bool(
-        test_frames and test_frames[-1].lineno in _raises_lines(test_file)
-    )
+    expected_error = bool(test_frames and test_frames[-1].lineno in _raises_lines(test_file))
     text_mismatch = isinstance(exc, AssertionError) and any(
         p.match(message) for p in _TEXT_MISMATCH
     )

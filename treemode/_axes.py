@@ -174,9 +174,11 @@ def call_axes(
         for i, value in enumerate(dynamic):
             if not valid(value):
                 path = dynamic_paths(call)[i]
+                flax_lift = type(value).__name__ in ("StateAxes", "StateSharding")
                 raise AxisError(
                     f"treemode.{transform}: {what} gives {_describe(value)} for {path}; "
                     f"each value must be {expected}."
+                    + (" See docs/migration.md#stateaxes." if flax_lift else "")
                 )
     variables = tuple(
         dynamic[r[0]] if len(r) else closure_axis for r in call.variable_dynamic_ranges()
@@ -325,11 +327,6 @@ def batched_update_error(call: Call, index: int, *, axis_name: Any = None) -> Ax
     )
 
 
-def variable_axes(axes: CallAxes) -> tuple[Any, ...]:
-    """``out_axes`` entries for the updates tuple: each Variable's input axis."""
-    return axes.variables
-
-
 __all__ = [
     "CallAxes",
     "batched_update_error",
@@ -340,5 +337,4 @@ __all__ = [
     "is_axis",
     "is_int_axis",
     "positional_entries",
-    "variable_axes",
 ]

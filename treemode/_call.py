@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any, Protocol
 
-import jax
-
 from . import _graph
 from ._closure import closure_objects
 from ._errors import ClosureError, StaticArgumentError, StructureError
@@ -35,7 +33,7 @@ from ._flatten import (
 )
 from ._hashed import HashedKey
 from ._leaves import is_abstract_array, is_array, is_variable
-from ._paths import format_path
+from ._paths import paths_and_leaves
 from ._recursion import CycleError, recursion_error
 
 
@@ -193,9 +191,7 @@ class Call:
     def paths_and_leaves(self) -> Iterator[tuple[str, Any]]:
         """``(display path, leaf)`` for every leaf of the traced arguments and lifted
         closure objects, Variables as leaves, in flattening order (error path only)."""
-        for root, tree in self.arg_roots() + self.lifted_roots:
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
-                yield format_path(path, root), leaf
+        return paths_and_leaves(self.arg_roots() + self.lifted_roots)
 
     def variable_paths(self) -> list[str]:
         """Display path of every Variable in ``self.variables`` (error path only)."""

@@ -52,7 +52,7 @@ from typing import Any
 
 from flax import nnx
 
-from ._leaves import is_graph_node, is_variable
+from ._leaves import is_variable_or_graph_node
 
 try:  # the compiled checks (treemode/_guard.c); optional, the same checks in Python below
     from ._guard import reads_hold as _reads_hold
@@ -156,10 +156,6 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
         if isinstance(const, types.CodeType):
             names.update(dict.fromkeys(_global_names(const)))
     return tuple(names)
-
-
-def _holds_state(x: Any) -> bool:
-    return is_graph_node(x) or is_variable(x)
 
 
 def closure_objects(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
@@ -336,21 +332,21 @@ class _Walk:
             return
         if isinstance(f, functools.partial):
             for i, a in enumerate(f.args):
-                if _holds_state(a):
+                if is_variable_or_graph_node(a):
                     self.add(f"partial.args[{i}]", a)
             for k, a in f.keywords.items():
-                if _holds_state(a):
+                if is_variable_or_graph_node(a):
                     self.add(f"partial.keywords[{k!r}]", a)
             self.visit(f.func, depth + 1)
             return
         if isinstance(f, types.MethodType):
-            if _holds_state(f.__self__):
+            if is_variable_or_graph_node(f.__self__):
                 self.add("self", f.__self__)
             else:
                 self.search("self", f.__self__, depth + 1)
             self.visit(f.__func__, depth + 1)
             return
-        if _holds_state(f):
+        if is_variable_or_graph_node(f):
             self.add(type(f).__name__, f)
             call = getattr(type(f), "__call__", None)  # noqa: B004 - the method itself
             if self.top_ref is not None:

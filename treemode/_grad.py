@@ -313,7 +313,8 @@ def _normalize_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], b
         raise TypeError(
             f"treemode.grad: argnums must be an int or a non-empty tuple of ints, got "
             f"{argnums!r}. (Tree mode has no DiffState: to differentiate only some "
-            "Variables, nnx.split the module and pass the parts as separate arguments.)"
+            "Variables, nnx.split the module and pass the parts as separate arguments: "
+            "see docs/migration.md#diffstate.)"
         )
     return nums, False
 

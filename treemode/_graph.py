@@ -21,7 +21,7 @@ import jax
 from jax.tree_util import PyTreeDef
 
 from ._errors import AliasError
-from ._leaves import is_graph_node, is_variable
+from ._leaves import is_variable, is_variable_or_graph_node
 from ._paths import format_path
 from ._recursion import CycleError, below, recursion_headroom
 
@@ -134,9 +134,11 @@ def to_tree(node: Any) -> Any:
             keys = tuple(p[0] for p, _ in flat)
             children = [
                 jax.tree_util.tree_map_with_path(
-                    lambda p, c, k=k: convert((*path, k, *p), c) if is_variable_or_graph(c) else c,
+                    lambda p, c, k=k: (
+                        convert((*path, k, *p), c) if is_variable_or_graph_node(c) else c
+                    ),
                     child,
-                    is_leaf=is_variable_or_graph,
+                    is_leaf=is_variable_or_graph_node,
                 )
                 for k, (_, child) in zip(keys, flat, strict=True)
             ]
@@ -144,15 +146,12 @@ def to_tree(node: Any) -> Any:
             in_progress.discard(key)
         return GraphNode(node_def, keys, children)
 
-    def is_variable_or_graph(x: Any) -> bool:
-        return is_variable(x) or is_graph_node(x)
-
     with recursion_headroom():
         max_depth = sys.getrecursionlimit() // 7  # about six levels per nesting level
         tree = jax.tree_util.tree_map_with_path(
-            lambda p, x: convert(p, x) if is_variable_or_graph(x) else x,
+            lambda p, x: convert(p, x) if is_variable_or_graph_node(x) else x,
             node,
-            is_leaf=is_variable_or_graph,
+            is_leaf=is_variable_or_graph_node,
         )
     if errors:
         raise errors[0]

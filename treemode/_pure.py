@@ -21,7 +21,6 @@ from flax.nnx import tracers
 from . import _graph, _pytree
 from ._call import Call, PreparedCall
 from ._errors import AliasError, StructureError
-from ._flatten import DYNAMIC, StaticLeaf, VarSpec, _StructureKey, rebuild
 from ._leaves import (
     frozen_metadata,
     is_array,
@@ -32,6 +31,7 @@ from ._leaves import (
 )
 from ._paths import format_path
 from ._recursion import recursion_headroom
+from ._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild
 from ._stale import mark_trace_time
 
 
@@ -108,10 +108,8 @@ class PureFunction:
         leaves_in: list[list[Any]] = []
         pure_trees: list[Any] = []
         inner_vars: list[Any] = []
-        flat_keys = [k for k in self.key.positional if isinstance(k, _StructureKey)]
-        flat_keys += [k for _, k in self.key.keywords if isinstance(k, _StructureKey)]
-        for key in flat_keys:
-            n = _num_dynamic(key)
+        for key in self._flat_keys():
+            n = sum(map(dynamic_count, key.specs))
             tree, variables, leaves = rebuild(key, dynamic[offset : offset + n])
             offset += n
             pure_trees.append(tree)
@@ -215,7 +213,7 @@ class PureFunction:
                     "A tree-mode transform only writes back new values of existing "
                     "Variables. Make structural changes (new attributes, new or replaced "
                     "Variables, changed static fields) outside the transform, or return "
-                    "the new object as an output."
+                    "the new object as an output.\nSee docs/migration.md#structural-changes."
                 )
 
     def _check_outputs(self, call: Call, out_tree: Any, all_vars: list[Any]) -> None:
@@ -276,9 +274,9 @@ class PureFunction:
         self.record.metadata_updates = metadata_updates
         return tuple(updates)
 
-    def _flat_keys(self) -> list[_StructureKey]:
-        keys = [k for k in self.key.positional if isinstance(k, _StructureKey)]
-        keys += [k for _, k in self.key.keywords if isinstance(k, _StructureKey)]
+    def _flat_keys(self) -> list[StructureKey]:
+        keys = [k for k in self.key.positional if isinstance(k, StructureKey)]
+        keys += [k for _, k in self.key.keywords if isinstance(k, StructureKey)]
         return keys
 
 
@@ -290,16 +288,6 @@ def _replaced(leaf: Any, old_type: type) -> str:
     if type(leaf) is old_type:
         return f"the {old_type.__name__} was replaced by a new {old_type.__name__}"
     return f"the {old_type.__name__} was replaced by a {type(leaf).__name__}"
-
-
-def _num_dynamic(key: _StructureKey) -> int:
-    n = 0
-    for spec in key.specs:
-        if type(spec) is VarSpec:
-            n += spec.num_dynamic
-        elif spec is DYNAMIC:
-            n += 1
-    return n
 
 
 def _value_changed(after: Any, before: Any) -> bool:

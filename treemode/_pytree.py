@@ -23,12 +23,10 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import jax
 from flax import nnx
 from jax.core import Tracer
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+from jax.tree_util import GetAttrKey
 
 from ._errors import ProxyError, TraceContextError
-from ._flatten import DYNAMIC, StaticLeaf, VarSpec, value_spec
 from ._graph import from_tree, to_tree
-from ._hashed import HashedKey
 from ._leaves import (
     ARRAY_TYPES,
     SCALAR_TYPES,
@@ -38,9 +36,9 @@ from ._leaves import (
     is_variable,
     same_static,
     same_treedef,
-    treedef_static_types,
 )
-from ._paths import format_key
+from ._paths import format_key, nnx_path  # noqa: F401  (nnx_path: re-exported)
+from ._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild, value_spec
 from ._writeback import current_trace_ref
 
 M = TypeVar("M")
@@ -82,35 +80,12 @@ def _format_key(key: Any) -> str:
     return str(key) if isinstance(key, ModuleKey) else format_key(key)
 
 
-def nnx_path(keys: Sequence[Any]) -> tuple[Any, ...]:
-    """A JAX key path as an NNX path (``('layers', 0, 'kernel')``), for NNX filters."""
-    out: list[Any] = []
-    for key in keys:
-        if isinstance(key, ModuleKey):
-            out.extend(nnx_path(key.parts))
-        elif isinstance(key, GetAttrKey):
-            out.append(key.name)
-        elif isinstance(key, SequenceKey):
-            out.append(key.idx)
-        elif isinstance(key, (DictKey, FlattenedIndexKey)):
-            out.append(key.key)
-        else:
-            out.append(str(key))
-    return tuple(out)
-
-
 # ------------------------------------------------------------------ static part
 
 
 def _single(spec: VarSpec) -> bool:
     """Whether the Variable's value is one traced leaf (stored as it is)."""
     return spec.value_def is None
-
-
-def _leaf_count(spec: Any) -> int:
-    if type(spec) is VarSpec:
-        return spec.num_dynamic
-    return 1 if spec is DYNAMIC else 0
 
 
 class LeafInfo(NamedTuple):
@@ -122,7 +97,7 @@ class LeafInfo(NamedTuple):
     var_path: tuple[Any, ...]  # key path of the owning Variable
 
 
-class PytreeDef(HashedKey):
+class PytreeDef(StructureKey):
     """The static part of a `Pytree`: hashable and compared by value.
 
     Holds the module's structure (the treedef of ``to_tree(module)`` with
@@ -134,22 +109,19 @@ class PytreeDef(HashedKey):
     """
 
     __slots__ = (
-        "treedef",
-        "specs",
         "num_leaves",
         "_keys",
         "_layout",
         "_var_slots",
         "_masks",
-        "_static_types",
         "__weakref__",
     )
-    _fields = ("treedef", "specs")
 
     def __init__(self, treedef: Any, specs: tuple[Any, ...]):
         self.treedef = treedef  # a jax PyTreeDef
         self.specs = specs
-        self.num_leaves = sum(_leaf_count(s) for s in specs)
+        self.num_leaves = sum(dynamic_count(s) for s in specs)
+        self._static_types = None
         try:
             self._hash_fields()
         except TypeError as e:
@@ -163,21 +135,6 @@ class PytreeDef(HashedKey):
         self._layout: tuple[LeafInfo, ...] | None = None
         self._var_slots: tuple[tuple[int, int, VarSpec], ...] | None = None
         self._masks: dict[Any, tuple[bool | None, ...]] = {}
-        self._static_types: tuple[Any, ...] | None = None
-
-    def __eq__(self, other: object) -> bool:
-        # Static attributes of equal value and another type (``2`` and ``2.0``)
-        # make another structure: compare their types too (see `same_treedef`).
-        if self is other:
-            return True
-        return super().__eq__(other) and self._types() == other._types()  # type: ignore[attr-defined]
-
-    __hash__ = HashedKey.__hash__
-
-    def _types(self) -> tuple[Any, ...]:
-        if self._static_types is None:
-            self._static_types = treedef_static_types(self.treedef)
-        return self._static_types
 
     def __repr__(self) -> str:
         return f"PytreeDef({self.num_leaves} leaves)"
@@ -223,7 +180,7 @@ class PytreeDef(HashedKey):
             slots = []
             start = 0
             for spec in self.specs:
-                n = _leaf_count(spec)
+                n = dynamic_count(spec)
                 if type(spec) is VarSpec:
                     slots.append((start, n, spec))
                 start += n
@@ -358,27 +315,8 @@ def capture(
 
 def materialize(pdef: PytreeDef, leaves: Sequence[Any], *, wrap: bool) -> tuple[Any, list[Any]]:
     """Build a new module (and its Variables, in order) from a static part and leaves."""
-    tree_leaves: list[Any] = []
-    variables: list[Any] = []
-    i = 0
-    for spec in pdef.specs:
-        if type(spec) is VarSpec:
-            if _single(spec):
-                value = _wrap(leaves[i]) if wrap else leaves[i]
-                i += 1
-            else:
-                n = spec.num_dynamic
-                value = spec.build(leaves[i : i + n])
-                i += n
-            var = spec.var_type.from_metadata(value, dict(spec.metadata))
-            tree_leaves.append(var)
-            variables.append(var)
-        elif spec is DYNAMIC:
-            tree_leaves.append(leaves[i])
-            i += 1
-        else:
-            tree_leaves.append(spec.value)
-    return from_tree(pdef.treedef.unflatten(tree_leaves)), variables
+    tree, variables, _ = rebuild(pdef, leaves, _wrap if wrap else None)
+    return from_tree(tree), variables
 
 
 # ------------------------------------------------------------------------ proxy
