@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
@@ -14,8 +15,9 @@ from . import _callsite, _core, _explain, _writeback
 from ._callsite import CallSite
 from ._errors import DonationError, StaticArgumentError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
+from ._graph import check_one_spec_per_variable, original_roots
 from ._leaves import is_variable
-from ._prefix import broadcast_to_dynamic
+from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -254,6 +256,26 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         copied._memo = self._memo
         return copied
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> JitWrapped[P, R]:
+        """``copy.deepcopy``: as ``jax.jit``'s wrapper, a new wrapper of the same function.
+
+        The function and the compiled entries are shared (they hold no state of
+        the caller's); the arguments bound by `jit_partial` are deep-copied, so
+        the copy updates its own modules.
+        """
+        copied = self.__copy__()
+        if self.partial_args:
+            copied.partial_args = copy.deepcopy(self.partial_args, memo)
+            copied._memo = None  # the memo matched the original's bound objects
+        return copied
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"treemode.jit: cannot pickle the jitted function {getattr(self.fn, '__name__', '')!r}"
+            " (jax.jit's wrappers cannot be pickled either). Pickle the function itself "
+            "and apply treemode.jit again after loading."
+        )
+
     # -- descriptor protocol: methods ------------------------------------------
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
@@ -330,6 +352,8 @@ class JitWrapped(_MemoCall, Generic[P, R]):
                 "entry per positional argument (static arguments excluded), or a single "
                 "sharding for all."
             )
+        if call.graph:
+            _check_shared_shardings(call, spec, n_traced_pos)
         flat_shardings: list[Any] = []
         roots = self._positional_roots(call)
         for k, (flat, tree) in enumerate(roots):
@@ -445,6 +469,20 @@ class JitWrapped(_MemoCall, Generic[P, R]):
 
 def _is_sharding(x: Any) -> bool:
     return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
+
+
+def _check_shared_shardings(call: _core.Call, spec: Sequence[Any], n_traced_pos: int) -> None:
+    """``graph=True``: one Variable passed in two arguments takes one sharding."""
+    per_root: list[tuple[str, Any, list[Any]]] = []
+    for k, (name, original) in enumerate(original_roots(call)[:n_traced_pos]):
+        try:
+            values = broadcast_to_leaves(
+                spec[k], original, is_prefix_leaf=_is_sharding, where=name, what="in_shardings"
+            )
+        except ValueError:
+            return  # not a prefix of the argument: reported with the per-array shardings
+        per_root.append((name, original, values))
+    check_one_spec_per_variable("jit", "in_shardings", per_root)
 
 
 def _check_donation(call: _core.PreparedCall, entry: _Entry) -> None:
