@@ -9,9 +9,9 @@ is sharded the same way. The batch is sharded over the `data` axis.
 The one change from the original is the optimizer. There, `SGD` keeps
 `nnx.variables(model, nnx.Param)`, the model's own Params, and updates them in
 place; a tree-mode `jit` given both the model and such an optimizer sees every
-Param twice and raises `AliasError` (see docs/migration.md, "An optimizer that
-holds the model's Variables"). Here `SGD` holds only its momentum, and
-`update(model, grads)` takes the model, as `nnx.Optimizer` does.
+Param twice and raises `AliasError` (see docs/migration.md#optimizer-holds-model).
+Here `SGD` holds only its momentum, and `update(model, grads)` takes the model,
+as `nnx.Optimizer` does.
 
 tests/test_examples.py checks that the losses equal those of the Flax original
 run in graph mode on the same data.

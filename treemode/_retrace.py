@@ -20,9 +20,9 @@ from typing import Any
 
 import jax
 
-from ._flatten import DYNAMIC, StaticLeaf, VarSpec, _StructureKey
 from ._leaves import is_graph_node, is_variable
 from ._paths import format_path
+from ._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec
 
 logger = logging.getLogger("treemode")
 
@@ -56,7 +56,7 @@ def _root_names(key: Any) -> list[tuple[str, Any]]:
     return roots
 
 
-def _skeleton(key: _StructureKey) -> Any:
+def _skeleton(key: StructureKey) -> Any:
     """The argument rebuilt from its structure key, with its specs as leaves."""
     return key.treedef.unflatten(list(key.specs))
 
@@ -149,11 +149,12 @@ def _argument_change(before: Any, after: Any) -> str | None:
     """How one argument's key changed (``None``: it did not)."""
     if before == after:
         return None
-    if isinstance(before, tuple) and isinstance(after, tuple):  # ("static", value)
-        return f"static argument {before[1]!r} -> {after[1]!r}"
-    if isinstance(before, tuple):
+    static_before, static_after = _static_arg(before), _static_arg(after)
+    if static_before is not None and static_after is not None:
+        return f"static argument {static_before[0]!r} -> {static_after[0]!r}"
+    if static_before is not None:
         return "was a static argument, now traced"
-    if isinstance(after, tuple):
+    if static_after is not None:
         return "was traced, now a static argument"
     if before.treedef == after.treedef:
         paths = jax.tree_util.tree_flatten_with_path(_skeleton(after))[0]
@@ -170,6 +171,15 @@ def _argument_change(before: Any, after: Any) -> str | None:
         return f"pytree structure {before.treedef} -> {after.treedef}"
     path, what = found
     return f"{format_path(path, '')}: {what}" if path else what
+
+
+def _static_arg(key: Any) -> tuple[Any] | None:
+    """``(value,)`` of a static argument's key, ``None`` for a traced argument's."""
+    if isinstance(key, StaticLeaf):
+        return (key.value,)
+    if isinstance(key, tuple) and len(key) == 2 and key[0] == "static":
+        return (key[1],)
+    return None
 
 
 def _key_changes(before: Any, after: Any) -> list[str]:
