@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _core
+from . import _compat, _core
 from ._errors import StructureError, TreemodeError
 from ._loop import (
     LoopState,
@@ -381,7 +381,7 @@ def _branches(
     before: list[tuple[Any, Any, Any]] = []
     try:
         for c, ups, meta in plans:
-            before.extend((v, v._raw_value, v._var_metadata) for v in c.variables)
+            before.extend((v, _compat.raw_value_of(v), _compat.metadata_of(v)) for v in c.variables)
             _core.write_back(c, ups, meta)
     except BaseException:
         for var, value, meta in reversed(before):

@@ -29,11 +29,12 @@ from itertools import chain, compress, repeat
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import jax
-from flax.nnx import tracers
 from jax.core import Tracer
 
-from . import _graph, _pytree
+from . import _compat, _compiled, _graph, _pytree
 from ._closure import closure_objects
+from ._compat import metadata_of as _metadata_of
+from ._compat import raw_value_of as _raw_value_of
 from ._errors import AliasError, ClosureError, StructureError, TraceContextError
 from ._flatten import (
     DYNAMIC,
@@ -422,10 +423,8 @@ class TraceRecord:
 if TYPE_CHECKING:
     _Binding = threading.local
 else:
-    try:  # a threading.local whose ``call`` costs a pointer store (treemode/_guard.c)
-        from ._guard import Binding as _Binding
-    except ImportError:  # built without the C extension, or without a GIL
-        _Binding = threading.local
+    # A threading.local whose ``call`` costs a pointer store (treemode._compiled).
+    _Binding = _compiled.Binding or threading.local
 
 
 class PureFunction:
@@ -634,10 +633,11 @@ class PureFunction:
         ranges = call.variable_dynamic_ranges()
         for i, (var, spec) in enumerate(zip(all_vars, specs, strict=True)):
             before = spec.build([dynamic[j] for j in ranges[i]])
-            changed = _value_changed(var._raw_value, before)
-            if tuple(sorted(var._var_metadata.items())) != spec.metadata:
-                metadata_updates[i] = dict(var._var_metadata)
-            updates.append(var._raw_value if (changed or i in self.force) else None)
+            value, metadata = _raw_value_of(var), _metadata_of(var)
+            changed = _value_changed(value, before)
+            if tuple(sorted(metadata.items())) != spec.metadata:
+                metadata_updates[i] = dict(metadata)
+            updates.append(value if (changed or i in self.force) else None)
         self.record.metadata_updates = metadata_updates
         return tuple(updates)
 
@@ -681,8 +681,6 @@ def _swap_in(
     lifted: list[Any], specs: tuple[VarSpec, ...], dynamic: Sequence[Any]
 ) -> list[tuple[Any, Any, Any]]:
     """Point closure Variables at traced values; return what to restore."""
-    from flax.nnx import tracers
-
     swapped: list[tuple[Any, Any, Any]] = []
     offset = 0
     try:
@@ -690,9 +688,9 @@ def _swap_in(
             n = spec.num_dynamic
             value = spec.build(dynamic[offset : offset + n])
             offset += n
-            swapped.append((var, var._raw_value, var._trace_state))
-            object.__setattr__(var, "_raw_value", value)
-            object.__setattr__(var, "_trace_state", tracers.TraceState())
+            swapped.append((var, _raw_value_of(var), _compat.trace_state_of(var)))
+            _compat.set_raw_value(var, value)
+            _compat.set_trace_state(var, _compat.TraceState())
     except BaseException:
         _swap_out(swapped)
         raise
@@ -701,8 +699,8 @@ def _swap_in(
 
 def _swap_out(swapped: list[tuple[Any, Any, Any]]) -> None:
     for var, value, trace_state in swapped:
-        object.__setattr__(var, "_raw_value", value)
-        object.__setattr__(var, "_trace_state", trace_state)
+        _compat.set_raw_value(var, value)
+        _compat.set_trace_state(var, trace_state)
 
 
 def describe_structure_change(
@@ -797,10 +795,10 @@ def check_writable(call: Call | SiteCall, updates: Sequence[Any]) -> None:
     ref = current_trace_ref()
     if ref is not None and all(_writable_in(ref, flat) for flat in call.sources):
         return
-    current = tracers.current_jax_trace()
+    current = _compat.current_jax_trace()
     targets = [var for var, new in zip(call.variables, updates, strict=True) if new is not None]
     for var in targets:
-        if var._trace_state._jax_trace != current and not var.hijax:
+        if _compat.jax_trace_of(_compat.trace_state_of(var)) != current and not var.hijax:
             index = next(i for i, v in enumerate(call.variables) if v is var)
             path = call.full().variable_paths()[index]
             raise TraceContextError(
@@ -824,8 +822,7 @@ def _writable_in(ref: Any, flat: ArgFlat) -> bool:
     return writable
 
 
-_trace_ref_of = operator.attrgetter("_trace_state._jax_trace._trace_ref")
-_raw_value_of = operator.attrgetter("_raw_value")
+_trace_ref_of = _compat.trace_ref_of
 
 
 def write_back(
@@ -851,20 +848,20 @@ def write_back(
     check_writable(call, updates)
     old_values = list(map(_raw_value_of, targets))
     meta_targets = [call.variables[i] for i in metadata_updates] if metadata_updates else []
-    old_meta = [(var, var._raw_value, var._var_metadata) for var in meta_targets]
+    old_meta = [(var, _raw_value_of(var), _metadata_of(var)) for var in meta_targets]
     try:
         if store is DEFAULT_STORE:
             # The default hook, in one C-level pass (no interrupt can land midway).
-            list(map(_setattr, targets, repeat("_raw_value"), values))
+            list(map(_setattr, targets, repeat(_compat.RAW_VALUE), values))
         else:
             for var, value in zip(targets, values, strict=True):
                 store(var, value)
         if metadata_updates:
             for var, metadata in zip(meta_targets, metadata_updates.values(), strict=True):
-                store(var, var._raw_value, dict(metadata))
+                store(var, _raw_value_of(var), dict(metadata))
     except BaseException:
         for var, value in zip(targets, old_values, strict=True):
-            _setattr(var, "_raw_value", value)
+            _setattr(var, _compat.RAW_VALUE, value)
         for var, value, metadata in old_meta:
             _restore(var, value, metadata)
         raise
@@ -872,49 +869,11 @@ def write_back(
 
 _setattr = object.__setattr__
 
-try:  # the compiled writes (treemode/_guard.c); optional, the loop above otherwise
-    from ._guard import write_changed as _write_changed
-except ImportError:  # pragma: no cover - built wherever a C compiler is available
-    _write_changed = None
+_write_changed = _compiled.write_changed  # the compiled writes; None: the loop above
 
-
-def _trace_ref_from_jax() -> Any:
-    """The weak reference identifying the current JAX trace (what NNX compares)."""
-    return getattr(tracers.current_jax_trace(), "_trace_ref", None)
-
-
-class _TraceRefFromJax:
-    """Gives `_trace_ref_from_jax()` as ``value``, like JAX's per-thread ``trace_state``."""
-
-    __slots__ = ()
-
-    @property
-    def value(self) -> Any:
-        return _trace_ref_from_jax()
-
-
-def _verified_trace_state() -> Any:
-    # JAX keeps the current trace's weak reference in a per-thread config value;
-    # read it directly (without building NNX's wrapper object) where it is the
-    # reference NNX compares.
-    try:
-        from jax._src.core import trace_state
-
-        if trace_state.value is _trace_ref_from_jax():
-            return trace_state
-    except (ImportError, AttributeError):  # pragma: no cover - another JAX version
-        pass
-    return _TraceRefFromJax()  # pragma: no cover - another JAX version
-
-
-# ``TRACE_REF.value``: the current trace's weak reference (the compiled write
-# path reads it too).
-TRACE_REF = _verified_trace_state()
-
-
-def current_trace_ref() -> Any:
-    """The weak reference identifying the current JAX trace."""
-    return TRACE_REF.value
+# The current trace's weak reference (`_compat.current_trace_ref`); kept as a name
+# here because the compiled call path reads the same object (`_compiled.Layout`).
+current_trace_ref = _compat.current_trace_ref
 
 
 def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:
@@ -923,17 +882,17 @@ def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:
     The one place Variables are written, so tests can inject faults here; while
     it is not replaced, `write_back` does the same writes in bulk.
     """
-    object.__setattr__(var, "_raw_value", value)
+    _compat.set_raw_value(var, value)
     if metadata is not None:
-        object.__setattr__(var, "_var_metadata", metadata)
+        _compat.set_metadata(var, metadata)
 
 
 DEFAULT_STORE = store  # the compiled write path runs only while `store` is this one
 
 
 def _restore(var: Any, value: Any, metadata: dict[str, Any]) -> None:
-    object.__setattr__(var, "_raw_value", value)
-    object.__setattr__(var, "_var_metadata", metadata)
+    _compat.set_raw_value(var, value)
+    _compat.set_metadata(var, metadata)
 
 
 @contextlib.contextmanager
@@ -971,7 +930,7 @@ def explain_failure(call: Call, error: BaseException) -> Exception | None:
         return stale
     for root, tree in call.arg_roots() + call.lifted_roots:
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
-            values = jax.tree_util.tree_leaves(leaf._raw_value if is_variable(leaf) else leaf)
+            values = jax.tree_util.tree_leaves(_raw_value_of(leaf) if is_variable(leaf) else leaf)
             where = format_path(path, root)
             what = f"the {type(leaf).__name__} at {where}" if is_variable(leaf) else where
             for x in values:

@@ -27,17 +27,17 @@ from flax.nnx.statelib import State
 from jax.core import Tracer
 from jax.tree_util import PyTreeDef
 
+from . import _compiled
+from ._compat import metadata_of as _metadata_of
+from ._compat import raw_value_of as _raw_value_of
 from ._errors import AliasError
 from ._hashed import HashedKey
 from ._leaves import is_graph_node, is_variable, is_variable_value_leaf
 from ._paths import format_path
 
-try:  # the compiled guard (treemode/_guard.c); optional, same checks in Python below
-    from ._guard import holds as _compiled_holds
-    from ._guard import version_tags as _version_tags
-except ImportError:  # pragma: no cover - built wherever a C compiler is available
-    _compiled_holds = None
-    _version_tags = None
+# The compiled guard (treemode._compiled); None where it is off: the same checks in Python.
+_compiled_holds = _compiled.holds
+_version_tags = _compiled.version_tags
 
 Variable = Any  # nnx.Variable; kept loose for speed-critical annotations
 
@@ -98,7 +98,7 @@ Spec = VarSpec | StaticLeaf | _Dynamic
 
 def variable_spec(var: Any) -> tuple[VarSpec, list[Any]]:
     """The spec of a Variable and its dynamic value leaves."""
-    return value_spec(type(var), var._var_metadata, var._raw_value)
+    return value_spec(type(var), _metadata_of(var), _raw_value_of(var))
 
 
 def value_spec(var_type: type, metadata: dict[str, Any], value: Any) -> tuple[VarSpec, list[Any]]:
@@ -121,8 +121,8 @@ def value_spec(var_type: type, metadata: dict[str, Any], value: Any) -> tuple[Va
 def variable_dynamic(var: Any, spec: VarSpec) -> list[Any]:
     """The dynamic leaves of ``var``'s current value (laid out as ``spec``)."""
     if spec.value_def is None:
-        return [var._raw_value]
-    leaves = jax.tree_util.tree_leaves(var._raw_value)
+        return [_raw_value_of(var)]
+    leaves = jax.tree_util.tree_leaves(_raw_value_of(var))
     return [x for x, s in zip(leaves, spec.value_static, strict=True) if s is None]
 
 
@@ -270,7 +270,7 @@ class _Guard:
         exact = (dict, list)
         compiled = _compiled_holds is not None and all(type(c) in exact for c in self.ordered)
         if compiled:
-            metadata = tuple(v._var_metadata for v in variables)
+            metadata = tuple(map(_metadata_of, variables))
             # Version tags are read before the contents they vouch for: a change in
             # between makes a tag stale (a full comparison), never a content.
             tags = (
@@ -298,7 +298,7 @@ class _Guard:
                 *(tags if tags and None not in tags else ()),
             )
         else:
-            self.metadata_copies = [dict(v._var_metadata) for v in variables]
+            self.metadata_copies = [dict(_metadata_of(v)) for v in variables]
 
     def holds(self, variables: list[Any]) -> bool:
         if self.compiled_state is not None:
@@ -314,7 +314,6 @@ class _Guard:
 
 
 _is = operator.is_
-_metadata_of = operator.attrgetter("_var_metadata")
 
 
 # Immutable containers that need no guard: their children are walked instead.
@@ -554,9 +553,6 @@ def variables_of(flats: Sequence[ArgFlat]) -> list[Any]:
 _variables_of = operator.attrgetter("variables")
 
 
-_raw_value_of = operator.attrgetter("_raw_value")
-
-
 def _refresh(entry: ArgFlat) -> ArgFlat:
     """A copy of ``entry`` with the Variables' current values."""
     fresh = ArgFlat.__new__(ArgFlat)
@@ -587,7 +583,7 @@ def current_dynamic(entry: ArgFlat) -> list[Any]:
     variables = iter(entry.variables)
     for spec, leaf in zip(entry.specs, entry.leaves, strict=True):
         if type(spec) is VarSpec:
-            dynamic.append(next(variables)._raw_value)
+            dynamic.append(_raw_value_of(next(variables)))
         elif spec is DYNAMIC:
             dynamic.append(leaf)
     return dynamic

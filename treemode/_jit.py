@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from jax.core import Tracer
 
-from . import _callsite, _core
+from . import _callsite, _compiled, _core
 from ._callsite import CallSite, SiteCall
 from ._errors import DonationError, StaticArgumentError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
@@ -20,6 +20,11 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _UNSET: Any = object()
+
+# What the compiled call path compares with and calls back (treemode._compiled), once.
+_compiled.configure(
+    _callsite.call_path_config(_core.raise_explained, _core, "store", _core.DEFAULT_STORE)
+)
 
 
 def _as_tuple(x: int | str | Iterable[Any] | None) -> tuple[Any, ...]:
@@ -147,10 +152,8 @@ class _PythonMemoCall:
 if TYPE_CHECKING:
     _MemoCall = _PythonMemoCall
 else:
-    try:  # calls matching the memo run in C, without a Python frame
-        from ._guard import MemoCall as _MemoCall
-    except ImportError:  # built without the C extension
-        _MemoCall = _PythonMemoCall
+    # Calls matching the memo run in C, without a Python frame (treemode._compiled).
+    _MemoCall = _compiled.MemoCall or _PythonMemoCall
 
 
 class JitWrapped(_MemoCall, Generic[P, R]):
@@ -346,13 +349,14 @@ class JitWrapped(_MemoCall, Generic[P, R]):
 
     def _plan(self, site: CallSite, entry: _Entry) -> Any:
         """The compiled call path's plan for ``site`` (``None``: match in Python)."""
-        writing = (entry.pure.record, vars(_core), _core.DEFAULT_STORE, _core.TRACE_REF)
         donation = None
         if entry.donated:
             check = functools.partial(_check_donation, entry=entry)
             donation = (tuple(entry.donated), tuple(entry.kept), check)
-        run = (entry.jitted, entry.pure.binding, entry, writing, donation)
-        return _callsite.compiled_plan(site, self.partial_args, run, _core.raise_explained)
+        run = _compiled.EntryPlan(
+            entry.jitted, entry.pure.binding, entry, entry.pure.record, donation
+        )
+        return _callsite.compiled_plan(site, self.partial_args, run)
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
         """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
