@@ -1250,6 +1250,16 @@ static PyGetSetDef binding_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static PyObject *
+binding_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "Binding() takes no arguments");
+        return NULL;
+    }
+    return PyType_GenericNew(type, args, kwds);
+}
+
 static PyTypeObject Binding_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "treemode._guard.Binding",
@@ -1257,7 +1267,7 @@ static PyTypeObject Binding_Type = {
                         "and sets the calling thread's (None when unbound)."),
     .tp_basicsize = sizeof(BindingObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
+    .tp_new = binding_new,
     .tp_traverse = (traverseproc)binding_traverse,
     .tp_clear = (inquiry)binding_clear,
     .tp_dealloc = (destructor)binding_dealloc,
