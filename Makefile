@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test fuzz test-leaks bench lint docs clean
+.PHONY: demo test test-python fuzz test-leaks bench lint docs clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -18,6 +18,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q
+
+# The whole suite again without the compiled extension (TREEMODE_NO_EXTENSION=1,
+# docs/contributing.md): the pure-Python call path every user without a C
+# compiler, or on a Flax/JAX the extension does not know, runs.
+test-python: $(STAMP)
+	TREEMODE_NO_EXTENSION=1 $(PY) -m pytest -n 2 -q
 
 # Property tests with the "fuzz" hypothesis profile (tests/conftest.py): 1,000
 # random examples per test instead of CI's 20 derandomized ones (about an hour).

@@ -85,7 +85,10 @@ def implementation(request, monkeypatch):
     the call-site match, the bulk write, and the compiled memo plan). The types
     the extension provides as base classes (``MemoCall``, ``SiteCallFields``,
     ``Binding``) are fixed at import: `make test-python` runs those twins.
+    The flattening cache starts empty (its entries carry the guard they were
+    made with).
     """
+    monkeypatch.setattr(_flatten, "_cache", {})
     if request.param == "python":
         monkeypatch.setattr(_flatten, "_compiled_holds", None)
         monkeypatch.setattr(_closure, "_reads_hold", None)
