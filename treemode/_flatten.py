@@ -231,17 +231,16 @@ class _Guard:
     Validation compares, with ``is`` only and in bulk (each check is one C-level
     pass over all containers), the current state of those containers against the
     snapshot: their lengths, the values of every dict (NNX objects' ``__dict__``
-    and plain dicts), the keys of plain dicts, the items of lists, and the
-    Variables' metadata dicts against copies. NNX objects replace their
-    ``_pytree__nodes`` mapping (one of the values checked) whenever an attribute
-    is added or deleted, so their keys need no separate check; the length check
-    covers the rest.
+    and plain dicts), the keys of plain dicts, the items of lists, and each
+    Variable's metadata: the very same dict, holding the very same keys and
+    values. NNX objects replace their ``_pytree__nodes`` mapping (one of the
+    values checked) whenever an attribute is added or deleted, so their keys
+    need no separate check; the length check covers the rest.
 
-    Where the compiled guard (``treemode/_guard.c``) is built, the same checks
-    run there in one pass, with the metadata dicts compared by identity (the
-    dict and each of its keys and values) instead of against copies; it needs
-    exact ``dict``/``list`` containers, so that its iteration order is the
-    snapshot's.
+    Where the compiled guard (``treemode/_guard.c``) is on, the same checks run
+    there in one pass (`compiled_state`); it needs exact ``dict``/``list``
+    containers, so that its iteration order is the snapshot's. The Python checks
+    below decide exactly what it decides.
     """
 
     __slots__ = (
@@ -251,7 +250,10 @@ class _Guard:
         "values",
         "ordered",
         "items",
-        "metadata_copies",
+        "metadata",
+        "metadata_lens",
+        "metadata_keys",
+        "metadata_values",
         "compiled_state",
     )
 
@@ -269,23 +271,25 @@ class _Guard:
                 self.dicts.append(obj.__dict__)
         exact = (dict, list)
         compiled = _compiled_holds is not None and all(type(c) in exact for c in self.ordered)
+        self.metadata = tuple(map(_metadata_of, variables))
         if compiled:
-            metadata = tuple(map(_metadata_of, variables))
             # Version tags are read before the contents they vouch for: a change in
             # between makes a tag stale (a full comparison), never a content.
             tags = (
                 ()
                 if _version_tags is None
-                else tuple(map(_version_tags, (self.dicts, self.ordered, metadata)))
+                else tuple(map(_version_tags, (self.dicts, self.ordered, self.metadata)))
             )
         self.sized = self.dicts + [obj for obj in self.ordered if isinstance(obj, list)]
         self.lens = list(map(len, self.sized))
         self.values = tuple(chain.from_iterable(map(dict.values, self.dicts)))
         self.items = tuple(chain.from_iterable(self.ordered))
+        self.metadata_lens = list(map(len, self.metadata))
+        self.metadata_keys = tuple(chain.from_iterable(self.metadata))
+        self.metadata_values = tuple(chain.from_iterable(map(dict.values, self.metadata)))
         self.compiled_state: tuple[Any, ...] | None = None
-        self.metadata_copies: list[dict[str, Any]] = []
         if compiled:
-            entries = tuple(tuple(chain.from_iterable(m.items())) for m in metadata)
+            entries = tuple(tuple(chain.from_iterable(m.items())) for m in self.metadata)
             self.compiled_state = (
                 tuple(self.sized),
                 tuple(self.lens),
@@ -293,23 +297,26 @@ class _Guard:
                 self.values,
                 tuple(self.ordered),
                 self.items,
-                metadata,
+                self.metadata,
                 entries,
                 *(tags if tags and None not in tags else ()),
             )
-        else:
-            self.metadata_copies = [dict(_metadata_of(v)) for v in variables]
 
     def holds(self, variables: list[Any]) -> bool:
         if self.compiled_state is not None:
             return _compiled_holds(self.compiled_state, variables)  # type: ignore[misc]
         # The lengths first: they keep the element-wise checks below aligned (and
         # keep empty plain dicts and lists empty, so no keys/items pass is needed).
+        metadata = list(map(_metadata_of, variables))
         return (
             list(map(len, self.sized)) == self.lens
             and all(map(_is, chain.from_iterable(map(dict.values, self.dicts)), self.values))
             and (not self.items or all(map(_is, chain.from_iterable(self.ordered), self.items)))
-            and list(map(_metadata_of, variables)) == self.metadata_copies
+            and len(metadata) == len(self.metadata)
+            and all(map(_is, metadata, self.metadata))
+            and list(map(len, metadata)) == self.metadata_lens
+            and all(map(_is, chain.from_iterable(metadata), self.metadata_keys))
+            and all(map(_is, chain.from_iterable(map(dict.values, metadata)), self.metadata_values))
         )
 
 

@@ -118,7 +118,10 @@ version_tags(PyObject *Py_UNUSED(module), PyObject *containers)
     Py_DECREF(seq);
     return tags;
 #else
-    (void)containers;
+    if (!PyList_Check(containers) && !PyTuple_Check(containers)) {
+        PyErr_SetString(PyExc_TypeError, "version_tags: a sequence of containers");
+        return NULL;
+    }
     Py_RETURN_NONE;
 #endif
 }

@@ -138,9 +138,16 @@ class _Entry:
 
 
 class _PythonMemoCall:
-    """What ``_guard.MemoCall`` does, where it is not built: every call runs `_call`."""
+    """What the compiled ``MemoCall`` does, where it is off: every call runs `_call`.
+
+    A subclass's ``__call__`` is its ``_call`` itself (one Python frame per call).
+    """
 
     _memo: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__call__ = cls._call  # pyright: ignore[reportAttributeAccessIssue]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
