@@ -83,8 +83,8 @@ def implementation(request, monkeypatch):
     In ``"python"`` every compiled helper that modules look up per call is
     replaced by its Python twin (the flattening guard, the closure-read check,
     the call-site match, the bulk write, and the compiled memo plan). The types
-    the extension provides as base classes (``MemoCall``, ``SiteCallFields``,
-    ``Binding``) are fixed at import: `make test-python` runs those twins.
+    the extension provides as base classes (``MemoCall``, ``SiteCallFields``)
+    are fixed at import: `make test-python` runs their twins.
     The flattening cache starts empty (its entries carry the guard they were
     made with).
     """

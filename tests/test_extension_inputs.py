@@ -213,11 +213,3 @@ def test_site_call_fields_arguments(extension):
         extension.SiteCallFields()
     with pytest.raises(TypeError):
         extension.SiteCallFields(1, 2, 3)
-
-
-def test_binding_takes_any_call(extension):
-    binding = extension.Binding()
-    binding.call = None
-    assert binding.call is None
-    with pytest.raises(TypeError):
-        extension.Binding(1)

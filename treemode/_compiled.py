@@ -3,7 +3,7 @@
 The extension runs, in C, checks and steps that treemode's Python code also
 implements: the flattening guard (``holds``, ``version_tags``), the call-site
 match (``match_into``), the closure-read check (``reads_hold``), the bulk write
-(``write_changed``), the per-thread binding (``Binding``) and the memo-matched
+(``write_changed``) and the memo-matched
 ``treemode.jit`` call (``MemoCall``, ``SiteCallFields``). Every other module
 takes these from here: each is ``None`` where the extension is off, and the
 caller uses its Python twin.
@@ -107,7 +107,6 @@ reads_hold: Callable[..., bool] | None = guard.reads_hold if guard else None
 write_changed: Callable[..., int] | None = guard.write_changed if guard else None
 MemoCall: type | None = guard.MemoCall if guard else None
 SiteCallFields: type | None = guard.SiteCallFields if guard else None
-Binding: type | None = getattr(guard, "Binding", None) if guard else None  # None without a GIL
 
 
 def layout() -> Layout:

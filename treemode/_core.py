@@ -420,11 +420,7 @@ class TraceRecord:
     metadata_updates: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
-if TYPE_CHECKING:
-    _Binding = threading.local
-else:
-    # A threading.local whose ``call`` costs a pointer store (treemode._compiled).
-    _Binding = _compiled.Binding or threading.local
+_Binding = threading.local  # the call a PureFunction runs, per thread
 
 
 class PureFunction:

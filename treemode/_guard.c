@@ -1117,180 +1117,13 @@ match_closure(PyObject *reads, PyObject *found, PyObject *lifted_slots, Gathered
     return ok;
 }
 
-/* Binding: the call a PureFunction runs, per thread (what a threading.local
- * with a `call` attribute gives, at the cost of a pointer store). Nearly always
- * one thread calls a given function, so that thread's call sits in `call`;
- * calls on other threads while it is bound go to `others`, by thread ident.
- * Every access holds the GIL: this type is not built without one. */
-#ifndef Py_GIL_DISABLED
-#define HAVE_BINDING 1
-typedef struct {
-    PyObject_HEAD
-    int owned;           /* whether `owner`'s call is in `call` */
-    unsigned long owner; /* the thread ident of that call */
-    PyObject *call;      /* NULL unless owned */
-    PyObject *others;    /* dict {thread ident: call} of other threads, or NULL */
-} BindingObject;
-
-static PyTypeObject Binding_Type;
-
-/* The calling thread's call (borrowed), or NULL (no exception) if none. */
-static PyObject *
-binding_current(BindingObject *self)
-{
-    unsigned long me = PyThread_get_thread_ident();
-    if (self->owned && self->owner == me)
-        return self->call;
-    if (self->others == NULL || PyDict_GET_SIZE(self->others) == 0)
-        return NULL;
-    PyObject *key = PyLong_FromUnsignedLong(me);
-    if (key == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    PyObject *call = PyDict_GetItemWithError(self->others, key);
-    Py_DECREF(key);
-    if (call == NULL)
-        PyErr_Clear();
-    return call;
-}
-
-/* Sets the calling thread's call (`call` NULL or None: unbinds): 0, or -1. */
-static int
-binding_set(BindingObject *self, PyObject *call)
-{
-    unsigned long me = PyThread_get_thread_ident();
-    if (call == Py_None)
-        call = NULL;
-    if (self->owned && self->owner == me) {
-        PyObject *previous = self->call; /* released last: its finalizer may call back */
-        Py_XINCREF(call);
-        self->call = call;
-        self->owned = call != NULL;
-        Py_XDECREF(previous);
-        return 0;
-    }
-    PyObject *key = NULL;
-    if (self->others != NULL && PyDict_GET_SIZE(self->others) > 0) {
-        key = PyLong_FromUnsignedLong(me);
-        if (key == NULL)
-            return -1;
-        /* this thread's entry moves to (or stays in) the slot below */
-        if (PyDict_DelItem(self->others, key) < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
-                Py_DECREF(key);
-                return -1;
-            }
-            PyErr_Clear();
-        }
-    }
-    int result = 0;
-    if (call == NULL) {
-        /* nothing bound for this thread any more */
-    }
-    else if (!self->owned) {
-        Py_INCREF(call);
-        self->call = call;
-        self->owner = me;
-        self->owned = 1;
-    }
-    else { /* another thread's call is in the slot */
-        if (self->others == NULL && (self->others = PyDict_New()) == NULL)
-            result = -1;
-        if (result == 0 && key == NULL && (key = PyLong_FromUnsignedLong(me)) == NULL)
-            result = -1;
-        if (result == 0)
-            result = PyDict_SetItem(self->others, key, call);
-    }
-    Py_XDECREF(key);
-    return result;
-}
-
-static PyObject *
-binding_get_call(BindingObject *self, void *Py_UNUSED(closure))
-{
-    PyObject *call = binding_current(self);
-    if (call == NULL)
-        Py_RETURN_NONE;
-    Py_INCREF(call);
-    return call;
-}
-
-static int
-binding_set_call(BindingObject *self, PyObject *value, void *Py_UNUSED(closure))
-{
-    return binding_set(self, value); /* deleting (NULL) unbinds too */
-}
-
-static int
-binding_traverse(BindingObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->call);
-    Py_VISIT(self->others);
-    return 0;
-}
-
-static int
-binding_clear(BindingObject *self)
-{
-    self->owned = 0;
-    Py_CLEAR(self->call);
-    Py_CLEAR(self->others);
-    return 0;
-}
-
-static void
-binding_dealloc(BindingObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    binding_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyGetSetDef binding_getset[] = {
-    {"call", (getter)binding_get_call, (setter)binding_set_call,
-     PyDoc_STR("The calling thread's call (None when nothing is bound)."), NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyObject *
-binding_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
-        PyErr_SetString(PyExc_TypeError, "Binding() takes no arguments");
-        return NULL;
-    }
-    return PyType_GenericNew(type, args, kwds);
-}
-
-static PyTypeObject Binding_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "treemode._guard.Binding",
-    .tp_doc = PyDoc_STR("Binding()\n\nThe call a function is running, per thread: `call` reads "
-                        "and sets the calling thread's (None when unbound)."),
-    .tp_basicsize = sizeof(BindingObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = binding_new,
-    .tp_traverse = (traverseproc)binding_traverse,
-    .tp_clear = (inquiry)binding_clear,
-    .tp_dealloc = (destructor)binding_dealloc,
-    .tp_getset = binding_getset,
-};
-
-static int
-bind_call(PyObject *binding, PyObject *call)
-{
-    if (Py_IS_TYPE(binding, &Binding_Type))
-        return binding_set((BindingObject *)binding, call);
-    return PyObject_SetAttr(binding, call_name, call);
-}
-#else
+/* Binds `call` as the current call of a PureFunction's binding (a
+ * threading.local: `binding.call = call`). */
 static int
 bind_call(PyObject *binding, PyObject *call)
 {
     return PyObject_SetAttr(binding, call_name, call);
 }
-#endif
 
 /* Runs `jitted(*arrays)` (the arrays, or the donated and the kept tuples) with
  * `call` bound, then unbinds; on failure, hands the error to
@@ -1843,10 +1676,6 @@ module_exec(PyObject *module)
     if (add_type(module, "SiteCallFields", &SiteCallFields_Type) < 0 ||
         add_type(module, "MemoCall", &MemoCall_Type) < 0)
         return -1;
-#ifdef HAVE_BINDING
-    if (add_type(module, "Binding", &Binding_Type) < 0)
-        return -1;
-#endif
     return 0;
 }
 

@@ -38,9 +38,6 @@ class SiteCallFields:
         sources: list[Any],
     ) -> None: ...
 
-class Binding:
-    call: Any
-
 class MemoCall:
     _memo: Any
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
