@@ -2,15 +2,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# The exact versions of the development environment; treemode itself declares
+# ranges (pyproject.toml), tested at both ends by `make compat`.
+CONSTRAINTS := -c constraints.txt
 
-.PHONY: demo test test-python fuzz test-leaks bench lint docs clean
+.PHONY: demo test test-python fuzz test-leaks bench lint docs docs-update check-layout dist compat clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml setup.py treemode/_guard.c
+$(STAMP): $(PY) pyproject.toml setup.py treemode/_guard.c constraints.txt
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -38,18 +41,54 @@ test-leaks: $(STAMP)
 # benchmarks/results/*.md, docs/assets/*.png and the results of docs/performance.md.
 # `make bench BENCH_ARGS=--quick` for a fast run.
 bench: $(STAMP)
-	$(PIP) install --quiet -e '.[bench]'
+	$(PIP) install --quiet $(CONSTRAINTS) -e '.[bench]'
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
+# Flax's own tests/nnx with their transform calls routed to treemode (docs/conformance.md):
+# tree mode, drop-in and Flax's forced tree mode, report in conformance/results/ (slow).
+# `.ci/run` runs `make conformance CONFORMANCE_ARGS=--ci`: tree mode and the baseline check.
+.PHONY: conformance
+conformance: $(STAMP)
+	$(PIP) install --quiet cloudpickle  # imported by Flax's module_test.py
+	$(PY) -m pytest -q -p no:randomly -p no:cacheprovider -n 0 conformance/test_harness.py
+	$(PY) conformance/run.py $(CONFORMANCE_ARGS)
+
 lint: $(STAMP)
-	$(PIP) install --quiet -e '.[dev]'
-	$(VENV)/bin/ruff check treemode tests benchmarks examples
-	$(VENV)/bin/ruff format --check treemode tests benchmarks examples
+	$(PIP) install --quiet $(CONSTRAINTS) -e '.[dev]'
+	$(VENV)/bin/ruff check treemode tests benchmarks examples tools
+	$(VENV)/bin/ruff format --check treemode tests benchmarks examples tools
 	$(VENV)/bin/pyright --pythonpath $(PY)
 
 docs: $(STAMP)
-	$(PIP) install --quiet -e '.[docs]'
+	$(PIP) install --quiet $(CONSTRAINTS) -e '.[docs]'
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
+# Rewrite the generated parts of the docs in place: the ```output blocks (the full
+# error messages of docs/errors.md) and the tables made from benchmarks/results/.
+docs-update: $(STAMP)
+	UPDATE_DOCS=1 $(PY) -m pytest tests/test_docs.py -n 2 -q
+
+# Every page of the built site fits a 1280 px window (headless Chromium; not run by
+# .ci/run, which need not have a browser: run it after changing docs or their CSS).
+check-layout: docs
+	$(PY) tools/check_layout.py --site site --width 1280
+
+# The sdist and the wheel into dist/, checked by twine (metadata, README rendering).
+dist: $(STAMP)
+	$(PIP) install --quiet $(CONSTRAINTS) -e '.[dev]'
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
+
+# The test suite of the sdist in fresh virtual environments under .compat/: the
+# oldest supported versions, an environment with jax 0.9.2 + flax 0.12.6 that
+# installing treemode must leave as it is, and the newest releases, on Python
+# 3.11, 3.12 and 3.13 where this machine has them (tools/compat.py).
+# `make compat COMPAT_CASES=oldest,newest` runs two of them (what .ci/run does).
+COMPAT_CASES ?= oldest,middle,newest,newest-py3.11
+compat: $(STAMP)
+	$(PIP) install --quiet $(CONSTRAINTS) -e '.[dev]'
+	$(PY) tools/compat.py --cases $(COMPAT_CASES)
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info site
+	rm -rf $(VENV) build dist *.egg-info site .compat

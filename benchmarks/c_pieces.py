@@ -29,7 +29,7 @@ from _models import BATCH, MLP, WIDTH, train_step, with_optimizer
 from flax import nnx
 
 import treemode
-from treemode import _callsite, _closure, _compiled, _core, _flatten
+from treemode import _callsite, _closure, _compiled, _flatten, _writeback
 from treemode._leaves import is_array
 
 
@@ -100,7 +100,7 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
         (
             "write_changed (train-step write)",
             per_call_us(lambda: guard.write_changed(variables, values)),
-            per_call_us(lambda: list(map(_core._setattr, variables, _repeat_raw, values))),
+            per_call_us(lambda: list(map(_writeback._setattr, variables, _repeat_raw, values))),
         )
     )
 

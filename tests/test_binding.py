@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _core
+from treemode import _pure
 
 KINDS: dict[str, Callable[[], Any]] = {"threading.local": threading.local}
 
@@ -54,7 +54,7 @@ def test_pure_function_uses_a_thread_local_binding() -> None:
     pure = treemode.jit(lambda x: x)
     pure(jnp.ones(2))
     entry = next(iter(pure._cache.values()))
-    assert type(entry.pure.binding) is _core._Binding is threading.local
+    assert type(entry.pure.binding) is _pure._Binding is threading.local
 
 
 def test_unbound_reads_none(binding: Any) -> None:

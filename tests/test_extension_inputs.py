@@ -60,9 +60,7 @@ def _sized(state: Any) -> bool:
     return isinstance(state, tuple) and len(state) > 6 and isinstance(state[6], tuple)
 
 
-@pytest.mark.parametrize(
-    "args", [(), ((),), (None, None), ((), 3), ((), [], [])], ids=lambda a: repr(a)[:40]
-)
+@pytest.mark.parametrize("args", [(), ((),), (None, None), ((), 3), ((), [], [])])
 def test_holds_arguments(extension, args):
     with pytest.raises(ERRORS):
         extension.holds(*args)
@@ -98,7 +96,6 @@ class _Entry:
         ((), None, [], [], set(), _slow),
         (("not a weakref",), [1], [], [], set(), _slow),
     ],
-    ids=lambda a: repr(a)[:40],
 )
 def test_match_into_arguments(extension, args):
     with pytest.raises(ERRORS):
@@ -112,7 +109,6 @@ def test_match_into_arguments(extension, args):
         (None, (), "variables"),
         (weakref.ref(Plain), ("a",) * 8, ()),  # a malformed guard state
     ],
-    ids=repr,
 )
 def test_match_into_malformed_fast_state(extension, fast):
     entry = _Entry(fast)
@@ -135,7 +131,6 @@ def test_match_into_malformed_fast_state(extension, fast):
         (((), (), (), (), (), ("pair",), ()), {}, 0, object(), object()),
         (((), (), (), (), (), (), ("triple",)), {}, 0, object(), object()),
     ],
-    ids=lambda a: repr(a)[:40],
 )
 def test_reads_hold_arguments(extension, args):
     with pytest.raises(ERRORS):
@@ -143,9 +138,7 @@ def test_reads_hold_arguments(extension, args):
 
 
 @pytest.mark.parametrize(
-    "args",
-    [(), (None, None), ([nnx.Param(1.0)], [1, 2]), (3, []), ([], 3), ([Plain()], [1])],
-    ids=lambda a: repr(a)[:40],
+    "args", [(), (None, None), ([nnx.Param(1.0)], [1, 2]), (3, []), ([], 3), ([Plain()], [1])]
 )
 def test_write_changed_arguments(extension, args):
     with pytest.raises((*ERRORS, AttributeError)):
@@ -160,11 +153,7 @@ def test_write_changed_leaves_a_variable_alone_on_error(extension):
     assert v.get_raw_value() is before
 
 
-@pytest.mark.parametrize(
-    "args",
-    [(), (None,), (None, None), (3, 3, 3, 3)],
-    ids=repr,
-)
+@pytest.mark.parametrize("args", [(), (None,), (None, None), (3, 3, 3, 3)])
 def test_configure_arguments(extension, args):
     with pytest.raises(ERRORS):
         extension.configure(*args)
@@ -195,7 +184,6 @@ def test_configure_checks_every_record_field(extension):
         (None, None, ((None,) * 6, (None,) * 5)),
         (None, None, ((None, (), (), (), [], ()), (len, None, None, None, "donation"))),
     ],
-    ids=lambda m: repr(m)[:40],
 )
 def test_memo_call_refuses_a_malformed_plan(extension, memo):
     class Fn(extension.MemoCall):

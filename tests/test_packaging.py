@@ -20,13 +20,19 @@ from __future__ import annotations
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import textwrap
+import tomllib
 import venv
 import zipfile
 from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from treemode import _versions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,6 +58,10 @@ def _build_wheel(tmp_path: Path) -> Path:
     return wheels[0]
 
 
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+
 def _fresh_venv(tmp_path: Path) -> tuple[Path, Path]:
     """``(python, site-packages)`` of a new venv without pip."""
     env = tmp_path / "venv"
@@ -64,8 +74,13 @@ def _fresh_venv(tmp_path: Path) -> tuple[Path, Path]:
     return python, Path(purelib)
 
 
-def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path) -> None:
-    wheel = _build_wheel(tmp_path)
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from the checkout, once for this module."""
+    return _build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path, wheel: Path) -> None:
 
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
@@ -82,7 +97,22 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path) -> 
     requires = [r.split(";")[0].replace(" ", "") for r in metadata.get_all("Requires-Dist") or []]
     for dep in ("jax", "jaxlib", "flax", "numpy"):
         assert any(r.startswith(dep) for r in requires), f"{dep} missing from {requires}"
+    declared = {
+        Requirement(r).name: Requirement(r).specifier
+        for r in metadata.get_all("Requires-Dist") or []
+        if "extra ==" not in r
+    }
+    for name in _versions.REQUIRED:
+        assert declared[name] == SpecifierSet(_versions.specifier(name)), (name, declared)
+    assert not [r for r in requires if "==" in r], f"exact pins in {requires}"
+    assert not [r for r in requires if r.startswith("jaxtyping")], "treemode never imports it"
     assert metadata["Requires-Python"] == ">=3.11"
+    assert metadata["License-Expression"] == "Apache-2.0"
+    licenses = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert licenses, f"the LICENSE file is missing from the wheel: {sorted(names)}"
+    with zipfile.ZipFile(wheel) as zf:
+        assert zf.read(licenses[0]) == (ROOT / "LICENSE").read_bytes()
+    assert metadata["Version"] == _pyproject()["version"]
 
     python, site_packages = _fresh_venv(tmp_path)
     _run(
@@ -135,3 +165,88 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path) -> 
     import treemode
 
     assert proc.stdout.strip() == treemode.__version__
+
+
+def test_version_is_declared_once_and_read_from_the_metadata() -> None:
+    import treemode
+
+    assert treemode.__version__ == _pyproject()["version"]
+    init = (ROOT / "treemode" / "__init__.py").read_text(encoding="utf-8")
+    assert _pyproject()["version"] not in init, "the version belongs in pyproject.toml only"
+
+
+def _fake_distribution(site_packages: Path, name: str, version: str) -> None:
+    info = site_packages / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", encoding="utf-8"
+    )
+    (info / "RECORD").write_text("", encoding="utf-8")
+    (info / "INSTALLER").write_text("pip\n", encoding="utf-8")
+
+
+def test_installing_the_wheel_keeps_a_supported_environment_as_it_is(
+    tmp_path: Path, wheel: Path
+) -> None:
+    """A venv already holding jax 0.9.2 and flax 0.12.6 gets treemode and nothing else.
+
+    The distributions are metadata only and no index is reachable (``--no-index``):
+    a requirement they did not satisfy (an exact pin, as before) would make pip
+    try to download a replacement and fail. ``tools/compat.py``'s ``middle`` case
+    does the same with the real packages and runs the test suite there.
+    """
+    python, site_packages = _fresh_venv(tmp_path)
+    held = {"jax": "0.9.2", "jaxlib": "0.9.2", "flax": "0.12.6", "numpy": "2.3.5"}
+    for name, version in held.items():
+        _fake_distribution(site_packages, name, version)
+    proc = _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
+         "--no-build-isolation", str(wheel)],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert "Uninstalling" not in proc.stdout, proc.stdout
+    listed = _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "list", "--format=freeze"],
+        cwd=tmp_path,
+    ).stdout.split()
+    assert sorted(listed) == sorted(
+        [f"{n}=={v}" for n, v in held.items()] + [f"treemode=={_pyproject()['version']}"]
+    )
+
+
+def _sdist_build(tmp_path: Path) -> Path:
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "build", "--sdist", "--outdir", str(dist), str(ROOT)], cwd=tmp_path)
+    (sdist,) = dist.glob("treemode-*.tar.gz")
+    return sdist
+
+
+# What the tests of an unpacked sdist read besides treemode/: every file of these
+# folders that the checkout holds (results of benchmark runs excepted).
+_TEST_INPUTS = ("tests", "docs", "examples", "benchmarks", "tools")
+
+
+def _wanted_in_sdist() -> set[str]:
+    wanted = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "mkdocs.yml"}
+    wanted |= {"constraints.txt", "treemode/_guard.c", "treemode/py.typed"}
+    for folder in _TEST_INPUTS:
+        for path in (ROOT / folder).rglob("*"):
+            rel = path.relative_to(ROOT).as_posix()
+            if (
+                path.is_file()
+                and "__pycache__" not in path.parts
+                and not rel.startswith("benchmarks/results/")
+            ):
+                wanted.add(rel)
+    wanted |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "treemode").glob("*.py")}
+    return wanted
+
+
+def test_sdist_carries_everything_its_tests_need(tmp_path: Path) -> None:
+    sdist = _sdist_build(tmp_path)
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    missing = sorted(_wanted_in_sdist() - names)
+    assert not missing, f"missing from the sdist: {missing}"
+    assert "tests/helpers.py" in names and "tests/conftest.py" in names
+    assert not [n for n in names if n.endswith((".so", ".pyc")) or n.startswith(".compat/")]

@@ -1,5 +1,13 @@
 """treemode: tree-mode transforms for Flax NNX, Equinox and plain pytrees."""
 
+from importlib import metadata as _importlib_metadata
+
+from ._versions import check_installed as _check_installed
+
+# Before anything imports JAX or Flax: an unsupported version is named here
+# rather than failing later with an internal error.
+_check_installed()
+
 from ._capture import capture as capture
 from ._checkify import checkify as checkify
 from ._clone import clone as clone
@@ -48,4 +56,7 @@ from ._vjp import jvp as jvp
 from ._vjp import vjp as vjp
 from ._vmap import vmap as vmap
 
-__version__ = "0.1.0"
+try:
+    __version__ = _importlib_metadata.version("treemode")  # declared in pyproject.toml
+except _importlib_metadata.PackageNotFoundError:  # a source checkout on sys.path, not installed
+    __version__ = "0+unknown"

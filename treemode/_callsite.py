@@ -31,7 +31,7 @@ from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, varia
 from ._leaves import CONCRETE_ARRAY_TYPES, is_array
 
 if TYPE_CHECKING:
-    from ._core import Call
+    from ._call import Call
 
 
 class CallSite:

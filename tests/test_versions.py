@@ -1,0 +1,194 @@
+"""The supported versions: one source (treemode/_versions.py), checked at import.
+
+pyproject.toml, README.md and docs/install.md must state exactly the ranges of
+``treemode._versions``; importing treemode with a JAX or Flax outside them
+raises (a version known to break) or warns (an untested one), naming the
+installed and the supported versions. Installed versions are simulated with a
+fixture (in-process) and with a fake ``*.dist-info`` put first on the path (in a
+subprocess that really imports treemode).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from treemode import _versions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+IN_RANGE = {"jax": "0.10.2", "jaxlib": "0.10.2", "flax": "0.12.8"}
+
+
+@pytest.fixture
+def installed() -> Callable[..., Callable[[str], str | None]]:
+    """``installed(flax="0.12.0")``: a version lookup, in range unless overridden."""
+
+    def make(**overrides: str | None) -> Callable[[str], str | None]:
+        table = {**IN_RANGE, **overrides}
+        return lambda name: table.get(name)
+
+    return make
+
+
+def test_pyproject_declares_the_ranges_of_versions_py() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    deps = {d.replace(" ", "") for d in project["dependencies"]}
+    for name in _versions.REQUIRED:
+        assert f"{name}{_versions.specifier(name)}" in deps, (name, sorted(deps))
+    test_extra = {d.replace(" ", "") for d in project["optional-dependencies"]["test"]}
+    for name in _versions.OPTIONAL:
+        assert f"{name}{_versions.specifier(name)}" in test_extra, (name, sorted(test_extra))
+    assert not [d for d in deps | test_extra if "==" in d], "declare ranges, never exact pins"
+    low, high = _versions.PYTHON
+    assert project["requires-python"] == ">=" + ".".join(map(str, low))
+    classifiers = [c for c in project["classifiers"] if c.startswith("Programming Language")]
+    minors = [f"3.{m}" for m in range(low[1], high[1])]
+    assert [c.rsplit(" ", 1)[-1] for c in classifiers[1:]] == minors
+
+
+def test_readme_and_install_page_state_the_supported_versions() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"Supported versions: {_versions.summary()}" in readme, (
+        "README.md must say: Supported versions: " + _versions.summary()
+    )
+    page = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    section = page.split("<!-- versions:begin -->\n")[1].split("\n<!-- versions:end -->")[0]
+    assert section == _versions.table(), (
+        "paste treemode._versions.table() between the markers of docs/install.md:\n"
+        + _versions.table()
+    )
+
+
+def test_constraints_pin_versions_inside_the_ranges() -> None:
+    """The development environment (constraints.txt) is one of the supported ones."""
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines()
+        if line and not line.startswith("#")
+    )
+    for name, (low, high) in {**_versions.REQUIRED, **_versions.OPTIONAL}.items():
+        assert low <= _versions.parse(pins[name]) < high, (name, pins[name])
+
+
+def test_supported_versions_in_words() -> None:
+    assert _versions.specifier("jax") == ">=0.8.1,<0.11"
+    assert _versions.describe("flax") == "0.12.1 to 0.12.x"
+    assert _versions.parse("0.10.2rc1") == (0, 10, 2)
+    assert _versions.parse("0.11.0.dev20260101") == (0, 11, 0)
+    assert _versions.parse("0.9.0.1") == (0, 9, 0, 1)
+
+
+def test_supported_versions_pass_silently(installed) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _versions.check_installed(installed())
+        _versions.check_installed(installed(jax="0.8.1", jaxlib="0.8.1", flax="0.12.1"))
+        _versions.check_installed(installed(jax="0.9.0.1", jaxlib="0.9.0.1"))
+
+
+@pytest.mark.parametrize("flax", ["0.12.0", "0.11.2", "0.10.7"])
+def test_flax_known_to_break_raises_naming_installed_and_supported(installed, flax) -> None:
+    with pytest.raises(ImportError) as info:
+        _versions.check_installed(installed(flax=flax))
+    assert str(info.value) == (
+        "treemode cannot run with the installed versions: "
+        f"flax {flax} is installed; treemode supports flax>=0.12.1,<0.13 "
+        "(flax before 0.12.1 does not work with it). Install supported versions: "
+        "pip install 'jax>=0.8.1,<0.11' 'jaxlib>=0.8.1,<0.11' 'flax>=0.12.1,<0.13'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "version"),
+    [
+        ("jax", "0.11.0"),
+        ("jax", "0.11.0.dev20260101"),
+        ("jax", "0.8.0"),
+        ("jaxlib", "0.7.2"),
+        ("flax", "0.13.0"),
+    ],
+)
+def test_untested_versions_warn_naming_installed_and_supported(installed, name, version) -> None:
+    with pytest.warns(_versions.VersionWarning) as record:
+        _versions.check_installed(installed(**{name: version}))
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert message.startswith(
+        "treemode was not tested with the installed versions: "
+        f"{name} {version} is installed; treemode supports {name}{_versions.specifier(name)}. "
+        "It may work; if it fails, install supported versions: pip install 'jax>=0.8.1,<0.11'"
+    ), message
+    assert message.endswith("(set TREEMODE_SKIP_VERSION_CHECK=1 to silence this warning)")
+
+
+def test_every_problem_is_named_at_once(installed) -> None:
+    errors, warns = _versions.problems(installed(jax="0.11.1", jaxlib="0.11.1", flax="0.12.0"))
+    assert errors == [
+        "flax 0.12.0 is installed; treemode supports flax>=0.12.1,<0.13 "
+        "(flax before 0.12.1 does not work with it)"
+    ]
+    assert warns == [
+        "jax 0.11.1 is installed; treemode supports jax>=0.8.1,<0.11",
+        "jaxlib 0.11.1 is installed; treemode supports jaxlib>=0.8.1,<0.11",
+    ]
+
+
+def test_missing_metadata_is_not_judged(installed) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _versions.check_installed(installed(jax=None, jaxlib=None, flax=None))
+
+
+def test_the_check_can_be_switched_off(installed, monkeypatch) -> None:
+    monkeypatch.setenv(_versions.SKIP_ENV, "1")
+    _versions.check_installed(installed(flax="0.12.0"))
+    monkeypatch.setenv(_versions.SKIP_ENV, "0")
+    with pytest.raises(ImportError):
+        _versions.check_installed(installed(flax="0.12.0"))
+
+
+def _import_treemode_with(tmp_path: Path, name: str, version: str) -> subprocess.CompletedProcess:
+    """``import treemode`` where the package metadata says ``name`` is at ``version``."""
+    info = tmp_path / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", encoding="utf-8"
+    )
+    env = {k: v for k, v in os.environ.items() if k != _versions.SKIP_ENV}
+    env["PYTHONPATH"] = str(tmp_path)
+    return subprocess.run(
+        [sys.executable, "-c", "import treemode; print('imported')"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_import_treemode_with_flax_0_12_0_raises(tmp_path: Path) -> None:
+    proc = _import_treemode_with(tmp_path, "flax", "0.12.0")
+    assert proc.returncode == 1 and "imported" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "ImportError: treemode cannot run with the installed versions: flax 0.12.0 is installed; "
+        "treemode supports flax>=0.12.1,<0.13"
+    ), proc.stderr
+
+
+def test_import_treemode_with_an_untested_jax_warns_and_imports(tmp_path: Path) -> None:
+    proc = _import_treemode_with(tmp_path, "jax", "0.11.0")
+    assert proc.returncode == 0 and proc.stdout.strip() == "imported", proc.stderr
+    assert (
+        "VersionWarning: treemode was not tested with the installed versions: "
+        "jax 0.11.0 is installed; treemode supports jax>=0.8.1,<0.11" in proc.stderr
+    ), proc.stderr

@@ -1,0 +1,238 @@
+"""Run the test suite against the oldest, an intermediate and the newest supported versions.
+
+``make compat`` runs every case below; ``.ci/run`` runs ``--cases oldest,newest``.
+Each case is a fresh virtual environment under ``.compat/`` (gitignored):
+
+1. it first installs the case's exact versions of JAX, Flax and the extras, as
+   a user's environment would hold them (none for ``newest``);
+2. then installs treemode, with the ``test`` extra, from the sdist built from
+   this checkout, *without* constraints, and checks that step 1's versions are
+   unchanged: installing treemode must never rewrite a supported environment;
+3. then runs the test suite of the unpacked sdist (so the sdist is checked to
+   carry everything its tests need) against the installed package.
+
+The lower bounds come from ``treemode/_versions.py``, the one source of the
+supported ranges. A case whose Python is not on this machine is reported as
+skipped (pyenv's ``~/.pyenv/versions`` and ``pythonX.Y`` on ``PATH`` are
+searched). The results are printed and written to ``.compat/results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / ".compat"
+
+
+def _load_versions():
+    """``treemode/_versions.py`` alone (import-light), without importing treemode."""
+    spec = importlib.util.spec_from_file_location("_versions", ROOT / "treemode" / "_versions.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_versions = _load_versions()
+
+WATCHED = ("jax", "jaxlib", "flax", "equinox", "optax", "numpy")
+
+
+def _lowest(name: str) -> str:
+    low, _ = {**_versions.REQUIRED, **_versions.OPTIONAL}[name]
+    return ".".join(map(str, low))
+
+
+@dataclass
+class Case:
+    name: str
+    pythons: tuple[str, ...]  # the first one this machine has is used
+    pins: dict[str, str] = field(default_factory=dict)
+    note: str = ""
+
+
+CASES = [
+    Case(
+        "oldest",
+        ("3.11", "3.12", "3.13"),
+        {n: _lowest(n) for n in ("jax", "jaxlib", "flax", "equinox", "optax")},
+        "the lower bound of every range",
+    ),
+    Case(
+        "middle",
+        ("3.12", "3.11"),
+        {"jax": "0.9.2", "jaxlib": "0.9.2", "flax": "0.12.6"},
+        "an environment set up before treemode (issue 17's done-criterion)",
+    ),
+    Case("newest", ("3.13", "3.12", "3.11"), {}, "whatever the registry serves"),
+    Case("newest-py3.11", ("3.11",), {}, "whatever the registry serves, on Python 3.11"),
+]
+
+
+def find_python(version: str) -> str | None:
+    """An interpreter of ``version`` (``"3.12"``) on this machine, or ``None``."""
+    candidates = sorted(
+        glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}")),
+        reverse=True,
+    )
+    if f"{sys.version_info[0]}.{sys.version_info[1]}" == version:
+        candidates.insert(0, sys.executable)
+    which = shutil.which(f"python{version}")
+    if which:
+        candidates.append(which)
+    for exe in candidates:
+        proc = subprocess.run(
+            [exe, "-c", "import sys, venv; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode == 0 and proc.stdout.strip() == version:
+            return exe
+    return None
+
+
+def run(args: list[str], log: Path, cwd: Path = ROOT, env: dict | None = None) -> str:
+    """Run a command, appending its output to ``log``; raise with the tail on failure."""
+    with log.open("a") as f:
+        f.write(f"\n$ {' '.join(args)}\n")
+    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, env=env, check=False)
+    with log.open("a") as f:
+        f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise RuntimeError(f"{' '.join(args[:4])} ... exited with {proc.returncode}:\n{tail}")
+    return proc.stdout
+
+
+def versions(python: Path, log: Path) -> dict[str, str]:
+    code = (
+        "import importlib.metadata as m\n"
+        f"for n in {WATCHED!r}:\n"
+        "    try: print(n, m.version(n))\n"
+        "    except m.PackageNotFoundError: pass\n"
+    )
+    out = run([str(python), "-c", code], log)
+    return dict(line.split() for line in out.splitlines() if line.strip())
+
+
+def build_sdist(log: Path) -> tuple[Path, Path]:
+    """Build the sdist of this checkout and unpack it; ``(sdist, unpacked dir)``."""
+    dist = WORK / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    run([sys.executable, "-m", "build", "--sdist", "--outdir", str(dist), str(ROOT)], log)
+    (sdist,) = dist.glob("treemode-*.tar.gz")
+    src = WORK / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(src, filter="data")
+    (unpacked,) = src.iterdir()
+    return sdist, unpacked
+
+
+def run_case(case: Case, sdist: Path, tests: Path, workers: str, pytest_args: list[str]) -> dict:
+    result: dict = {"case": case.name, "python": "", "note": case.note}
+    found = next(((v, e) for v in case.pythons if (e := find_python(v)) is not None), None)
+    if found is None:
+        result["status"] = f"skipped: no Python {' or '.join(case.pythons)} on this machine"
+        return result
+    result["python"], exe = found
+    env_dir = WORK / f"venv-{case.name}"
+    log = WORK / f"{case.name}.log"
+    log.write_text("")
+    shutil.rmtree(env_dir, ignore_errors=True)
+    start = time.perf_counter()
+    try:
+        run([exe, "-m", "venv", str(env_dir)], log)
+        python = env_dir / "bin" / "python"
+        pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+        run([*pip, "install", "-q", "--upgrade", "pip"], log)
+        if case.pins:
+            run([*pip, "install", "-q", *(f"{n}=={v}" for n, v in case.pins.items())], log)
+        before = versions(python, log)
+        run([*pip, "install", "-q", f"{sdist}[test]"], log)
+        after = versions(python, log)
+        changed = {n: (before[n], after.get(n)) for n in before if after.get(n) != before[n]}
+        watched_pins = {n for n in case.pins}
+        rewritten = {n: c for n, c in changed.items() if n in watched_pins}
+        result["versions"] = after
+        if rewritten:
+            raise RuntimeError(f"installing treemode changed pinned versions: {rewritten}")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+        out = run(
+            [str(env_dir / "bin" / "pytest"), "-n", workers, "-q", "-p", "no:cacheprovider"]
+            + pytest_args,
+            log,
+            cwd=tests,
+            env=env,
+        )
+        lines = [ln for ln in out.splitlines() if re.search(r"\d+ passed", ln)]
+        result["tests"] = lines[-1].strip("= ") if lines else "?"
+        result["status"] = "ok"
+    except RuntimeError as e:
+        result["status"] = "FAILED"
+        result["error"] = str(e)
+    result["minutes"] = (time.perf_counter() - start) / 60
+    return result
+
+
+def report(results: list[dict]) -> str:
+    rows = [
+        "| Case | Python | jax | jaxlib | flax | equinox | optax | numpy | Result |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        v = r.get("versions", {})
+        outcome = r.get("tests", "") if r["status"] == "ok" else r["status"]
+        rows.append(
+            f"| {r['case']} | {r['python']} | "
+            + " | ".join(v.get(n, "") for n in WATCHED)
+            + f" | {outcome} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--cases", default=",".join(c.name for c in CASES))
+    parser.add_argument("--workers", default="2", help="pytest-xdist workers (-n)")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = parser.parse_args()
+    chosen = args.cases.split(",")
+    unknown = set(chosen) - {c.name for c in CASES}
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; known: {[c.name for c in CASES]}")
+    WORK.mkdir(exist_ok=True)
+    sdist, tests = build_sdist(WORK / "build.log")
+    results = []
+    for case in (c for c in CASES if c.name in chosen):
+        print(f"compat: {case.name} ({case.pins or 'newest'}) ...", flush=True)
+        results.append(run_case(case, sdist, tests, args.workers, args.pytest_args))
+        r = results[-1]
+        print(f"compat: {case.name}: {r['status']} {r.get('tests', '')}", flush=True)
+        if "error" in r:
+            print(r["error"], flush=True)
+    table = report(results)
+    (WORK / "results.md").write_text(table + "\n")
+    print(table)
+    return (
+        0
+        if all(r["status"] in ("ok",) or r["status"].startswith("skipped") for r in results)
+        else 1
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The versions of JAX, Flax and the extras that treemode supports: the one source.
+
+``pyproject.toml`` declares these ranges; ``README.md`` and ``docs/install.md``
+state them; ``tests/test_versions.py`` fails when any of them disagrees with
+this module. ``tools/compat.py`` (``make compat``) installs the lower bounds and
+the newest releases and runs the test suite on each.
+
+`check_installed` runs when treemode is imported: a version known to break
+treemode raises an `ImportError`, any other version outside a range warns
+(`VersionWarning`); both messages name the installed and the supported versions.
+
+Keep this module import-light (``importlib.metadata`` only): it runs before
+treemode imports JAX or Flax.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Callable
+from importlib import metadata
+
+Version = tuple[int, ...]
+
+# name -> (lowest supported, first unsupported). The lower bounds are the oldest
+# releases the test suite passes on (`make compat`); the upper bounds are the
+# next minor releases, not yet tested: treemode reads a few private attributes
+# of Flax and JAX (treemode/_compat.py) that a minor release may change.
+REQUIRED: dict[str, tuple[Version, Version]] = {
+    "jax": ((0, 8, 1), (0, 11)),
+    "jaxlib": ((0, 8, 1), (0, 11)),
+    "flax": ((0, 12, 1), (0, 13)),
+}
+# The optional dependencies that the test suite and the examples use (the
+# ``test`` extra); treemode itself never imports them unless you do.
+OPTIONAL: dict[str, tuple[Version, Version]] = {
+    "equinox": ((0, 13, 0), (0, 14)),
+    "optax": ((0, 2, 5), (0, 3)),
+}
+PYTHON: tuple[Version, Version] = ((3, 11), (3, 14))
+
+# name -> the first release that works: below it treemode fails with an internal
+# error (Flax 0.12.0 and 0.11.x lack Variable internals treemode reads), so
+# importing treemode raises instead of warning.
+KNOWN_BROKEN_BELOW: dict[str, Version] = {"flax": (0, 12, 1)}
+
+SKIP_ENV = "TREEMODE_SKIP_VERSION_CHECK"
+
+
+class VersionWarning(UserWarning):
+    """An installed JAX or Flax outside the versions treemode was tested with."""
+
+
+def _fmt(version: Version) -> str:
+    return ".".join(map(str, version))
+
+
+def specifier(name: str) -> str:
+    """The pip specifier of a supported range, e.g. ``">=0.8.1,<0.11"``."""
+    low, high = {**REQUIRED, **OPTIONAL}[name]
+    return f">={_fmt(low)},<{_fmt(high)}"
+
+
+def describe(name: str) -> str:
+    """A supported range in words, e.g. ``"0.8.1 to 0.10.x"``."""
+    low, high = {**REQUIRED, **OPTIONAL}[name]
+    last = (*high[:-1], high[-1] - 1)
+    return f"{_fmt(low)} to {_fmt(last)}.x"
+
+
+def summary() -> str:
+    """One line stating the supported versions (the README's "Supported versions")."""
+    py_low, py_high = PYTHON
+    py_last = (*py_high[:-1], py_high[-1] - 1)
+    return (
+        f"Python {_fmt(py_low)} to {_fmt(py_last)}, "
+        f"jax and jaxlib {describe('jax')}, flax {describe('flax')}; "
+        f"for the test extra, equinox {describe('equinox')} and optax {describe('optax')}."
+    )
+
+
+def table() -> str:
+    """The supported versions as a Markdown table (docs/install.md)."""
+    rows = ["| Package | Supported | pip specifier |", "|---|---|---|"]
+    py_low, py_high = PYTHON
+    py_last = (*py_high[:-1], py_high[-1] - 1)
+    rows.append(
+        f"| Python | {_fmt(py_low)} to {_fmt(py_last)} | `requires-python >={_fmt(py_low)}` |"
+    )
+    for name in (*REQUIRED, *OPTIONAL):
+        extra = " (test extra)" if name in OPTIONAL else ""
+        rows.append(f"| `{name}`{extra} | {describe(name)} | `{name}{specifier(name)}` |")
+    return "\n".join(rows)
+
+
+def parse(version: str) -> Version:
+    """The release numbers of a version string: ``"0.10.2rc1"`` -> ``(0, 10, 2)``."""
+    numbers = []
+    for part in version.split("."):
+        match = re.match(r"\d+", part)
+        if match is None:
+            break
+        numbers.append(int(match.group()))
+        if match.end() != len(part):
+            break
+    return tuple(numbers)
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def problems(installed: Callable[[str], str | None] = _installed) -> tuple[list[str], list[str]]:
+    """``(errors, warnings)``: one line per installed package outside its range.
+
+    **Arguments:**
+
+    - ``installed``: the installed version of a distribution, or ``None``
+      (default: read from the package metadata).
+
+    **Returns:** lines naming the installed and the supported versions; a
+    package without metadata (a source checkout on ``sys.path``) is not judged.
+    """
+    errors: list[str] = []
+    warns: list[str] = []
+    for name, (low, high) in REQUIRED.items():
+        have = installed(name)
+        if have is None:
+            continue
+        version = parse(have)
+        if low <= version < high:
+            continue
+        line = f"{name} {have} is installed; treemode supports {name}{specifier(name)}"
+        broken_below = KNOWN_BROKEN_BELOW.get(name)
+        if broken_below is not None and version < broken_below:
+            errors.append(f"{line} ({name} before {_fmt(broken_below)} does not work with it)")
+        else:
+            warns.append(line)
+    return errors, warns
+
+
+def check_installed(installed: Callable[[str], str | None] = _installed) -> None:
+    """Raise or warn where the installed JAX or Flax is outside the supported ranges.
+
+    Called when treemode is imported; ``TREEMODE_SKIP_VERSION_CHECK=1`` turns it off.
+
+    **Arguments:**
+
+    - ``installed``: as for `problems`.
+
+    **Raises:** `ImportError` for a version known to break treemode; otherwise
+    a `VersionWarning` for a version outside the tested range.
+    """
+    if os.environ.get(SKIP_ENV, "") not in ("", "0"):
+        return
+    errors, warns = problems(installed)
+    install = " ".join(f"'{name}{specifier(name)}'" for name in REQUIRED)
+    if errors:
+        raise ImportError(
+            "treemode cannot run with the installed versions: "
+            + "; ".join(errors + warns)
+            + f". Install supported versions: pip install {install}"
+        )
+    if warns:
+        warnings.warn(
+            "treemode was not tested with the installed versions: "
+            + "; ".join(warns)
+            + f". It may work; if it fails, install supported versions: pip install {install}"
+            + f" (set {SKIP_ENV}=1 to silence this warning)",
+            VersionWarning,
+            stacklevel=2,
+        )
