@@ -43,6 +43,7 @@ bench: $(STAMP)
 # `.ci/run` runs `make conformance CONFORMANCE_ARGS=--ci`: tree mode and the baseline check.
 .PHONY: conformance
 conformance: $(STAMP)
+	$(PIP) install --quiet cloudpickle  # imported by Flax's module_test.py
 	$(PY) -m pytest -q -p no:randomly -p no:cacheprovider -n 0 conformance/test_harness.py
 	$(PY) conformance/run.py $(CONFORMANCE_ARGS)
 

@@ -71,6 +71,7 @@ class _State:
     current: str = "<collection>"
     calls: dict[str, Counter[tuple[str, bool, bool, str]]] = {}
     results: dict[str, dict[str, Any]] = {}
+    collection_errors: dict[str, str] = {}
     out: str | None = None
 
 
@@ -296,6 +297,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
                 entry["failure"] = _analyse(item, call.excinfo)
 
 
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed:
+        text = str(report.longrepr).strip().splitlines()
+        errors = [line for line in text if line.startswith("E ")] or text[-1:]
+        _State.collection_errors[report.nodeid] = errors[-1].removeprefix("E").strip()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:  # noqa: ARG001
     if _State.out is None:
         return
@@ -309,4 +317,5 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:  # n
         ]
         tests[nodeid] = entry
     with open(_State.out, "w", encoding="utf-8") as f:
-        json.dump({"mode": _State.mode, "tests": tests}, f, indent=1, sort_keys=True)
+        data = {"mode": _State.mode, "tests": tests, "collection_errors": _State.collection_errors}
+        json.dump(data, f, indent=1, sort_keys=True)

@@ -107,9 +107,15 @@ def test_files(root: Path, mode: str) -> list[str]:
 # --- running ------------------------------------------------------------------------
 
 
+# Test files that could not be collected, per mode: {mode: {file: error}}.
+NOT_RUN: dict[str, dict[str, str]] = defaultdict(dict)
+
+
 def _load(out: Path, test_file: str) -> dict[str, Any]:
     data = json.loads(out.read_text())
     prefix = test_file.removeprefix("tests/nnx/")
+    for error in data.get("collection_errors", {}).values():
+        NOT_RUN[data["mode"]][prefix] = error
     return {f"{prefix}::{k.split('::', 1)[1]}": v for k, v in data["tests"].items()}
 
 
@@ -255,6 +261,7 @@ def summarize_dropin(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             fail = dropin[name].get("failure", {})
             failures[name] = {k: fail.get(k) for k in ("type", "message", "origin")}
     return {
+        "not_run": {m: dict(NOT_RUN[m]) for m in ("dropin", "flax-tree") if NOT_RUN[m]},
         "tests": len(names),
         "dropin_passed": sum(c["dropin"] for c in per_file.values()),
         "flax_tree_passed": sum(c["flax-tree"] for c in per_file.values()),
@@ -305,6 +312,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     tree = report.get("tree")
+    if tree and NOT_RUN["tree"]:
+        raise SystemExit(f"conformance: tree mode: test files not collected: {NOT_RUN['tree']}")
     if tree:
         c = tree["classes"]
         lines += [
@@ -387,6 +396,10 @@ def markdown(report: dict[str, Any]) -> str:
             f" with treemode: {len(dropin['pass_only_with_flax_tree'])}.",
             "",
         ]
+        for mode, files in dropin["not_run"].items():
+            for file, error in files.items():
+                lines.append(f"Not run ({mode}): `{file}` could not be collected: {_cell(error)}")
+            lines.append("")
         if dropin["pass_only_with_flax_tree"]:
             lines += [
                 "### Passing with Flax's tree mode, failing with treemode",

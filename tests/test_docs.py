@@ -430,12 +430,7 @@ _GENERATED = re.compile(
     flags=re.S,
 )
 _RESULTS = ROOT / "benchmarks" / "results" / "results.json"
-_DISPATCH_PEERS = [
-    "treemode.jit",
-    "treemode.jit_partial",
-    "nnx.jit(graph=False)",
-    "nnx.jit_partial",
-]
+_DISPATCH_PEERS = ["treemode.jit", "nnx.jit(graph=False)", "nnx.jit_partial"]
 
 
 def dispatch_table() -> str:
@@ -454,10 +449,9 @@ def dispatch_table() -> str:
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(
-        f"*Median µs per call (and ratio to the hand-written `jax.jit` call on a flat tuple of "
-        f"the same arrays) from `make bench` on {run['date']}: {run['environment']}; "
-        f"`benchmarks/results/results.json`, table `{table['title'].split(':')[0]}` "
-        f"({table['stat']} samples).*"
+        f"*Time per call ({table['stat']} sample), and its ratio to the floor. Measured by "
+        f"`make bench` on {run['date']}: {run['environment']}; from "
+        "`benchmarks/results/results.json` (`dispatch_median`).*"
     )
     return "\n".join(lines) + "\n"
 

@@ -342,6 +342,34 @@ def test_optimizer_state_is_cached_and_revalidated():
     np.testing.assert_allclose(step(opt, jnp.ones(1)), [5.0])
 
 
+class _Tagged(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros(()))
+
+
+def _tag_pairs(m, x):
+    if x.shape == (2,):  # a metadata update made by the trace of this shape only
+        m.w.set_metadata("tag", "pairs")
+    m.w[...] += x.sum()
+    return x
+
+
+@pytest.mark.parametrize("order", [(2, 3), (3, 2)])
+def test_metadata_updates_belong_to_the_trace_of_the_call(order):
+    """One entry holds an executable per input shape; each call writes back the
+    metadata updates of its own trace, never those of the latest trace."""
+    f = treemode.jit(_tag_pairs)
+    for n in order:  # one trace per shape, in this order
+        f(_Tagged(), jnp.ones(n))
+    for n in order:
+        m = _Tagged()
+        for _ in range(3):  # a new model (the full call), then the same one (the memo)
+            f(m, jnp.ones(n))
+            expected = _Tagged()
+            _tag_pairs(expected, jnp.ones(n))
+            assert m.w.get_metadata().get("tag") == expected.w.get_metadata().get("tag")
+
+
 def test_deepcopy_of_a_jitted_function_like_jax_jit():
     import copy
 
