@@ -183,7 +183,10 @@ class StructureKey(HashedKey):
         # are otherwise equal (a cached argument reuses its key object).
         if self is other:
             return True
-        if not super().__eq__(other):
+        try:
+            if not super().__eq__(other):
+                return False
+        except (ValueError, TypeError):  # a static field whose == fails (NumPy vs tuple)
             return False
         assert isinstance(other, StructureKey)
         return self.static_types() == other.static_types()
