@@ -35,9 +35,13 @@ from typing import Any
 from flax import nnx
 from flax.nnx import tracers
 
-# The versions whose private layout is known; the package metadata declares the
-# installable ranges.
-SUPPORTED_VERSIONS = "flax 0.12.x (from 0.12.8) with jax and jaxlib 0.10.x (from 0.10.2)"
+from ._versions import REQUIRED
+
+# The supported ranges (one source: treemode/_versions.py), named in the messages.
+SUPPORTED_VERSIONS = ", ".join(
+    f"{name}>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+    for name, (low, high) in REQUIRED.items()
+)
 
 RAW_VALUE = "_raw_value"
 VAR_METADATA = "_var_metadata"
