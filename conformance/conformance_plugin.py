@@ -71,6 +71,7 @@ class _State:
     current: str = "<collection>"
     calls: dict[str, Counter[tuple[str, bool, bool, str]]] = {}
     results: dict[str, dict[str, Any]] = {}
+    collection_errors: dict[str, str] = {}
     out: str | None = None
 
 
@@ -156,6 +157,9 @@ def _make_router(name: str, flax_fn: Any) -> Any:
     return router
 
 
+_ORIGINALS: dict[str, Any] = {}
+
+
 def install(mode: str) -> None:
     """Replace the ``flax.nnx`` transforms by routers for ``mode``."""
     if mode not in MODES:
@@ -167,7 +171,18 @@ def install(mode: str) -> None:
         flax_fn = getattr(nnx, name)
         if getattr(flax_fn, "__conformance_router__", False):
             continue
+        _ORIGINALS[name] = flax_fn
         setattr(nnx, name, _make_router(name, flax_fn))
+
+
+def uninstall() -> None:
+    """Put Flax's own transforms back (used by the harness's tests)."""
+    from flax import nnx
+
+    for name, flax_fn in _ORIGINALS.items():
+        setattr(nnx, name, flax_fn)
+    _ORIGINALS.clear()
+    _State.calls.clear()
 
 
 # --- failure analysis -------------------------------------------------------------
@@ -236,9 +251,7 @@ def _analyse(item: pytest.Item, excinfo: pytest.ExceptionInfo[BaseException]) ->
         origin = _origin(frame.filename)
         if origin != "other":
             break
-    expected_error = bool(
-        test_frames and test_frames[-1].lineno in _raises_lines(test_file)
-    )
+    expected_error = bool(test_frames and test_frames[-1].lineno in _raises_lines(test_file))
     text_mismatch = isinstance(exc, AssertionError) and any(
         p.match(message) for p in _TEXT_MISMATCH
     )
@@ -284,6 +297,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
                 entry["failure"] = _analyse(item, call.excinfo)
 
 
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed:
+        text = str(report.longrepr).strip().splitlines()
+        errors = [line for line in text if line.startswith("E ")] or text[-1:]
+        _State.collection_errors[report.nodeid] = errors[-1].removeprefix("E").strip()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:  # noqa: ARG001
     if _State.out is None:
         return
@@ -297,4 +317,5 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:  # n
         ]
         tests[nodeid] = entry
     with open(_State.out, "w", encoding="utf-8") as f:
-        json.dump({"mode": _State.mode, "tests": tests}, f, indent=1, sort_keys=True)
+        data = {"mode": _State.mode, "tests": tests, "collection_errors": _State.collection_errors}
+        json.dump(data, f, indent=1, sort_keys=True)

@@ -107,8 +107,26 @@ def test_files(root: Path, mode: str) -> list[str]:
 # --- running ------------------------------------------------------------------------
 
 
-def run_file(root: Path, mode: str, test_file: str, out_dir: Path) -> dict[str, Any]:
+# Test files that could not be collected, per mode: {mode: {file: error}}.
+NOT_RUN: dict[str, dict[str, str]] = defaultdict(dict)
+
+
+def _load(out: Path, test_file: str) -> dict[str, Any]:
+    data = json.loads(out.read_text())
+    prefix = test_file.removeprefix("tests/nnx/")
+    for error in data.get("collection_errors", {}).values():
+        NOT_RUN[data["mode"]][prefix] = error
+    return {f"{prefix}::{k.split('::', 1)[1]}": v for k, v in data["tests"].items()}
+
+
+def run_file(
+    root: Path, mode: str, test_file: str, out_dir: Path, reuse: bool = False
+) -> dict[str, Any]:
     out = out_dir / f"{mode}__{test_file.replace('/', '__')}.json"
+    if reuse:
+        if not out.exists():
+            raise SystemExit(f"conformance: --reuse: no previous results in {out}")
+        return _load(out, test_file)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["TREEMODE_CONFORMANCE_MODE"] = mode
@@ -126,9 +144,7 @@ def run_file(root: Path, mode: str, test_file: str, out_dir: Path) -> dict[str, 
     if not out.exists():
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"conformance: pytest wrote no results for {mode} {test_file}")
-    data = json.loads(out.read_text())
-    tests = {f"{test_file.removeprefix('tests/nnx/')}::{k.split('::', 1)[1]}": v
-             for k, v in data["tests"].items()}
+    tests = _load(out, test_file)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     print(f"conformance: {mode:9} {test_file}: {summary} ({elapsed:.0f} s)", flush=True)
     return tests
@@ -182,7 +198,9 @@ def classify(test: str, entry: dict[str, Any], entries: list[dict[str, str]]) ->
 def graph_kind(entry: dict[str, Any]) -> str:
     """Which graph= values the routed calls of a test used."""
     graphs = {c["graph"] for c in entry["calls"] if c["target"] == "treemode"}
-    return "both" if graphs == {True, False} else ("graph=True" if True in graphs else "graph=False")
+    return (
+        "both" if graphs == {True, False} else ("graph=True" if True in graphs else "graph=False")
+    )
 
 
 def summarize_tree(tests: dict[str, Any], entries: list[dict[str, str]]) -> dict[str, Any]:
@@ -195,11 +213,11 @@ def summarize_tree(tests: dict[str, Any], entries: list[dict[str, str]]) -> dict
     passed = [k for k, v in routed_tests.items() if v["outcome"] == "passed"]
     skipped = [k for k, v in routed_tests.items() if v["outcome"] == "skipped"]
     classes = Counter(f["class"] for f in failures.values())
-    stale = sorted(
-        k for k in passed if (e := match_entry(k, entries)) is not None and e["kind"] != "gap"
-    )
+    # Listed tests that pass now: the entry is out of date (a gap was fixed, or a
+    # difference went away).
+    stale = sorted(k for k in passed if match_entry(k, entries) is not None)
     by_graph: dict[str, Counter[str]] = defaultdict(Counter)
-    for test, entry in routed_tests.items():
+    for entry in routed_tests.values():
         by_graph[graph_kind(entry)][entry["outcome"]] += 1
     return {
         "tests": len(tests),
@@ -243,6 +261,7 @@ def summarize_dropin(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             fail = dropin[name].get("failure", {})
             failures[name] = {k: fail.get(k) for k in ("type", "message", "origin")}
     return {
+        "not_run": {m: dict(NOT_RUN[m]) for m in ("dropin", "flax-tree") if NOT_RUN[m]},
         "tests": len(names),
         "dropin_passed": sum(c["dropin"] for c in per_file.values()),
         "flax_tree_passed": sum(c["flax-tree"] for c in per_file.values()),
@@ -293,6 +312,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     tree = report.get("tree")
+    if tree and NOT_RUN["tree"]:
+        raise SystemExit(f"conformance: tree mode: test files not collected: {NOT_RUN['tree']}")
     if tree:
         c = tree["classes"]
         lines += [
@@ -323,8 +344,18 @@ def markdown(report: dict[str, Any]) -> str:
             lines += ["Unrouted tests that failed (harness problem):", ""]
             lines += [f"- `{t}`" for t in tree["unrouted_failures"]] + [""]
         if tree["stale_entries"]:
-            lines += ["Listed in `expected_differences.toml` but now passing:", ""]
+            lines += ["Listed in `expected_differences.toml` but passing (delete the entry):", ""]
             lines += [f"- `{t}`" for t in tree["stale_entries"]] + [""]
+        gaps: dict[str, list[str]] = defaultdict(list)
+        for test, f in tree["failures"].items():
+            if f["class"] == "gap":
+                gaps[f["reason"] or "(not reviewed yet)"].append(test.split("::", 1)[1])
+        if gaps:
+            lines += [f"### Gaps by cause ({c.get('gap', 0)})", ""]
+            for reason, tests in sorted(gaps.items(), key=lambda kv: -len(kv[1])):
+                lines.append(f"- **{len(tests)}**: {reason}")
+                lines += [f"    - `{t}`" for t in tests]
+            lines.append("")
         for cls in CLASS_TITLES:
             rows = {k: v for k, v in tree["failures"].items() if v["class"] == cls}
             if not rows:
@@ -365,6 +396,10 @@ def markdown(report: dict[str, Any]) -> str:
             f" with treemode: {len(dropin['pass_only_with_flax_tree'])}.",
             "",
         ]
+        for mode, files in dropin["not_run"].items():
+            for file, error in files.items():
+                lines.append(f"Not run ({mode}): `{file}` could not be collected: {_cell(error)}")
+            lines.append("")
         if dropin["pass_only_with_flax_tree"]:
             lines += [
                 "### Passing with Flax's tree mode, failing with treemode",
@@ -374,12 +409,8 @@ def markdown(report: dict[str, Any]) -> str:
             ]
             for test in dropin["pass_only_with_flax_tree"]:
                 f = dropin["dropin_failures"].get(test, {})
-                lines.append(
-                    f"| `{test}` | `{f.get('type')}` | {_cell(f.get('message') or '')} |"
-                )
+                lines.append(f"| `{test}` | `{f.get('type')}` | {_cell(f.get('message') or '')} |")
             lines.append("")
-    for mode, info in report["runs"].items():
-        lines.append(f"- {MODE_TITLES[mode]}: {info['seconds']:.0f} s")
     return "\n".join(lines) + "\n"
 
 
@@ -421,10 +452,15 @@ def check_baseline(version: str, tree: dict[str, Any], tests: dict[str, Any]) ->
     new = sorted(passing - baseline)
     for test in regressed:
         entry = tests.get(test)
-        why = "missing from the run" if entry is None else (
-            "no longer routed" if not routed(entry) else
-            f"{entry['outcome']}: {entry.get('failure', {}).get('type')}:"
-            f" {entry.get('failure', {}).get('message')}"
+        why = (
+            "missing from the run"
+            if entry is None
+            else (
+                "no longer routed"
+                if not routed(entry)
+                else f"{entry['outcome']}: {entry.get('failure', {}).get('type')}:"
+                f" {entry.get('failure', {}).get('message')}"
+            )
         )
         print(f"conformance: REGRESSION {test}: {why}")
     if new:
@@ -455,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ci", action="store_true", help="tree mode, then the baseline check")
     parser.add_argument("--update-baseline", action="store_true")
     parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="classify the results of the previous run again instead of running the tests",
+    )
     args = parser.parse_args(argv)
 
     modes = ["tree"] if args.ci else [m for m in args.modes.split(",") if m]
@@ -471,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         results[mode] = {}
         for test_file in files:
-            results[mode].update(run_file(root, mode, test_file, raw_dir))
+            results[mode].update(run_file(root, mode, test_file, raw_dir, args.reuse))
         runs[mode] = {"files": files, "seconds": time.monotonic() - start}
 
     import jax

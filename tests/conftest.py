@@ -91,6 +91,31 @@ class Hooks:
         """Replace one check of the pure function (a method of `PureFunction`)."""
         self._patch.setattr(self._core.PureFunction, name, fn)
 
+    # What `calls` can count: name -> (module of treemode, function).
+    COUNTED = {
+        "prepare": ("_core", "prepare"),  # a transform call prepared in full
+        "store": ("_writeback", "store"),  # one Variable written (by the Python write)
+        "value_spec": ("_specs", "value_spec"),  # one Variable's spec built
+        "proxy_build": ("_pytree", "from_tree"),  # a Pytree proxy's module built
+        "donation_check": ("_jit", "_check_donation"),  # the Python donation check
+    }
+
+    def calls(self, name: str) -> list:
+        """Record the first argument of every call of the step ``name`` (see `COUNTED`)."""
+        import importlib
+
+        module_name, attr = self.COUNTED[name]
+        module = importlib.import_module(f"treemode.{module_name}")
+        real = getattr(module, attr)
+        seen: list = []
+
+        def counting(first, *args, **kwargs):
+            seen.append(first)
+            return real(first, *args, **kwargs)
+
+        self._patch.setattr(module, attr, counting)
+        return seen
+
     def undo(self) -> None:
         self._patch.undo()
 

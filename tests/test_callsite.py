@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _callsite, _jit
+from treemode import _callsite
 
 
 class Counter(nnx.Module):
@@ -48,16 +48,8 @@ def matcher(request, monkeypatch):
 
 @pytest.fixture
 def prepares(hooks):
-    """How many calls went through the full ``prepare`` (the memo was not used)."""
-    calls: list[str] = []
-    original = hooks.real_prepare
-
-    def counting(transform, *args, **kwargs):
-        calls.append(transform)
-        return original(transform, *args, **kwargs)
-
-    hooks.prepare(counting)
-    return calls
+    """The transforms of the calls that went through the full ``prepare`` (no memo)."""
+    return hooks.calls("prepare")
 
 
 def test_repeated_call_skips_prepare_and_writes_back(prepares):
@@ -398,15 +390,11 @@ def test_donated_calls_take_the_compiled_path_and_get_fresh_buffers(matcher):
     assert m.count[...] == 5
 
 
-def test_harmless_shared_objects_in_donated_arguments_are_allowed(matcher, monkeypatch):
+def test_harmless_shared_objects_in_donated_arguments_are_allowed(matcher, hooks):
     # Two Variables holding the same Python int: a number is copied to the
     # device, so nothing is donated twice. The compiled path hands only calls
     # with a repeated object to the Python check.
-    checks: list[object] = []
-    check = _jit._check_donation
-    monkeypatch.setattr(
-        _jit, "_check_donation", lambda call, entry: (checks.append(call), check(call, entry))
-    )
+    checks = hooks.calls("donation_check")
 
     class Ints(nnx.Module):
         def __init__(self):

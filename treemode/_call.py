@@ -16,14 +16,13 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any, Protocol
 
-import jax
-
 from . import _graph
 from ._closure import closure_objects
 from ._errors import ClosureError, StaticArgumentError, StructureError
 from ._flatten import (
     DYNAMIC,
     ArgFlat,
+    StaticLeaf,
     VarSpec,
     alias_error,
     first_duplicate,
@@ -34,7 +33,7 @@ from ._flatten import (
 )
 from ._hashed import HashedKey
 from ._leaves import is_abstract_array, is_array, is_variable
-from ._paths import format_path
+from ._paths import paths_and_leaves
 from ._recursion import CycleError, recursion_error
 
 
@@ -73,7 +72,7 @@ class CallKey(HashedKey):
 
     def __init__(
         self,
-        positional: tuple[Any, ...],  # per positional argument: structure key or ("static", v)
+        positional: tuple[Any, ...],  # per positional argument: structure key or StaticLeaf
         keywords: tuple[tuple[str, Any], ...],
         lifted: tuple[VarSpec, ...],
         graph: bool,
@@ -192,16 +191,14 @@ class Call:
     def paths_and_leaves(self) -> Iterator[tuple[str, Any]]:
         """``(display path, leaf)`` for every leaf of the traced arguments and lifted
         closure objects, Variables as leaves, in flattening order (error path only)."""
-        for root, tree in self.arg_roots() + self.lifted_roots:
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
-                yield format_path(path, root), leaf
+        return paths_and_leaves(self.arg_roots() + self.lifted_roots)
 
     def variable_paths(self) -> list[str]:
         """Display path of every Variable in ``self.variables`` (error path only)."""
         return [where for where, leaf in self.paths_and_leaves() if is_variable(leaf)]
 
 
-def _static_value(transform: str, where: str, value: Any) -> tuple[str, Any]:
+def _static_value(transform: str, where: str, value: Any) -> StaticLeaf:
     try:
         hash(value)
     except TypeError as e:
@@ -211,7 +208,7 @@ def _static_value(transform: str, where: str, value: Any) -> tuple[str, Any]:
             "cache key. Make it hashable (a tuple instead of a list, a frozen "
             "dataclass) or pass it as a traced argument."
         ) from e
-    return ("static", value)
+    return StaticLeaf(value)  # compared by value and type, as jax.jit does
 
 
 def prepare(
@@ -324,7 +321,10 @@ def _finish_prepare(
     call.lifted_roots = []
     lifted_flats: list[ArgFlat] = []
     if lift_closure:
-        call.lifted_roots = [(f"closure {name}", obj) for name, obj in closure_objects(call.fn)]
+        found = closure_objects(call.fn)
+        if found and any(name.startswith("default ") for name, _ in found):
+            found = _without_passed_defaults(call, found)
+        call.lifted_roots = [(f"closure {name}", obj) for name, obj in found]
         for _, obj in call.lifted_roots:
             flat = flatten_arg(obj, is_dynamic)
             if flat.variables:
@@ -358,6 +358,12 @@ def _finish_prepare(
     if aliased:
         _raise_alias(call)
     return call
+
+
+def _without_passed_defaults(call: Call, found: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Drop default arguments that this call passes explicitly (they are arguments then)."""
+    passed = {id(a) for a in call.args} | {id(v) for v in call.kwargs.values()}
+    return [(n, o) for n, o in found if not (n.startswith("default ") and id(o) in passed)]
 
 
 _key_of = operator.attrgetter("key")

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.tree_util import PyTreeDef
 
-from ._leaves import is_graph_node, is_variable
+from ._errors import AliasError
+from ._leaves import is_variable, is_variable_or_graph_node
 from ._paths import format_path
 from ._recursion import CycleError, below, recursion_headroom
 
@@ -132,9 +134,11 @@ def to_tree(node: Any) -> Any:
             keys = tuple(p[0] for p, _ in flat)
             children = [
                 jax.tree_util.tree_map_with_path(
-                    lambda p, c, k=k: convert((*path, k, *p), c) if is_variable_or_graph(c) else c,
+                    lambda p, c, k=k: (
+                        convert((*path, k, *p), c) if is_variable_or_graph_node(c) else c
+                    ),
                     child,
-                    is_leaf=is_variable_or_graph,
+                    is_leaf=is_variable_or_graph_node,
                 )
                 for k, (_, child) in zip(keys, flat, strict=True)
             ]
@@ -142,15 +146,12 @@ def to_tree(node: Any) -> Any:
             in_progress.discard(key)
         return GraphNode(node_def, keys, children)
 
-    def is_variable_or_graph(x: Any) -> bool:
-        return is_variable(x) or is_graph_node(x)
-
     with recursion_headroom():
         max_depth = sys.getrecursionlimit() // 7  # about six levels per nesting level
         tree = jax.tree_util.tree_map_with_path(
-            lambda p, x: convert(p, x) if is_variable_or_graph(x) else x,
+            lambda p, x: convert(p, x) if is_variable_or_graph_node(x) else x,
             node,
-            is_leaf=is_variable_or_graph,
+            is_leaf=is_variable_or_graph_node,
         )
     if errors:
         raise errors[0]
@@ -206,3 +207,61 @@ def from_tree(tree: Any) -> Any:
         return jax.tree_util.tree_map(
             lambda x: build(x) if _is_marker(x) else x, tree, is_leaf=_is_marker
         )
+
+
+def original_roots(call: Any) -> list[tuple[str, Any]]:
+    """``(display name, argument as passed)`` of a call's traced arguments (before `to_tree`)."""
+    static = call.static_positional
+    roots = [(f"args[{i}]", a) for i, a in enumerate(call.args) if i not in static]
+    return roots + [(f"kwargs[{name!r}]", call.kwargs[name]) for name in call.kw_names]
+
+
+def check_one_spec_per_variable(
+    transform: str,
+    what: str,
+    roots: list[tuple[str, Any, list[Any]]],
+    describe: Callable[[Any], str] = repr,
+) -> None:
+    """``graph=True``: raise if one Variable reached twice gets two specifications.
+
+    With sharing, a Variable passed in two places is one input of the JAX
+    transform, so it can take only one ``in_axes``, ``argnums`` membership or
+    sharding. ``roots`` are ``(name, original argument, values)``, ``values``
+    holding one specification per leaf of the argument (Variables count as
+    leaves, in ``jax.tree_util.tree_leaves`` order).
+
+    **Raises:**
+
+    `AliasError` naming both paths and both specifications.
+    """
+    first: dict[int, tuple[int, int, Any]] = {}
+    for r, (_, tree, values) in enumerate(roots):
+        leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_variable)
+        for j, (leaf, value) in enumerate(zip(leaves, values, strict=True)):
+            if not is_variable(leaf):
+                continue
+            seen = first.setdefault(id(leaf), (r, j, value))
+            if not _same_spec(seen[2], value):
+                where = [_leaf_path(roots[k][0], roots[k][1], i) for k, i in (seen[:2], (r, j))]
+                raise AliasError(
+                    f"treemode.{transform}: the {type(leaf).__name__} at {where[0]} is also "
+                    f"reachable at {where[1]} (shared, graph=True), with two different "
+                    f"{what}: {describe(seen[2])} at {where[0]} and {describe(value)} at "
+                    f"{where[1]}. A shared "
+                    "Variable is one input of the transform, so it takes one specification.\n"
+                    f"Fix: give both places the same {what}, or pass the Variable only once."
+                )
+
+
+def _same_spec(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+def _leaf_path(root: str, tree: Any, index: int) -> str:
+    path = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0][index][0]
+    return format_path(path, root)

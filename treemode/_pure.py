@@ -21,10 +21,17 @@ from flax.nnx import tracers
 from . import _graph, _pytree
 from ._call import Call, PreparedCall
 from ._errors import AliasError, StructureError
-from ._flatten import DYNAMIC, StaticLeaf, VarSpec, _StructureKey, rebuild
-from ._leaves import is_array, is_graph_node, is_variable, same_static
+from ._leaves import (
+    frozen_metadata,
+    is_array,
+    is_graph_node,
+    is_variable,
+    same_static,
+    same_treedef,
+)
 from ._paths import format_path
 from ._recursion import recursion_headroom
+from ._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild
 from ._stale import mark_trace_time
 
 
@@ -101,10 +108,8 @@ class PureFunction:
         leaves_in: list[list[Any]] = []
         pure_trees: list[Any] = []
         inner_vars: list[Any] = []
-        flat_keys = [k for k in self.key.positional if isinstance(k, _StructureKey)]
-        flat_keys += [k for _, k in self.key.keywords if isinstance(k, _StructureKey)]
-        for key in flat_keys:
-            n = _num_dynamic(key)
+        for key in self._flat_keys():
+            n = sum(map(dynamic_count, key.specs))
             tree, variables, leaves = rebuild(key, dynamic[offset : offset + n])
             offset += n
             pure_trees.append(tree)
@@ -167,7 +172,7 @@ class PureFunction:
             leaves, treedef = jax.tree_util.tree_flatten(after, is_leaf=is_variable)
             problem = None
             owners = returned = None  # treemode.Pytree proxies; computed on a change only
-            if treedef != key.treedef:
+            if not same_treedef(treedef, key.treedef):
                 problem = describe_structure_change(before, after)
             else:
                 for j, (leaf, spec) in enumerate(zip(leaves, key.specs, strict=True)):
@@ -263,15 +268,15 @@ class PureFunction:
         for i, (var, spec) in enumerate(zip(all_vars, specs, strict=True)):
             before = spec.build([dynamic[j] for j in ranges[i]])
             changed = _value_changed(var._raw_value, before)
-            if tuple(sorted(var._var_metadata.items())) != spec.metadata:
+            if frozen_metadata(var._var_metadata) != spec.frozen:
                 metadata_updates[i] = dict(var._var_metadata)
             updates.append(var._raw_value if (changed or i in self.force) else None)
         self.record.metadata_updates = metadata_updates
         return tuple(updates)
 
-    def _flat_keys(self) -> list[_StructureKey]:
-        keys = [k for k in self.key.positional if isinstance(k, _StructureKey)]
-        keys += [k for _, k in self.key.keywords if isinstance(k, _StructureKey)]
+    def _flat_keys(self) -> list[StructureKey]:
+        keys = [k for k in self.key.positional if isinstance(k, StructureKey)]
+        keys += [k for _, k in self.key.keywords if isinstance(k, StructureKey)]
         return keys
 
 
@@ -283,16 +288,6 @@ def _replaced(leaf: Any, old_type: type) -> str:
     if type(leaf) is old_type:
         return f"the {old_type.__name__} was replaced by a new {old_type.__name__}"
     return f"the {old_type.__name__} was replaced by a {type(leaf).__name__}"
-
-
-def _num_dynamic(key: _StructureKey) -> int:
-    n = 0
-    for spec in key.specs:
-        if type(spec) is VarSpec:
-            n += spec.num_dynamic
-        elif spec is DYNAMIC:
-            n += 1
-    return n
 
 
 def _value_changed(after: Any, before: Any) -> bool:
