@@ -94,6 +94,7 @@ class Hooks:
     # What `calls` can count: name -> (module of treemode, function).
     COUNTED = {
         "prepare": ("_core", "prepare"),  # a transform call prepared in full
+        "store": ("_writeback", "store"),  # one Variable written (by the Python write)
         "value_spec": ("_specs", "value_spec"),  # one Variable's spec built
         "proxy_build": ("_pytree", "from_tree"),  # a Pytree proxy's module built
         "donation_check": ("_jit", "_check_donation"),  # the Python donation check

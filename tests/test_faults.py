@@ -568,3 +568,29 @@ def test_two_arguments_roll_back_together(hooks):
             f(a, b, jnp.ones(2))
         hooks.undo()
         snap.assert_unchanged()
+
+
+def test_interrupted_donated_write_back_leaves_the_new_values(hooks):
+    """A donated call's old buffers are gone once it ran: a failure while writing back
+    must leave the new values (the step happened), never deleted buffers."""
+    f = treemode.jit(step, donate_argnums=0)
+    writes = hooks.calls("store")
+    f(Model(), jnp.ones(2))
+    n = len(writes)
+    hooks.undo()
+    assert n >= 4
+    for k in range(1, n + 1):
+        model = Model()
+        old = [v.get_raw_value() for v in _variables(model)]
+        hooks.store(_fail_at(hooks, k, Interrupt))
+        with pytest.raises(Interrupt):
+            f(model, jnp.ones(2))
+        hooks.undo()
+        assert any(x.is_deleted() for x in old if isinstance(x, jax.Array))  # donated
+        for v in _variables(model):
+            assert not v.get_raw_value().is_deleted()
+        _assert_states_equal(model, _reference("jit"))  # one step, as eager
+        f(model, jnp.ones(2))  # still usable
+        twice = Model()
+        _eager_twice(step, twice, jnp.ones(2))
+        _assert_states_equal(model, twice)

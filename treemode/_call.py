@@ -22,6 +22,7 @@ from ._errors import ClosureError, StaticArgumentError, StructureError
 from ._flatten import (
     DYNAMIC,
     ArgFlat,
+    StaticLeaf,
     VarSpec,
     alias_error,
     first_duplicate,
@@ -71,7 +72,7 @@ class CallKey(HashedKey):
 
     def __init__(
         self,
-        positional: tuple[Any, ...],  # per positional argument: structure key or ("static", v)
+        positional: tuple[Any, ...],  # per positional argument: structure key or StaticLeaf
         keywords: tuple[tuple[str, Any], ...],
         lifted: tuple[VarSpec, ...],
         graph: bool,
@@ -197,7 +198,7 @@ class Call:
         return [where for where, leaf in self.paths_and_leaves() if is_variable(leaf)]
 
 
-def _static_value(transform: str, where: str, value: Any) -> tuple[str, Any]:
+def _static_value(transform: str, where: str, value: Any) -> StaticLeaf:
     try:
         hash(value)
     except TypeError as e:
@@ -207,7 +208,7 @@ def _static_value(transform: str, where: str, value: Any) -> tuple[str, Any]:
             "cache key. Make it hashable (a tuple instead of a list, a frozen "
             "dataclass) or pass it as a traced argument."
         ) from e
-    return ("static", value)
+    return StaticLeaf(value)  # compared by value and type, as jax.jit does
 
 
 def prepare(
@@ -320,7 +321,10 @@ def _finish_prepare(
     call.lifted_roots = []
     lifted_flats: list[ArgFlat] = []
     if lift_closure:
-        call.lifted_roots = [(f"closure {name}", obj) for name, obj in closure_objects(call.fn)]
+        found = closure_objects(call.fn)
+        if found and any(name.startswith("default ") for name, _ in found):
+            found = _without_passed_defaults(call, found)
+        call.lifted_roots = [(f"closure {name}", obj) for name, obj in found]
         for _, obj in call.lifted_roots:
             flat = flatten_arg(obj, is_dynamic)
             if flat.variables:
@@ -354,6 +358,12 @@ def _finish_prepare(
     if aliased:
         _raise_alias(call)
     return call
+
+
+def _without_passed_defaults(call: Call, found: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Drop default arguments that this call passes explicitly (they are arguments then)."""
+    passed = {id(a) for a in call.args} | {id(v) for v in call.kwargs.values()}
+    return [(n, o) for n, o in found if not (n.startswith("default ") and id(o) in passed)]
 
 
 _key_of = operator.attrgetter("key")

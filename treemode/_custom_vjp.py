@@ -119,7 +119,7 @@ class CustomVjp(Generic[P, R]):
                 )
         call = _core.prepare("custom_vjp", self.fn, args_t, {}, graph=self.graph)
         diff_args = [i for i in range(len(args_t)) if i not in self.nondiff_argnums]
-        split = DiffSplit(call, diff_args)
+        split = DiffSplit(call, diff_args, "nondiff_argnums")
         protected = _protected_variables(call, split)
         primal = _core.PureFunction(call)
         fwd_pure = _core.PureFunction(call, allow_output_variables=True)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.tree_util import PyTreeDef
 
+from ._errors import AliasError
 from ._leaves import is_variable, is_variable_or_graph_node
 from ._paths import format_path
 from ._recursion import CycleError, below, recursion_headroom
@@ -205,3 +207,61 @@ def from_tree(tree: Any) -> Any:
         return jax.tree_util.tree_map(
             lambda x: build(x) if _is_marker(x) else x, tree, is_leaf=_is_marker
         )
+
+
+def original_roots(call: Any) -> list[tuple[str, Any]]:
+    """``(display name, argument as passed)`` of a call's traced arguments (before `to_tree`)."""
+    static = call.static_positional
+    roots = [(f"args[{i}]", a) for i, a in enumerate(call.args) if i not in static]
+    return roots + [(f"kwargs[{name!r}]", call.kwargs[name]) for name in call.kw_names]
+
+
+def check_one_spec_per_variable(
+    transform: str,
+    what: str,
+    roots: list[tuple[str, Any, list[Any]]],
+    describe: Callable[[Any], str] = repr,
+) -> None:
+    """``graph=True``: raise if one Variable reached twice gets two specifications.
+
+    With sharing, a Variable passed in two places is one input of the JAX
+    transform, so it can take only one ``in_axes``, ``argnums`` membership or
+    sharding. ``roots`` are ``(name, original argument, values)``, ``values``
+    holding one specification per leaf of the argument (Variables count as
+    leaves, in ``jax.tree_util.tree_leaves`` order).
+
+    **Raises:**
+
+    `AliasError` naming both paths and both specifications.
+    """
+    first: dict[int, tuple[int, int, Any]] = {}
+    for r, (_, tree, values) in enumerate(roots):
+        leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_variable)
+        for j, (leaf, value) in enumerate(zip(leaves, values, strict=True)):
+            if not is_variable(leaf):
+                continue
+            seen = first.setdefault(id(leaf), (r, j, value))
+            if not _same_spec(seen[2], value):
+                where = [_leaf_path(roots[k][0], roots[k][1], i) for k, i in (seen[:2], (r, j))]
+                raise AliasError(
+                    f"treemode.{transform}: the {type(leaf).__name__} at {where[0]} is also "
+                    f"reachable at {where[1]} (shared, graph=True), with two different "
+                    f"{what}: {describe(seen[2])} at {where[0]} and {describe(value)} at "
+                    f"{where[1]}. A shared "
+                    "Variable is one input of the transform, so it takes one specification.\n"
+                    f"Fix: give both places the same {what}, or pass the Variable only once."
+                )
+
+
+def _same_spec(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+def _leaf_path(root: str, tree: Any, index: int) -> str:
+    path = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0][index][0]
+    return format_path(path, root)

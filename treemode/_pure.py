@@ -21,7 +21,14 @@ from flax.nnx import tracers
 from . import _graph, _pytree
 from ._call import Call, PreparedCall
 from ._errors import AliasError, StructureError
-from ._leaves import is_array, is_graph_node, is_variable, same_static
+from ._leaves import (
+    frozen_metadata,
+    is_array,
+    is_graph_node,
+    is_variable,
+    same_static,
+    same_treedef,
+)
 from ._paths import format_path
 from ._recursion import recursion_headroom
 from ._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild
@@ -165,7 +172,7 @@ class PureFunction:
             leaves, treedef = jax.tree_util.tree_flatten(after, is_leaf=is_variable)
             problem = None
             owners = returned = None  # treemode.Pytree proxies; computed on a change only
-            if treedef != key.treedef:
+            if not same_treedef(treedef, key.treedef):
                 problem = describe_structure_change(before, after)
             else:
                 for j, (leaf, spec) in enumerate(zip(leaves, key.specs, strict=True)):
@@ -261,7 +268,7 @@ class PureFunction:
         for i, (var, spec) in enumerate(zip(all_vars, specs, strict=True)):
             before = spec.build([dynamic[j] for j in ranges[i]])
             changed = _value_changed(var._raw_value, before)
-            if tuple(sorted(var._var_metadata.items())) != spec.metadata:
+            if frozen_metadata(var._var_metadata) != spec.frozen:
                 metadata_updates[i] = dict(var._var_metadata)
             updates.append(var._raw_value if (changed or i in self.force) else None)
         self.record.metadata_updates = metadata_updates

@@ -19,7 +19,13 @@ import jax
 from jax.tree_util import PyTreeDef
 
 from ._hashed import HashedKey
-from ._leaves import is_variable_value_leaf
+from ._leaves import (
+    frozen_metadata,
+    is_variable_value_leaf,
+    same_static,
+    same_treedef,
+    treedef_static_types,
+)
 
 
 class _Dynamic:
@@ -37,14 +43,29 @@ class _Dynamic:
 DYNAMIC = _Dynamic()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class StaticLeaf:
-    """Spec of a non-array leaf: compared by value, part of the cache key."""
+    """Spec of a non-array leaf (or a static argument): part of the cache key.
 
-    value: Any
+    Compared by value and by the types inside it (`same_static`), so ``2`` and
+    ``2.0`` are different keys, as in ``jax.jit``'s ``static_argnums``.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is StaticLeaf and same_static(self.value, other.value)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __repr__(self) -> str:
+        return f"StaticLeaf({self.value!r})"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class VarSpec:
     """Spec of a Variable leaf: its type, metadata and the layout of its value.
 
@@ -54,9 +75,27 @@ class VarSpec:
     """
 
     var_type: type
-    metadata: tuple[tuple[str, Any], ...]
+    metadata: tuple[tuple[str, Any], ...]  # the user's values, sorted by name
     value_def: PyTreeDef | None = None  # pyright: ignore[reportInvalidTypeForm]
     value_static: tuple[StaticLeaf | None, ...] = ()
+    # What is compared and hashed: the metadata in hashable, typed form.
+    frozen: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.frozen and self.metadata:
+            object.__setattr__(self, "frozen", frozen_metadata(dict(self.metadata)))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is VarSpec
+            and self.var_type is other.var_type
+            and self.frozen == other.frozen
+            and self.value_static == other.value_static
+            and same_treedef(self.value_def, other.value_def)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.var_type, self.frozen, self.value_def, self.value_static))
 
     @property
     def num_dynamic(self) -> int:
@@ -83,7 +122,7 @@ def variable_spec(var: Any) -> tuple[VarSpec, list[Any]]:
 
 def value_spec(var_type: type, metadata: dict[str, Any], value: Any) -> tuple[VarSpec, list[Any]]:
     """The spec of a Variable of ``var_type`` holding ``value``, and its dynamic leaves."""
-    metadata_key = tuple(sorted(metadata.items()))
+    metadata_key = tuple(sorted(metadata.items(), key=_first))
     if is_variable_value_leaf(value):
         return VarSpec(var_type, metadata_key), [value]
     leaves, value_def = jax.tree_util.tree_flatten(value)
@@ -96,6 +135,10 @@ def value_spec(var_type: type, metadata: dict[str, Any], value: Any) -> tuple[Va
         else:
             static.append(StaticLeaf(leaf))
     return VarSpec(var_type, metadata_key, value_def, tuple(static)), dynamic
+
+
+def _first(item: tuple[str, Any]) -> str:
+    return item[0]
 
 
 def variable_dynamic(var: Any, spec: VarSpec) -> list[Any]:
@@ -120,7 +163,7 @@ class StructureKey(HashedKey):
     (and the base of a `treemode.Pytree` proxy's static part).
     """
 
-    __slots__ = ("treedef", "specs")
+    __slots__ = ("treedef", "specs", "_static_types")
     _fields = ("treedef", "specs")
 
     def __init__(
@@ -130,7 +173,31 @@ class StructureKey(HashedKey):
     ):
         self.treedef = treedef
         self.specs = specs
+        self._static_types: tuple[Any, ...] | None = None
         self._hash_fields()
+
+    def __eq__(self, other: object) -> bool:
+        # ``PyTreeDef.__eq__`` compares static fields with ``==`` (``2 == 2.0``):
+        # their types are compared too, computed only when two distinct keys
+        # are otherwise equal (a cached argument reuses its key object).
+        if self is other:
+            return True
+        try:
+            if not super().__eq__(other):
+                return False
+        except (ValueError, TypeError):  # a static field whose == fails (NumPy vs tuple)
+            return False
+        assert isinstance(other, StructureKey)
+        return self.static_types() == other.static_types()
+
+    __hash__ = HashedKey.__hash__
+
+    def static_types(self) -> tuple[Any, ...]:
+        """The types of the static values in ``treedef`` (see `treedef_static_types`)."""
+        types = self._static_types
+        if types is None:
+            types = self._static_types = treedef_static_types(self.treedef)
+        return types
 
 
 def rebuild(

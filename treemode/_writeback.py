@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from itertools import compress, repeat
 from typing import Any, NamedTuple
 
+import jax
 from flax.nnx import tracers
+from jax.core import Tracer
 
 from ._call import PreparedCall
 from ._errors import TraceContextError
@@ -100,14 +102,32 @@ def write_back(
             for var, metadata in zip(meta_targets, metadata_updates.values(), strict=True):
                 store(var, var._raw_value, dict(metadata))
     except BaseException:
-        for var, value in zip(targets, old_values, strict=True):
-            _setattr(var, "_raw_value", value)
-        for var, value, metadata in old_meta:
-            _restore(var, value, metadata)
+        if _any_deleted(old_values):
+            # The call donated the old buffers and they are gone: the only whole
+            # state left to give is the new one, so the write is finished instead.
+            for var, value in zip(targets, values, strict=True):
+                _setattr(var, "_raw_value", value)
+            if metadata_updates:
+                for var, metadata in zip(meta_targets, metadata_updates.values(), strict=True):
+                    _setattr(var, "_var_metadata", dict(metadata))
+        else:
+            for var, value in zip(targets, old_values, strict=True):
+                _setattr(var, "_raw_value", value)
+            for var, value, metadata in old_meta:
+                _restore(var, value, metadata)
         raise
 
 
 _setattr = object.__setattr__
+
+
+def _any_deleted(values: Sequence[Any]) -> bool:
+    """Whether a device buffer among ``values`` was deleted (donated to the call)."""
+    return any(
+        isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
+        for x in jax.tree_util.tree_leaves(list(values))
+    )
+
 
 try:  # the compiled writes (treemode/_guard.c); optional, the loop above otherwise
     from ._guard import write_changed as _write_changed
