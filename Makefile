@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # ranges (pyproject.toml), tested at both ends by `make compat`.
 CONSTRAINTS := -c constraints.txt
 
-.PHONY: demo test fuzz test-leaks bench lint docs dist compat clean
+.PHONY: demo test fuzz test-leaks bench lint docs docs-update check-layout dist compat clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -38,6 +38,15 @@ bench: $(STAMP)
 	$(PIP) install --quiet $(CONSTRAINTS) -e '.[bench]'
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
+# Flax's own tests/nnx with their transform calls routed to treemode (docs/conformance.md):
+# tree mode, drop-in and Flax's forced tree mode, report in conformance/results/ (slow).
+# `.ci/run` runs `make conformance CONFORMANCE_ARGS=--ci`: tree mode and the baseline check.
+.PHONY: conformance
+conformance: $(STAMP)
+	$(PIP) install --quiet cloudpickle  # imported by Flax's module_test.py
+	$(PY) -m pytest -q -p no:randomly -p no:cacheprovider -n 0 conformance/test_harness.py
+	$(PY) conformance/run.py $(CONFORMANCE_ARGS)
+
 lint: $(STAMP)
 	$(PIP) install --quiet $(CONSTRAINTS) -e '.[dev]'
 	$(VENV)/bin/ruff check treemode tests benchmarks examples tools
@@ -47,6 +56,16 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(PIP) install --quiet $(CONSTRAINTS) -e '.[docs]'
 	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# Rewrite the generated parts of the docs in place: the ```output blocks (the full
+# error messages of docs/errors.md) and the tables made from benchmarks/results/.
+docs-update: $(STAMP)
+	UPDATE_DOCS=1 $(PY) -m pytest tests/test_docs.py -n 2 -q
+
+# Every page of the built site fits a 1280 px window (headless Chromium; not run by
+# .ci/run, which need not have a browser: run it after changing docs or their CSS).
+check-layout: docs
+	$(PY) tools/check_layout.py --site site --width 1280
 
 # The sdist and the wheel into dist/, checked by twine (metadata, README rendering).
 dist: $(STAMP)

@@ -17,7 +17,7 @@ same objects as the previous one takes the compiled call path
 - ``closure``: checking that the closure still reaches the same objects;
 - ``write back``: storing the changed Variables (skipped outright for a
   function that never updates one, like a forward pass), timed through
-  ``_core.write_back``, which the compiled path runs without its Python frame;
+  ``_writeback.write_back``, which the compiled path runs without its Python frame;
 - ``rest of the call``: the whole call minus the stages above (building the
   matched call, binding it for a retrace, the calls between C and Python); an
   estimate, as the stages are timed separately;
@@ -61,7 +61,7 @@ from _models import (
 from flax import nnx
 
 import treemode
-from treemode import _callsite, _closure, _core
+from treemode import _callsite, _closure, _writeback
 from treemode._leaves import CONCRETE_ARRAY_TYPES
 
 STAGES = [
@@ -135,7 +135,7 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
     def write_back() -> None:
         # Writes the values the call just produced (the same arrays each time).
         if updates is not None:  # None: the trace updates no Variable
-            _core.write_back(call, updates, entry.pure.record.metadata_updates)
+            _writeback.write_back(call, updates, entry.pure.record.metadata_updates)
 
     def match_arguments() -> None:
         assert _callsite.match_into(

@@ -58,3 +58,69 @@ def _tracer_leak_mode(request):
             yield
     else:
         yield
+
+
+class Hooks:
+    """The private places of treemode's pipeline a test may replace, named only here.
+
+    Every replacement is undone after the test (or by `undo`).
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        from treemode import _core, _writeback
+
+        self._patch = monkeypatch
+        self._core = _core
+        self._writeback = _writeback
+        self.real_store = _writeback.store
+        self.real_prepare = _core.prepare
+
+    def store(self, fn) -> None:
+        """Route every Variable write through ``fn(var, value, metadata=None)``."""
+        self._patch.setattr(self._writeback, "store", fn)
+
+    def prepare(self, fn) -> None:
+        """Replace call preparation (``fn`` takes `prepare`'s arguments)."""
+        self._patch.setattr(self._core, "prepare", fn)
+
+    def check_writable(self, fn) -> None:
+        """Replace the writability check made before any write."""
+        self._patch.setattr(self._writeback, "check_writable", fn)
+
+    def pure_check(self, name: str, fn) -> None:
+        """Replace one check of the pure function (a method of `PureFunction`)."""
+        self._patch.setattr(self._core.PureFunction, name, fn)
+
+    # What `calls` can count: name -> (module of treemode, function).
+    COUNTED = {
+        "prepare": ("_core", "prepare"),  # a transform call prepared in full
+        "store": ("_writeback", "store"),  # one Variable written (by the Python write)
+        "value_spec": ("_specs", "value_spec"),  # one Variable's spec built
+        "proxy_build": ("_pytree", "from_tree"),  # a Pytree proxy's module built
+        "donation_check": ("_jit", "_check_donation"),  # the Python donation check
+    }
+
+    def calls(self, name: str) -> list:
+        """Record the first argument of every call of the step ``name`` (see `COUNTED`)."""
+        import importlib
+
+        module_name, attr = self.COUNTED[name]
+        module = importlib.import_module(f"treemode.{module_name}")
+        real = getattr(module, attr)
+        seen: list = []
+
+        def counting(first, *args, **kwargs):
+            seen.append(first)
+            return real(first, *args, **kwargs)
+
+        self._patch.setattr(module, attr, counting)
+        return seen
+
+    def undo(self) -> None:
+        self._patch.undo()
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """`Hooks` for this test."""
+    return Hooks(monkeypatch)

@@ -10,7 +10,6 @@ from flax import nnx
 from helpers import Stateful, state_arrays, variable_buffers
 
 import treemode
-from treemode import _core
 
 
 def snapshot(model):
@@ -39,11 +38,11 @@ def test_mutate_then_raise_in_user_function():
     model(jnp.ones((2, 3)))  # still usable
 
 
-def test_interrupt_between_writes_rolls_back(monkeypatch):
+def test_interrupt_between_writes_rolls_back(hooks):
     model = Stateful(nnx.Rngs(0))
     snap = snapshot(model)
     f = treemode.jit(lambda m, x: m(x))
-    real_store = _core.store
+    real_store = hooks.real_store
     writes = []
 
     class Interrupt(BaseException):  # like KeyboardInterrupt
@@ -55,10 +54,10 @@ def test_interrupt_between_writes_rolls_back(monkeypatch):
             raise Interrupt
         real_store(var, value, metadata)
 
-    monkeypatch.setattr(_core, "store", interrupted_store)
+    hooks.store(interrupted_store)
     with pytest.raises(Interrupt):
         f(model, jnp.ones((2, 3)))
-    monkeypatch.undo()
+    hooks.undo()
     assert len(writes) == 3  # two Variables were written before the interrupt
     assert_unchanged(model, snap)
     f(model, jnp.ones((2, 3)))  # and the model still works afterwards

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _core, _guard  # fails where the extension was not built, on purpose
+from treemode import _guard, _pure  # fails where the extension was not built, on purpose
 
 KINDS: dict[str, Callable[[], Any]] = {
     "compiled": _guard.Binding,
@@ -58,7 +58,7 @@ def test_pure_function_uses_the_compiled_binding() -> None:
     pure = treemode.jit(lambda x: x)
     pure(jnp.ones(2))
     entry = next(iter(pure._cache.values()))
-    assert type(entry.pure.binding) is _core._Binding is _guard.Binding
+    assert type(entry.pure.binding) is _pure._Binding is _guard.Binding
 
 
 def test_unbound_reads_none(binding: Any) -> None:

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _callsite, _core, _jit
+from treemode import _callsite
 
 
 class Counter(nnx.Module):
@@ -47,17 +47,9 @@ def matcher(request, monkeypatch):
 
 
 @pytest.fixture
-def prepares(monkeypatch):
-    """How many calls went through the full ``prepare`` (the memo was not used)."""
-    calls: list[str] = []
-    original = _core.prepare
-
-    def counting(transform, *args, **kwargs):
-        calls.append(transform)
-        return original(transform, *args, **kwargs)
-
-    monkeypatch.setattr(_core, "prepare", counting)
-    return calls
+def prepares(hooks):
+    """The transforms of the calls that went through the full ``prepare`` (no memo)."""
+    return hooks.calls("prepare")
 
 
 def test_repeated_call_skips_prepare_and_writes_back(prepares):
@@ -262,7 +254,7 @@ def test_shared_donated_buffer_is_named_on_the_memo_path():
     assert a.w[...] is before and not before.is_deleted()
 
 
-def test_write_back_failure_on_the_memo_path_leaves_inputs(monkeypatch):
+def test_write_back_failure_on_the_memo_path_leaves_inputs(hooks):
     f = treemode.jit(_step)
     m = Counter()
     f(m, jnp.ones(3))
@@ -271,7 +263,7 @@ def test_write_back_failure_on_the_memo_path_leaves_inputs(monkeypatch):
     def failing(var, value, metadata=None):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(_core, "store", failing)
+    hooks.store(failing)
     with pytest.raises(RuntimeError, match="injected"):
         f(m, jnp.ones(3))
     assert m.w[...] is w and m.count[...] is count
@@ -398,15 +390,11 @@ def test_donated_calls_take_the_compiled_path_and_get_fresh_buffers(matcher):
     assert m.count[...] == 5
 
 
-def test_harmless_shared_objects_in_donated_arguments_are_allowed(matcher, monkeypatch):
+def test_harmless_shared_objects_in_donated_arguments_are_allowed(matcher, hooks):
     # Two Variables holding the same Python int: a number is copied to the
     # device, so nothing is donated twice. The compiled path hands only calls
     # with a repeated object to the Python check.
-    checks: list[object] = []
-    check = _jit._check_donation
-    monkeypatch.setattr(
-        _jit, "_check_donation", lambda call, entry: (checks.append(call), check(call, entry))
-    )
+    checks = hooks.calls("donation_check")
 
     class Ints(nnx.Module):
         def __init__(self):
@@ -437,7 +425,7 @@ def test_harmless_shared_objects_in_donated_arguments_are_allowed(matcher, monke
     assert len(checks) == 3 + (1 if matcher == "compiled call" else 3)
 
 
-def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(monkeypatch):
+def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(hooks):
     @treemode.jit
     def f(m, x):
         m.count[...] += 1
@@ -449,8 +437,8 @@ def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(mo
         f(m, jnp.ones(3))
     assert m.count[...] == 3 and m.w.get_metadata("seen") is True
     stores: list[object] = []
-    real = _core.store
-    monkeypatch.setattr(_core, "store", lambda v, *a: (stores.append(v), real(v, *a)))
+    real = hooks.real_store
+    hooks.store(lambda v, *a: (stores.append(v), real(v, *a)))
     g = treemode.jit(_step)
     n = Counter()
     for _ in range(3):

@@ -136,3 +136,105 @@ def test_globals_used_in_nested_comprehension_are_lifted():
     before = int(GLOBAL_COUNTER.count[...])
     treemode.jit(step)(jnp.ones(2))
     assert int(GLOBAL_COUNTER.count[...]) == before + 2
+
+
+# -- modules held in lists, dicts, plain objects and default arguments ---------
+
+GLOBAL_MODELS: list = []
+
+
+def _read_global_list(x):
+    return GLOBAL_MODELS[0](x)
+
+
+@pytest.fixture
+def global_models():
+    GLOBAL_MODELS[:] = [nnx.Linear(2, 2, rngs=nnx.Rngs(0))]
+    yield GLOBAL_MODELS
+    GLOBAL_MODELS.clear()
+
+
+def test_module_in_a_global_list_is_read_fresh_and_replaced_in_place(global_models):
+    f = treemode.jit(_read_global_list)
+    x = jnp.zeros((1, 2))
+    first = global_models[0]
+    np.testing.assert_array_equal(f(x), first(x))
+    first.bias[...] = jnp.ones(2)
+    np.testing.assert_array_equal(f(x), [[1.0, 1.0]])  # not a stale constant
+    other = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+    other.bias[...] = 3 * jnp.ones(2)
+    global_models[0] = other  # the list changes in place; no binding the search read does
+    np.testing.assert_allclose(f(x), [[3.0, 3.0]])
+
+
+class Trainer:
+    """A plain Python object (not an NNX module) holding a model."""
+
+    def __init__(self, model):
+        self.model = model
+        self.history = {"models": [model]}
+
+    def step(self, x):
+        self.model.bias[...] += 1.0
+        return self.model(x)
+
+
+def test_bound_method_of_a_plain_object_lifts_its_model_and_writes_back():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    trainer = Trainer(model)
+    step = treemode.jit(trainer.step)
+    x = jnp.zeros((1, 2))
+    np.testing.assert_allclose(step(x), [[1.0, 1.0]])
+    np.testing.assert_allclose(step(x), [[2.0, 2.0]])
+    np.testing.assert_allclose(model.bias[...], [2.0, 2.0])  # written back, not lost
+    trainer.model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))  # the attribute is rebound
+    step(x)
+    np.testing.assert_allclose(trainer.model.bias[...], [1.0, 1.0])
+    np.testing.assert_allclose(model.bias[...], [2.0, 2.0])
+
+
+def test_module_as_a_default_argument_is_lifted_unless_passed():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def forward(x, m=model):
+        return m(x)
+
+    f = treemode.jit(forward)
+    x = jnp.zeros((1, 2))
+    f(x)
+    model.bias[...] = 5 * jnp.ones(2)
+    np.testing.assert_allclose(f(x), [[5.0, 5.0]])
+    np.testing.assert_allclose(f(x, model), [[5.0, 5.0]])  # passed: an argument, no alias
+    np.testing.assert_allclose(f(x, m=model), [[5.0, 5.0]])
+
+
+def test_module_in_a_closure_dict_is_updated():
+    counters = {"a": Counter()}
+
+    @treemode.jit
+    def tick(x):
+        return counters["a"](x)
+
+    tick(jnp.ones(2))
+    tick(jnp.ones(2))
+    assert int(counters["a"].count[...]) == 2
+
+
+def test_a_closure_search_through_holders_is_redone_every_call():
+    from treemode import _closure
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    holder = [model]
+
+    def forward(x):
+        return holder[0](x)
+
+    assert _closure.closure_objects(forward) == [("holder[0]", model)]
+    assert _closure.closure_snapshot(forward) is None  # never cached: lists change in place
+    plain = []
+
+    def reads_an_empty_list(x):
+        return plain, x
+
+    assert _closure.closure_objects(reads_an_empty_list) == []
+    assert _closure.closure_snapshot(reads_an_empty_list) is not None

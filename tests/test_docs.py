@@ -26,14 +26,35 @@ in the sense of this collector and is not executed either.
 
 Each block should ``assert`` what the surrounding text claims, so that a
 behaviour change breaks the docs test instead of silently making the docs wrong.
+
+Shown output: a fenced block with the language ``output`` right after a python
+block (only blank lines between them) is what that block prints. The test runs
+the block with its standard output captured and fails if the printed text,
+normalized (memory addresses become ``0x...``, paths inside this checkout become
+relative, site-packages paths start at ``site-packages/``), differs from the
+shown text. docs/errors.md uses it to show each error's full message. After a
+message changes, regenerate every shown output (and the generated tables, see
+``test_generated_sections_are_current``) with
+
+    UPDATE_DOCS=1 .venv/bin/python -m pytest tests/test_docs.py -q
+
+(``make docs-update``), which rewrites the output blocks in place instead of
+failing; review the diff and commit it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
+import fcntl
 import inspect
+import io
+import json
+import os
 import re
 import sys
+import tempfile
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +64,7 @@ import pytest
 import treemode
 
 ROOT = Path(__file__).resolve().parent.parent
+UPDATE = bool(os.environ.get("UPDATE_DOCS"))
 
 _FENCE_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
 
@@ -56,6 +78,7 @@ class Block:
     line: int  # 1-based line of the first code line in ``filename`` (0 if unknown)
     code: str
     run: bool
+    output: str | None = None  # the text of the ```output block that follows, if any
 
 
 def _info_is_python(info: str) -> tuple[bool, bool]:
@@ -73,8 +96,8 @@ def _info_is_python(info: str) -> tuple[bool, bool]:
     return lang == "python", bool(re.search(r"(^|[\s{.])no-run\b", rest))
 
 
-def extract_blocks(text: str) -> Iterator[tuple[int, str, bool]]:
-    """``(line of the opening fence, dedented code, runs)`` for each python block."""
+def _fences(text: str) -> Iterator[tuple[int, int, str, list[str]]]:
+    """``(index of the opening fence, index of the closing fence, info, dedented body)``."""
     lines = text.splitlines()
     i = 0
     while i < len(lines):
@@ -91,10 +114,35 @@ def extract_blocks(text: str) -> Iterator[tuple[int, str, bool]]:
             line = lines[i]
             body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
             i += 1
+        yield start, i, info, body
         i += 1  # the closing fence
+
+
+def extract_blocks(text: str) -> Iterator[tuple[int, str, bool]]:
+    """``(line of the opening fence, dedented code, runs)`` for each python block."""
+    for start, _, info, body in _fences(text):
         is_python, opted_out = _info_is_python(info)
         if is_python:
             yield start + 1, "\n".join(body) + "\n", not opted_out
+
+
+def extract_outputs(text: str) -> dict[int, tuple[int, int, str]]:
+    """For each python block followed by an ```output block: the python block's fence
+    line (as in `extract_blocks`) -> ``(output fence index, its closing index, text)``."""
+    lines = text.splitlines()
+    fences = list(_fences(text))
+    found: dict[int, tuple[int, int, str]] = {}
+    for (start, end, info, _), (o_start, o_end, o_info, o_body) in zip(
+        fences, fences[1:], strict=False
+    ):
+        between = lines[end + 1 : o_start]
+        if (
+            _info_is_python(info)[0]
+            and o_info.split(None, 1)[:1] == ["output"]
+            and all(not line.strip() for line in between)
+        ):
+            found[start + 1] = (o_start, o_end, "\n".join(o_body))
+    return found
 
 
 def _markdown_files() -> list[Path]:
@@ -109,8 +157,11 @@ def markdown_blocks() -> list[Block]:
     blocks: list[Block] = []
     for path in _markdown_files():
         rel = path.relative_to(ROOT).as_posix()
-        for line, code, run in extract_blocks(path.read_text(encoding="utf-8")):
-            blocks.append(Block(f"{rel}:{line}", str(path), line + 1, code, run))
+        text = path.read_text(encoding="utf-8")
+        outputs = extract_outputs(text)
+        for line, code, run in extract_blocks(text):
+            output = outputs[line][2] if line in outputs else None
+            blocks.append(Block(f"{rel}:{line}", str(path), line + 1, code, run, output))
     return blocks
 
 
@@ -158,18 +209,92 @@ def docstring_blocks() -> list[Block]:
     return blocks
 
 
-def run_block(block: Block) -> None:
-    """Execute ``block`` in a fresh module, with tracebacks pointing at its source."""
+def run_block(block: Block) -> str:
+    """Execute ``block`` in a fresh module, with tracebacks pointing at its source.
+
+    Returns what the block printed when it has an ```output block (its standard
+    output is captured then), else ``""``.
+    """
     name = "treemode_docs_block"
     module = types.ModuleType(name)
     module.__file__ = block.filename
     sys.modules[name] = module  # dataclasses / Equinox look classes' modules up here
     # Pad so that traceback line numbers are the line numbers in the markdown file.
     source = "\n" * max(block.line - 1, 0) + block.code
+    printed = io.StringIO()
+    capture = contextlib.redirect_stdout(printed) if block.output is not None else None
     try:
-        exec(compile(source, block.filename, "exec"), module.__dict__)
+        with capture or contextlib.nullcontext():
+            exec(compile(source, block.filename, "exec"), module.__dict__)
     finally:
         sys.modules.pop(name, None)
+    return printed.getvalue()
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
+_SITE_PACKAGES = re.compile(r"(?:[A-Za-z]:)?[^\s'\"()]*[/\\]site-packages[/\\]")
+
+
+def normalize_output(text: str) -> str:
+    """What an ```output block shows of ``text``: no memory addresses, no machine paths,
+    no trailing spaces."""
+    text = text.replace(str(ROOT) + os.sep, "").replace(str(ROOT), ".")
+    text = _SITE_PACKAGES.sub("site-packages/", text)
+    text = _ADDRESS.sub("0x...", text)
+    return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Serialize rewrites of one page between pytest-xdist workers."""
+    name = re.sub(r"\W", "_", str(path))
+    with open(Path(tempfile.gettempdir()) / f"treemode-docs-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def rewrite_output(block: Block, printed: str) -> None:
+    """Replace the ```output block after ``block`` in its page with ``printed``."""
+    path = Path(block.filename)
+    with _locked(path):
+        text = path.read_text(encoding="utf-8")
+        outputs = extract_outputs(text)
+        # Other blocks' outputs may have been rewritten since collection, shifting lines:
+        # find this block by its code, nearest to where it was.
+        candidates = [line for line, code, _ in extract_blocks(text) if code == block.code]
+        candidates = [line for line in candidates if line in outputs]
+        assert candidates, f"{block.id}: its ```output block is gone"
+        fence = min(candidates, key=lambda line: abs(line + 1 - block.line))
+        o_start, o_end, _ = outputs[fence]
+        lines = text.splitlines(keepends=True)
+        indent = re.match(r"[ \t]*", lines[o_start]).group(0)  # type: ignore[union-attr]
+        body = [f"{indent}{line}".rstrip() + "\n" for line in printed.splitlines()]
+        lines[o_start + 1 : o_end] = body
+        path.write_text("".join(lines), encoding="utf-8")
+
+
+def check_output(block: Block, printed: str) -> None:
+    """The shown output of ``block`` is what it printed (or is rewritten, with UPDATE_DOCS)."""
+    assert block.output is not None
+    got, shown = normalize_output(printed), normalize_output(block.output)
+    if got == shown:
+        return
+    if UPDATE:
+        rewrite_output(block, got)
+        return
+    diff = "\n".join(
+        difflib.unified_diff(
+            shown.splitlines(), got.splitlines(), "shown", "printed now", lineterm=""
+        )
+    )
+    raise AssertionError(
+        f"{block.id}: the ```output block after this example differs from what it prints "
+        f"now. Regenerate with `UPDATE_DOCS=1 .venv/bin/python -m pytest tests/test_docs.py` "
+        f"(make docs-update) and review the diff.\n{diff}"
+    )
 
 
 _MARKDOWN = markdown_blocks()
@@ -181,8 +306,11 @@ def test_markdown_block(block: Block) -> None:
     if not block.run:
         # Opted out with ```python {.no-run}: only check that it is valid Python.
         compile(block.code, block.id, "exec")
+        assert block.output is None, f"{block.id}: a block that is not run shows no output"
         return
-    run_block(block)
+    printed = run_block(block)
+    if block.output is not None:
+        check_output(block, printed)
 
 
 @pytest.mark.parametrize("block", _DOCSTRINGS, ids=[b.id for b in _DOCSTRINGS])
@@ -253,7 +381,8 @@ def test_api_reference_lists_every_public_name() -> None:
 
 
 def test_errors_page_covers_every_error_class() -> None:
-    """docs/errors.md has a section per error class, with an example that raises it."""
+    """docs/errors.md has a section per error class, with an example that raises it and
+    the full message it prints."""
     from treemode import _errors
 
     page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
@@ -272,6 +401,11 @@ def test_errors_page_covers_every_error_class() -> None:
             f"the {name} section of docs/errors.md needs a runnable example that triggers it"
         )
         assert "**Fix.**" in body, f"the {name} section of docs/errors.md needs a **Fix.**"
+        shown = [text for _, _, text in extract_outputs(body).values()]
+        assert any(text.startswith(f"{name}: ") for text in shown), (
+            f"the {name} section of docs/errors.md needs an ```output block after its example "
+            f'that shows the full message (print(f"{{type(e).__name__}}: {{e}}"))'
+        )
 
 
 _RST_ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|exc|obj):`")
@@ -286,3 +420,116 @@ def test_docstrings_use_markdown_not_rst_roles() -> None:
         if _RST_ROLE.search(line)
     ]
     assert not offenders, "replace RST roles with `backticks` in: " + ", ".join(offenders)
+
+
+# Generated sections: text between ``<!-- generated:NAME -->`` and ``<!-- generated:end -->``
+# in a page is made by ``_GENERATORS[NAME]()`` and checked (or rewritten, with UPDATE_DOCS).
+_GENERATED = re.compile(
+    r"(?P<open><!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)"
+    r"(?P<close><!-- generated:end -->)",
+    flags=re.S,
+)
+_RESULTS = ROOT / "benchmarks" / "results" / "results.json"
+_DISPATCH_PEERS = ["treemode.jit", "nnx.jit(graph=False)", "nnx.jit_partial"]
+
+
+def dispatch_table() -> str:
+    """The dispatch comparison of docs/choosing.md, from the last `make bench` run."""
+    data = json.loads(_RESULTS.read_text(encoding="utf-8"))
+    run, table = data["_run"], data["dispatch_median"]
+    header = ["case", "`jax.jit`, flat tuple", *(f"`{peer}`" for peer in _DISPATCH_PEERS)]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|---|" + "---:|" * (len(header) - 1),
+    ]
+    for case, us in table["us"].items():
+        floor = us[table["floor"]]
+        cells = [f"{floor:.0f} µs"]
+        cells += [f"{us[peer]:.0f} µs ({us[peer] / floor:.2f}×)" for peer in _DISPATCH_PEERS]
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(
+        f"*Time per call ({table['stat']} sample), and its ratio to the floor. Measured by "
+        f"`make bench` on {run['date']}: {run['environment']}; from "
+        "`benchmarks/results/results.json` (`dispatch_median`).*"
+    )
+    return "\n".join(lines) + "\n"
+
+
+_GENERATORS = {"dispatch": dispatch_table}
+
+
+def test_generated_sections_are_current() -> None:
+    """Every generated section of the docs matches what its generator makes now."""
+    stale: list[str] = []
+    for path in _markdown_files():
+        text = path.read_text(encoding="utf-8")
+
+        def regenerate(m: re.Match[str], path: Path = path) -> str:
+            name = m.group("name")
+            assert name in _GENERATORS, f"{path}: unknown generated section {name!r}"
+            body = _GENERATORS[name]()
+            if body != m.group("body"):
+                stale.append(f"{path.relative_to(ROOT)} ({name})")
+            return m.group("open") + body + m.group("close")
+
+        new = _GENERATED.sub(regenerate, text)
+        if UPDATE and new != text:
+            with _locked(path):
+                path.write_text(new, encoding="utf-8")
+    if not UPDATE:
+        assert not stale, (
+            "generated sections are out of date: " + ", ".join(stale) + "; regenerate with "
+            "`UPDATE_DOCS=1 .venv/bin/python -m pytest tests/test_docs.py` (make docs-update)"
+        )
+
+
+def test_extract_outputs_and_normalize() -> None:
+    """An ```output block belongs to the python block right before it; output is normalized."""
+    text = "\n".join(
+        [
+            "```python",  # 1
+            "print(1)",  # 2
+            "```",  # 3
+            "",  # 4
+            "```output",  # 5
+            "1",  # 6
+            "```",  # 7
+            "```python",  # 8
+            "print(2)",  # 9
+            "```",  # 10
+            "text between",  # 11
+            "```output",  # 12
+            "2",  # 13
+            "```",  # 14
+        ]
+    )
+    assert extract_outputs(text) == {1: (4, 6, "1")}
+    page = ROOT / "docs" / "x.md"
+    raw = f"<function f at 0x7f3a2b1c0d40> in {page}  \n/usr/lib/site-packages/jax/a.py\n"
+    assert normalize_output(raw) == "<function f at 0x...> in docs/x.md\nsite-packages/jax/a.py"
+
+
+# The longest code line that fits the article column of the site at 1280 px (measured
+# with tools/check_layout.py: 86 characters scroll by a few pixels, with a classic
+# scrollbar).
+CODE_LINE_LIMIT = 84
+
+
+def test_code_blocks_fit_the_page() -> None:
+    """Code blocks of the site's pages need no sideways scrolling at 1280 px.
+
+    ```output blocks are exempt: they wrap (docs/stylesheets/extra.css).
+    """
+    long_lines = [
+        f"{path.relative_to(ROOT)}:{start + 2 + k} ({len(line)} characters)"
+        for path in sorted((ROOT / "docs").rglob("*.md"))
+        for start, _, info, body in _fences(path.read_text(encoding="utf-8"))
+        if info.split(None, 1)[:1] != ["output"]
+        for k, line in enumerate(body)
+        if len(line) > CODE_LINE_LIMIT
+    ]
+    assert not long_lines, (
+        f"wrap these code lines to {CODE_LINE_LIMIT} characters (they scroll sideways at "
+        "1280 px): " + ", ".join(long_lines)
+    )

@@ -5,7 +5,7 @@ inside the user function (after it mutated Variables), during tracing (a JAX
 error), in the alias and structure checks (a natural ``AliasError`` /
 ``StructureError`` and an injected failure in the check itself), and in the
 write-back: an ``Exception`` or a ``KeyboardInterrupt``-like ``BaseException``
-raised by the write hook ``treemode._core.store`` before each of its writes.
+raised by the write hook (the `hooks` fixture's ``store``) before each of its writes.
 Afterwards every input Variable must hold the very same buffer and metadata as
 before (bit for bit) and the inputs must still work: running the transform
 again gives the state the eager program gives.
@@ -24,7 +24,6 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _core
 
 
 class Model(nnx.Module):
@@ -355,32 +354,32 @@ class CheckFault(Exception):
 
 @pytest.mark.parametrize("check", ["_check_structure", "_check_outputs", "_collect_updates"])
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
-def test_failure_inside_a_check_leaves_inputs(name, check, monkeypatch):
+def test_failure_inside_a_check_leaves_inputs(name, check, hooks):
     def broken(self, *args, **kwargs):
         raise CheckFault(check)
 
     def fresh(m, x):  # not traced before, so the check runs
         return step(m, x)
 
-    monkeypatch.setattr(_core.PureFunction, check, broken)
+    hooks.pure_check(check, broken)
     model = Model()
     snap = Snapshot(model)
     with pytest.raises(CheckFault):
         TRANSFORMS[name](fresh, model, jnp.ones(2))
-    monkeypatch.undo()
+    hooks.undo()
     snap.assert_unchanged()
     _still_usable(name, model)
 
 
-def test_failure_in_prepare_leaves_inputs(monkeypatch):
+def test_failure_in_prepare_leaves_inputs(hooks):
     """A failure while flattening/lifting (before any tracing)."""
-    real = _core.prepare
+    real = hooks.real_prepare
 
     def broken(*args, **kwargs):
         real(*args, **kwargs)
         raise CheckFault("prepare")
 
-    monkeypatch.setattr(_core, "prepare", broken)
+    hooks.prepare(broken)
     _every_transform_raises_and_leaves_inputs(CheckFault)
 
 
@@ -400,24 +399,24 @@ class Interrupt(BaseException):
     """Like KeyboardInterrupt: not an Exception, so ``except Exception`` misses it."""
 
 
-def _count_writes(name: str, fn: Callable[..., Any], *nodes: Any) -> int:
+def _count_writes(hooks: Any, name: str, fn: Callable[..., Any], *nodes: Any) -> int:
     writes = []
-    real = _core.store
+    real = hooks.real_store
 
     def counting(var, value, metadata=None):
         writes.append(var)
         real(var, value, metadata)
 
-    _core.store = counting
+    hooks.store(counting)
     try:
         TRANSFORMS[name](fn, *nodes, jnp.ones(2))
     finally:
-        _core.store = real
+        hooks.undo()
     return len(writes)
 
 
-def _fail_at(k: int, error: type[BaseException]):
-    real = _core.store
+def _fail_at(hooks: Any, k: int, error: type[BaseException]):
+    real = hooks.real_store
     seen = []
 
     def failing(var, value, metadata=None):
@@ -430,44 +429,44 @@ def _fail_at(k: int, error: type[BaseException]):
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
-def test_fault_before_every_write_rolls_back(name, monkeypatch):
-    n = _count_writes(name, step, Model())
+def test_fault_before_every_write_rolls_back(name, hooks):
+    n = _count_writes(hooks, name, step, Model())
     assert n >= 4  # steps, mean, w and the Rngs count are written
     errors = [Interrupt, RuntimeError, KeyboardInterrupt]
     for k in range(1, n + 1):
         error = errors[k % 3]
         model = Model()
         snap = Snapshot(model)
-        monkeypatch.setattr(_core, "store", _fail_at(k, error))
+        hooks.store(_fail_at(hooks, k, error))
         with pytest.raises(error, match=f"write {k}"):
             TRANSFORMS[name](step, model, jnp.ones(2))
-        monkeypatch.undo()
+        hooks.undo()
         snap.assert_unchanged()
     _still_usable(name, model)
 
 
-def test_fault_in_metadata_write_back_rolls_back(monkeypatch):
+def test_fault_in_metadata_write_back_rolls_back(hooks):
     def tag(m, x):
         m.steps[...] += 1
         m.mean.set_metadata("tag", "seen")
         return jnp.sum(x)
 
     for name in ["jit", "remat", "grad", "vmap"]:
-        n = _count_writes(name, tag, Model())
+        n = _count_writes(hooks, name, tag, Model())
         for k in range(1, n + 1):
             model = Model()
             snap = Snapshot(model)
-            monkeypatch.setattr(_core, "store", _fail_at(k, Interrupt))
+            hooks.store(_fail_at(hooks, k, Interrupt))
             with pytest.raises(Interrupt):
                 TRANSFORMS[name](tag, model, jnp.ones(2))
-            monkeypatch.undo()
+            hooks.undo()
             snap.assert_unchanged()
         TRANSFORMS[name](tag, model, jnp.ones(2))
         assert model.mean.get_metadata()["tag"] == "seen"
 
 
 @pytest.mark.parametrize("name", ["cond", "switch"])
-def test_branch_write_back_across_closures_is_atomic(name, monkeypatch):
+def test_branch_write_back_across_closures_is_atomic(name, hooks):
     """Each branch closes over its own module: all writes commit together or none."""
     first, second = Other(), Other()
 
@@ -485,37 +484,37 @@ def test_branch_write_back_across_closures_is_atomic(name, monkeypatch):
         return treemode.switch(jnp.array(0), [a, b], model, jnp.ones(2))
 
     writes = []
-    real = _core.store
+    real = hooks.real_store
 
     def counting(var, value, metadata=None):
         writes.append(var)
         real(var, value, metadata)
 
-    monkeypatch.setattr(_core, "store", counting)
+    hooks.store(counting)
     probe_first, probe_second = Other(), Other()
     first, second = probe_first, probe_second
     run(Model())
-    monkeypatch.undo()
+    hooks.undo()
     n = len(writes)
     # Every position for cond; for switch the last write (in the last branch's call).
     for k in range(1, n + 1) if name == "cond" else [n]:
         first, second = Other(), Other()
         model = Model()
         snap = Snapshot(model, first, second)
-        monkeypatch.setattr(_core, "store", _fail_at(k, Interrupt))
+        hooks.store(_fail_at(hooks, k, Interrupt))
         with pytest.raises(Interrupt):
             run(model)
-        monkeypatch.undo()
+        hooks.undo()
         snap.assert_unchanged()
     run(model)
     assert float(first.total[...]) == 1.0 and float(second.total[...]) == 0.0
 
 
-def test_fault_in_check_writable_leaves_inputs(monkeypatch):
+def test_fault_in_check_writable_leaves_inputs(hooks):
     def broken(call, updates):
         raise CheckFault("check_writable")
 
-    monkeypatch.setattr(_core, "check_writable", broken)
+    hooks.check_writable(broken)
     _every_transform_raises_and_leaves_inputs(CheckFault)
 
 
@@ -550,24 +549,48 @@ def test_compiled_write_is_all_or_nothing():
     assert guard.write_changed([v], [new]) == 1 and v.get_raw_value() is new
 
 
-def test_two_arguments_roll_back_together(monkeypatch):
+def test_two_arguments_roll_back_together(hooks):
     def both(a, b, x):
         step(a, x)
         return step(b, x)
 
     writes = []
-    real = _core.store
-    monkeypatch.setattr(
-        _core, "store", lambda v, val, md=None: (writes.append(v), real(v, val, md))
-    )
+    real = hooks.real_store
+    hooks.store(lambda v, val, md=None: (writes.append(v), real(v, val, md)))
     f = treemode.jit(both)
     f(Model(), Model(1), jnp.ones(2))
-    monkeypatch.undo()
+    hooks.undo()
     for k in range(1, len(writes) + 1):
         a, b = Model(), Model(1)
         snap = Snapshot(a, b)
-        monkeypatch.setattr(_core, "store", _fail_at(k, Interrupt))
+        hooks.store(_fail_at(hooks, k, Interrupt))
         with pytest.raises(Interrupt):
             f(a, b, jnp.ones(2))
-        monkeypatch.undo()
+        hooks.undo()
         snap.assert_unchanged()
+
+
+def test_interrupted_donated_write_back_leaves_the_new_values(hooks):
+    """A donated call's old buffers are gone once it ran: a failure while writing back
+    must leave the new values (the step happened), never deleted buffers."""
+    f = treemode.jit(step, donate_argnums=0)
+    writes = hooks.calls("store")
+    f(Model(), jnp.ones(2))
+    n = len(writes)
+    hooks.undo()
+    assert n >= 4
+    for k in range(1, n + 1):
+        model = Model()
+        old = [v.get_raw_value() for v in _variables(model)]
+        hooks.store(_fail_at(hooks, k, Interrupt))
+        with pytest.raises(Interrupt):
+            f(model, jnp.ones(2))
+        hooks.undo()
+        assert any(x.is_deleted() for x in old if isinstance(x, jax.Array))  # donated
+        for v in _variables(model):
+            assert not v.get_raw_value().is_deleted()
+        _assert_states_equal(model, _reference("jit"))  # one step, as eager
+        f(model, jnp.ones(2))  # still usable
+        twice = Model()
+        _eager_twice(step, twice, jnp.ones(2))
+        _assert_states_equal(model, twice)

@@ -371,3 +371,53 @@ def test_no_tracer_leak_and_no_retrace_inside_jit(tracer_leaks):
     assert len(traces) == 1
     assert int(optimizer.step[...]) == 3
     assert int(model.dropout.rngs.count[...]) == 3
+
+
+class PythonScale(nnx.Module):
+    def __init__(self):
+        self.scale = nnx.Param(1.0)  # a Python float, as NNX allows
+
+
+def _scale_loss(m):
+    return (m.scale * 3.0 - 6.0) ** 2
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_grad_of_a_variable_holding_a_python_float(jitted):
+    grad = treemode.grad(_scale_loss)
+    if jitted:
+        grad = treemode.jit(grad)
+    g = grad(PythonScale())
+    assert not is_float0(g.scale[...])
+    np.testing.assert_allclose(g.scale[...], -18.0)
+    np.testing.assert_allclose(nnx.grad(_scale_loss)(PythonScale()).scale[...], -18.0)
+    value, g = treemode.value_and_grad(_scale_loss)(PythonScale())
+    np.testing.assert_allclose((value, g.scale[...]), (9.0, -18.0))
+
+
+def test_optimizer_step_on_a_python_float_variable_eager_and_jitted_agree():
+    def step(model, optimizer):
+        loss, grads = treemode.value_and_grad(_scale_loss)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    results = []
+    for run in (step, treemode.jit(step)):
+        model = PythonScale()
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        losses = [float(run(model, optimizer)) for _ in range(3)]
+        results.append((losses, float(model.scale[...])))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-6)
+    np.testing.assert_allclose(results[0][0], [9.0, 5.76, 3.6864], rtol=1e-5)
+    np.testing.assert_allclose(results[0][1], 2.512, rtol=1e-5)  # 1 -> 2.8 -> 1.36 -> 2.512
+
+
+def test_vjp_and_jvp_of_a_variable_holding_a_python_float():
+    m = PythonScale()
+    out, pullback = treemode.vjp(_scale_loss, m)
+    (cot,) = pullback(jnp.ones(()))
+    np.testing.assert_allclose((out, cot.scale[...]), (9.0, -18.0))
+    tangent = PythonScale()
+    _, t_out = treemode.jvp(_scale_loss, (m,), (tangent,))
+    np.testing.assert_allclose(t_out, -18.0)

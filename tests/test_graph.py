@@ -91,3 +91,93 @@ def test_graph_mode_mutation_seen_through_every_reference():
     f(model)
     np.testing.assert_allclose(model.dec.kernel[...], before + 2)
     assert model.tied is model.enc.kernel
+
+
+# -- one shared Variable, two specifications (graph=True) ----------------------
+
+
+def _product(a, b):
+    return a[...] * b[...] ** 2
+
+
+def test_grad_of_one_of_two_references_to_a_shared_variable_is_an_error():
+    v = nnx.Param(jnp.array(2.0))
+    with pytest.raises(ValueError, match="Inconsistent aliasing"):
+        nnx.grad(_product, argnums=1)(v, v)  # what Flax does
+    with pytest.raises(treemode.AliasError) as info:
+        treemode.grad(_product, argnums=1, graph=True)(v, v)
+    message = str(info.value)
+    assert "treemode.grad" in message and "args[0]" in message and "args[1]" in message
+    assert "not differentiated at args[0] and differentiated at args[1]" in message
+    assert float(v[...]) == 2.0
+    # Both references differentiated, or the same Variable inside one argument, is fine.
+    g0, g1 = treemode.grad(_product, argnums=(0, 1), graph=True)(v, v)
+    assert float(g0[...]) == float(g1[...]) == 12.0  # d(v^3)/dv
+
+
+def test_grad_with_a_shared_submodule_in_a_non_differentiated_argument():
+    shared = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    holder = nnx.Dict(layer=shared)
+    expected = r"Param at args\[0\]\.bias is also reachable at args\[1\]\.layer\.bias"
+    with pytest.raises(treemode.AliasError, match=expected):
+        treemode.grad(lambda m, h: m(jnp.ones(2)).sum(), graph=True)(shared, holder)
+
+
+def test_vmap_mapped_and_broadcast_references_to_one_variable_is_an_error():
+    w = nnx.Param(jnp.ones((3, 2)))
+    with pytest.raises(ValueError, match="Inconsistent aliasing"):
+        nnx.vmap(lambda a, b: a[...] + b[...], in_axes=(0, None))(w, w)
+    with pytest.raises(treemode.AliasError) as info:
+        treemode.vmap(lambda a, b: a[...] + b[...], in_axes=(0, None), graph=True)(w, w)
+    assert "in_axes: 0 at args[0] and None at args[1]" in str(info.value)
+    assert "treemode.vmap" in str(info.value)
+    out = treemode.vmap(lambda a, b: a[...] + b[...], in_axes=(0, 0), graph=True)(w, w)
+    assert out.shape == (3, 2)
+
+
+def test_vmap_module_shaped_prefix_giving_a_tied_weight_two_axes_is_an_error():
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(jnp.ones((3, 2)))
+            self.b = self.a
+
+    m = Tied()
+    axes = treemode.prefix(m, lambda path, v: 0 if path == ("a",) else None)
+    with pytest.raises(treemode.AliasError, match=r"args\[0\]\.a.*args\[0\]\.b"):
+        treemode.vmap(lambda m: m.a[...], in_axes=(axes,), graph=True)(m)
+
+
+def test_scan_carry_and_scanned_references_to_one_variable_is_an_error():
+    w = nnx.Param(jnp.ones((4, 2)))
+
+    def body(carry, x):
+        return carry, x[...]
+
+    with pytest.raises(treemode.AliasError, match="in_axes"):
+        treemode.scan(body, in_axes=(treemode.Carry, 0), graph=True)(w, w)
+
+
+def test_jit_two_shardings_for_one_shared_variable_is_an_error():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    w = nnx.Param(jnp.ones((4, 2)))
+    split = NamedSharding(mesh, PartitionSpec("x"))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    f = treemode.jit(lambda a, b: a[...] + b[...], in_shardings=(split, replicated), graph=True)
+    with pytest.raises(treemode.AliasError, match="in_shardings") as info:
+        f(w, w)
+    assert "args[0]" in str(info.value) and "args[1]" in str(info.value)
+    same = treemode.jit(lambda a, b: a[...] + b[...], in_shardings=(split, split), graph=True)
+    np.testing.assert_allclose(same(w, w), 2 * np.ones((4, 2)))
+
+
+def test_custom_vjp_shared_variable_in_a_nondiff_argument_is_an_error():
+    @treemode.custom_vjp(nondiff_argnums=(1,), graph=True)
+    def f(a, b):
+        return (a[...] * b[...]).sum()
+
+    f.defvjp(lambda a, b: (f(a, b), None), lambda b, res, g: (None,))
+    v = nnx.Param(jnp.ones(2))
+    with pytest.raises(treemode.AliasError, match="nondiff_argnums"):
+        f(v, v)

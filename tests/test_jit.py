@@ -340,3 +340,78 @@ def test_optimizer_state_is_cached_and_revalidated():
     # Replacing an entry inside the State's plain mapping invalidates the cache.
     opt.step = nnx.OptState(jnp.array(5, jnp.uint32))
     np.testing.assert_allclose(step(opt, jnp.ones(1)), [5.0])
+
+
+class _Tagged(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros(()))
+
+
+def _tag_pairs(m, x):
+    if x.shape == (2,):  # a metadata update made by the trace of this shape only
+        m.w.set_metadata("tag", "pairs")
+    m.w[...] += x.sum()
+    return x
+
+
+@pytest.mark.parametrize("order", [(2, 3), (3, 2)])
+def test_metadata_updates_belong_to_the_trace_of_the_call(order):
+    """One entry holds an executable per input shape; each call writes back the
+    metadata updates of its own trace, never those of the latest trace."""
+    f = treemode.jit(_tag_pairs)
+    for n in order:  # one trace per shape, in this order
+        f(_Tagged(), jnp.ones(n))
+    for n in order:
+        m = _Tagged()
+        for _ in range(3):  # a new model (the full call), then the same one (the memo)
+            f(m, jnp.ones(n))
+            expected = _Tagged()
+            _tag_pairs(expected, jnp.ones(n))
+            assert m.w.get_metadata().get("tag") == expected.w.get_metadata().get("tag")
+
+
+def test_deepcopy_of_a_jitted_function_like_jax_jit():
+    import copy
+
+    traces = []
+
+    def step(counter, x):
+        traces.append(None)
+        return counter(x)
+
+    x = jnp.ones(3)
+    jax_copy = copy.deepcopy(jax.jit(lambda x: x + 1))  # what treemode.jit follows
+    np.testing.assert_allclose(jax_copy(x), x + 1)
+    f = treemode.jit(step)
+    counter = Counter()
+    f(counter, x)
+    g = copy.deepcopy(f)
+    assert g is not f and g.fn is f.fn
+    np.testing.assert_allclose(g(counter, x), x + 1)
+    assert counter.count[...] == 2 and len(traces) == 1  # the compiled entries are shared
+
+
+def test_deepcopy_of_jit_partial_copies_the_bound_modules():
+    import copy
+
+    counter = Counter()
+    f = treemode.jit_partial(lambda c, x: c(x), counter)
+    f(jnp.ones(3))
+    g = copy.deepcopy(f)
+    g(jnp.ones(3))
+    g(jnp.ones(3))
+    assert counter.count[...] == 1  # the original's module is not the copy's
+    assert g.partial_args[0].count[...] == 3
+
+
+def test_pickling_a_jitted_function_is_a_clear_error_as_in_jax():
+    import pickle
+
+    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
+        pickle.dumps(jax.jit(_module_level_double))  # jax.jit's wrapper does not pickle
+    with pytest.raises(TypeError, match=r"treemode\.jit: cannot pickle the jitted function"):
+        pickle.dumps(treemode.jit(_module_level_double))
+
+
+def _module_level_double(x):
+    return x * 2

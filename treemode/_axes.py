@@ -28,6 +28,7 @@ import numpy as np
 
 from ._core import Call
 from ._errors import AxisError
+from ._graph import check_one_spec_per_variable, original_roots
 from ._leaves import is_variable
 from ._paths import format_path
 from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
@@ -148,25 +149,22 @@ def call_axes(
     )
     traced_entries = [e for i, e in enumerate(entries) if i not in call.static_positional]
     roots = call.arg_roots()
-    originals = _original_traced_args(call)
     dynamic: list[Any] = []
+    if call.graph:
+        dynamic = _graph_axes(call, traced_entries, is_leaf, kwargs_axis, what)
     for k, (flat, (name, tree)) in enumerate(zip(call.arg_flats, roots, strict=True)):
+        if call.graph:
+            break
         if k < len(traced_entries):
-            prefix = traced_entries[k]
             try:
-                if call.graph:
-                    dynamic += _graph_broadcast(prefix, originals[k], flat, is_leaf, name)
-                else:
-                    dynamic += broadcast_to_dynamic(
-                        prefix,
-                        flat,
-                        tree,
-                        is_prefix_leaf=is_leaf,
-                        where=name,
-                        what=f"treemode.{transform}: {what}",
-                    )
-            except AxisError:
-                raise
+                dynamic += broadcast_to_dynamic(
+                    traced_entries[k],
+                    flat,
+                    tree,
+                    is_prefix_leaf=is_leaf,
+                    where=name,
+                    what=f"treemode.{transform}: {what}",
+                )
             except ValueError as e:
                 raise AxisError(str(e)) from None
         else:
@@ -176,9 +174,11 @@ def call_axes(
         for i, value in enumerate(dynamic):
             if not valid(value):
                 path = dynamic_paths(call)[i]
+                flax_lift = type(value).__name__ in ("StateAxes", "StateSharding")
                 raise AxisError(
                     f"treemode.{transform}: {what} gives {_describe(value)} for {path}; "
                     f"each value must be {expected}."
+                    + (" See docs/migration.md#stateaxes." if flax_lift else "")
                 )
     variables = tuple(
         dynamic[r[0]] if len(r) else closure_axis for r in call.variable_dynamic_ranges()
@@ -186,31 +186,44 @@ def call_axes(
     return CallAxes(tuple(dynamic), variables)
 
 
-def _original_traced_args(call: Call) -> list[Any]:
-    pos = [a for i, a in enumerate(call.args) if i not in call.static_positional]
-    return pos + [call.kwargs[name] for name in call.kw_names]
-
-
-def _graph_broadcast(
-    prefix: Any, original: Any, flat: Any, is_leaf: Callable[[Any], bool], name: str
+def _graph_axes(
+    call: Call,
+    traced_entries: list[Any],
+    is_leaf: Callable[[Any], bool],
+    kwargs_axis: Any,
+    what: str,
 ) -> list[Any]:
-    """Broadcast over the object graph (graph=True), then read off per dynamic leaf."""
-    values = broadcast_to_leaves(
-        prefix, original, is_prefix_leaf=is_leaf, where=name, what="the specification"
-    )
-    leaves = jax.tree_util.tree_leaves(original, is_leaf=is_variable)
-    by_id: dict[int, Any] = {}
-    for leaf, value in zip(leaves, values, strict=True):
-        if id(leaf) in by_id and by_id[id(leaf)] != value and is_variable(leaf):
-            raise AxisError(
-                f"the specification for {name} gives two different values "
-                f"({by_id[id(leaf)]!r} and {value!r}) to one shared {type(leaf).__name__}."
-            )
-        by_id.setdefault(id(leaf), value)
+    """``graph=True``: broadcast over the object graph, then read off per dynamic leaf.
+
+    A Variable reachable from two arguments (or twice from one) is one input,
+    so all its places must give it the same value.
+    """
+    per_root: list[tuple[str, Any, list[Any]]] = []
+    for k, (name, original) in enumerate(original_roots(call)):
+        if k < len(traced_entries):
+            try:
+                values = broadcast_to_leaves(
+                    traced_entries[k],
+                    original,
+                    is_prefix_leaf=is_leaf,
+                    where=name,
+                    what=f"treemode.{call.transform}: {what}",
+                )
+            except ValueError as e:
+                raise AxisError(str(e)) from None
+        else:
+            values = [kwargs_axis] * len(jax.tree_util.tree_leaves(original, is_leaf=is_variable))
+        per_root.append((name, original, values))
+    check_one_spec_per_variable(call.transform, what, per_root)
     out: list[Any] = []
-    for leaf, count in zip(flat.leaves, flat.leaf_dynamic_counts(), strict=True):
-        if count:
-            out += [by_id.get(id(leaf))] * count
+    for flat, (_, original, values) in zip(call.arg_flats, per_root, strict=True):
+        leaves = jax.tree_util.tree_leaves(original, is_leaf=is_variable)
+        by_id: dict[int, Any] = {}
+        for leaf, value in zip(leaves, values, strict=True):
+            by_id.setdefault(id(leaf), value)
+        for leaf, count in zip(flat.leaves, flat.leaf_dynamic_counts(), strict=True):
+            if count:
+                out += [by_id.get(id(leaf))] * count
     return out
 
 
@@ -314,11 +327,6 @@ def batched_update_error(call: Call, index: int, *, axis_name: Any = None) -> Ax
     )
 
 
-def variable_axes(axes: CallAxes) -> tuple[Any, ...]:
-    """``out_axes`` entries for the updates tuple: each Variable's input axis."""
-    return axes.variables
-
-
 __all__ = [
     "CallAxes",
     "batched_update_error",
@@ -329,5 +337,4 @@ __all__ = [
     "is_axis",
     "is_int_axis",
     "positional_entries",
-    "variable_axes",
 ]

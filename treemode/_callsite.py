@@ -31,7 +31,7 @@ from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, varia
 from ._leaves import CONCRETE_ARRAY_TYPES, is_array
 
 if TYPE_CHECKING:
-    from ._core import Call
+    from ._call import Call
 
 
 class CallSite:
@@ -261,8 +261,8 @@ def compiled_plan(
     executable, the per-thread binding its `PureFunction` reads the current
     call from, the compiled entry (called for ``write_back(call, updates)``
     when a call has updates the C write cannot make), what
-    writing in C reads: ``(trace record, the _core module's globals, the
-    default store hook, _core.TRACE_REF)``, and ``None`` or, for an entry
+    writing in C reads: ``(trace record, the _writeback module's globals, the
+    default store hook, _writeback.TRACE_REF)``, and ``None`` or, for an entry
     with donated arrays, ``(donated indices, kept indices, check)``: the
     executable takes the two tuples, and ``check(call)`` runs when two of
     them are the same object (it raises the shared-buffer error, or returns

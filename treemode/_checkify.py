@@ -61,9 +61,13 @@ def checkify(
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         call = _core.prepare("checkify", f, args, kwargs, graph=graph)
         pure = _core.PureFunction(call)
-        with _core.bound(pure, call):
-            error, (out, updates) = jax_checkify.checkify(pure, errors=errors)(*call.dynamic)
-        _core.write_back(call, updates, pure.record.metadata_updates)
+        checked = jax_checkify.checkify(pure, errors=errors)
+
+        def jax_call() -> tuple[Any, Any]:
+            error, (out, updates) = checked(*call.dynamic)
+            return (error, out), updates
+
+        error, out = _core.run(call, pure, jax_call, finish=False)
         return error, _core.finish(call, out)
 
     return wrapped

@@ -16,6 +16,12 @@ packages (JAX, Flax, optax, ...), which cannot close over the user's modules.
 The walk stops `MAX_DEPTH` functions deep and visits each function once, so
 recursive helpers terminate.
 
+Plain holders are entered too (`_Walk.search`): lists, tuples and dicts, the
+attributes of instances of the user's own classes (the ``self`` of a bound
+method of a plain object), and default arguments. A holder can change in place
+without any read recorded below changing, so a search that finds an NNX object
+in one is not cached: such a function is searched again on every call.
+
 This runs on every transform call, so it is cached per function object: the
 answer is kept with every read the search made (each global's value, each
 closure cell's content, each function's code object) and reused while all of
@@ -37,6 +43,7 @@ import functools
 import operator
 import os
 import site
+import sys
 import sysconfig
 import types
 import weakref
@@ -45,7 +52,7 @@ from typing import Any
 
 from flax import nnx
 
-from ._leaves import is_graph_node, is_variable
+from ._leaves import is_variable_or_graph_node
 
 try:  # the compiled checks (treemode/_guard.c); optional, the same checks in Python below
     from ._guard import reads_hold as _reads_hold
@@ -55,8 +62,12 @@ except ImportError:  # pragma: no cover - built wherever a C compiler is availab
 MAX_DEPTH = 4  # function hops followed from the transformed function
 
 # What a value in a cell or global is, decided once per type.
-_IGNORE, _STATE, _FUNCTION, _WRAPPER = range(4)
+# _HOLDER: a list, tuple or dict, or an instance of a class of the user's own code,
+# searched for NNX objects inside it (see `_Walk.search`).
+_IGNORE, _STATE, _FUNCTION, _WRAPPER, _HOLDER = range(5)
 _kinds: dict[type, int] = {}
+MAX_HOLDER_ITEMS = 256  # bigger lists, dicts and attribute dicts are not searched
+MAX_HOLDER_ENTRIES = 4096  # entries of holders looked at by one search, in all
 
 
 def _classify(cls: type) -> int:
@@ -66,10 +77,23 @@ def _classify(cls: type) -> int:
         kind = _FUNCTION
     elif issubclass(cls, (types.MethodType, functools.partial)):
         kind = _WRAPPER
+    elif cls in (list, tuple, dict) or _user_class(cls):
+        kind = _HOLDER
     else:
         kind = _IGNORE
     _kinds[cls] = kind
     return kind
+
+
+def _user_class(cls: type) -> bool:
+    """A class defined in the user's own code whose instances have attributes."""
+    if issubclass(cls, (type, types.ModuleType, BaseException)) or "__dict__" not in dir(cls):
+        return False
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return cls.__module__ == "__main__"
+    return not os.path.abspath(path).startswith(_LIBRARY)
 
 
 def _library_prefixes() -> tuple[str, ...]:
@@ -134,10 +158,6 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _holds_state(x: Any) -> bool:
-    return is_graph_node(x) or is_variable(x)
-
-
 def closure_objects(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
     """``(name, object)`` for each NNX object or Variable bound to ``fn``.
 
@@ -173,6 +193,9 @@ def closure_objects(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
     ref.key = key
     walk = _Walk(fn, ref)
     walk.visit(fn, 0)
+    if walk.volatile:  # held in a list, dict, object or default: search every call
+        _snapshots.pop(key, None)
+        return walk.found
     if plan is not None:
         plan.snapshots += 1
     if len(_snapshots) >= 4096:
@@ -266,6 +289,8 @@ class _Walk:
     __slots__ = (
         "found",
         "seen",
+        "volatile",
+        "budget",
         "top",
         "top_ref",
         "dicts",
@@ -280,6 +305,8 @@ class _Walk:
     def __init__(self, top: Any, top_ref: Any) -> None:
         self.found: list[tuple[str, Any]] = []
         self.seen: set[int] = set()
+        self.volatile = False  # found an NNX object in a holder: do not cache
+        self.budget = MAX_HOLDER_ENTRIES  # entries of holders still to look at
         self.top_ref = top_ref  # None: do not record the reads
         if top_ref is None:
             return
@@ -305,19 +332,21 @@ class _Walk:
             return
         if isinstance(f, functools.partial):
             for i, a in enumerate(f.args):
-                if _holds_state(a):
+                if is_variable_or_graph_node(a):
                     self.add(f"partial.args[{i}]", a)
             for k, a in f.keywords.items():
-                if _holds_state(a):
+                if is_variable_or_graph_node(a):
                     self.add(f"partial.keywords[{k!r}]", a)
             self.visit(f.func, depth + 1)
             return
         if isinstance(f, types.MethodType):
-            if _holds_state(f.__self__):
+            if is_variable_or_graph_node(f.__self__):
                 self.add("self", f.__self__)
+            else:
+                self.search("self", f.__self__, depth + 1)
             self.visit(f.__func__, depth + 1)
             return
-        if _holds_state(f):
+        if is_variable_or_graph_node(f):
             self.add(type(f).__name__, f)
             call = getattr(type(f), "__call__", None)  # noqa: B004 - the method itself
             if self.top_ref is not None:
@@ -355,6 +384,15 @@ class _Walk:
                 self.consider(name, obj, kind, depth)
             if record:
                 self.cells.append((self.hold(f), tuple(contents)))
+        defaults = getattr(f, "__defaults__", None)
+        if defaults:
+            names = plan.code.co_varnames[: plan.code.co_argcount][-len(defaults) :]
+            for name, obj in zip(names, defaults, strict=False):
+                self.search(f"default {name}", obj, depth, default=True)
+        kwdefaults = getattr(f, "__kwdefaults__", None)
+        if kwdefaults:
+            for name, obj in kwdefaults.items():
+                self.search(f"default {name}", obj, depth, default=True)
         module_globals = getattr(f, "__globals__", None) if plan.global_names else None
         if module_globals:
             names = plan.global_names
@@ -379,6 +417,9 @@ class _Walk:
             return
         if depth >= MAX_DEPTH or id(obj) in self.seen:
             return
+        if kind == _HOLDER:
+            self.search(name, obj, depth + 1)
+            return
         if kind == _FUNCTION:
             plan = _plan(obj.__code__)
             if plan.user_code:
@@ -387,6 +428,46 @@ class _Walk:
             return
         self.seen.add(id(obj))
         self.visit(obj, depth + 1)
+
+    def search(self, name: str, obj: Any, depth: int, *, default: bool = False) -> None:
+        """NNX objects inside a plain holder: a list, tuple or dict, a default argument,
+        or an instance of a class of the user's own code (its attributes).
+
+        Such holders can change in place (``models[0] = other``, ``self.model =
+        other``) without any read of the snapshot changing, so a search that
+        finds an NNX object in one is *volatile*: not cached, done again on
+        every call. Holders bigger than `MAX_HOLDER_ITEMS` are not entered.
+        """
+        kind = _kinds.get(type(obj))
+        if kind is None:
+            kind = _classify(type(obj))
+        if kind == _STATE:
+            self.volatile = True
+            self.add(name, obj)
+            return
+        if kind == _FUNCTION or kind == _WRAPPER:
+            if not default:
+                self.consider(name, obj, kind, depth)
+            return
+        if kind != _HOLDER or depth > MAX_DEPTH or id(obj) in self.seen:
+            return
+        self.seen.add(id(obj))
+        if isinstance(obj, dict):
+            items = list(obj.items()) if len(obj) <= MAX_HOLDER_ITEMS else []
+            children = [(f"{name}[{k!r}]", v) for k, v in items]
+        elif isinstance(obj, (list, tuple)):
+            items = list(obj) if len(obj) <= MAX_HOLDER_ITEMS else []
+            children = [(f"{name}[{i}]", v) for i, v in enumerate(items)]
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            if not isinstance(attrs, dict) or len(attrs) > MAX_HOLDER_ITEMS:
+                return
+            children = [(f"{name}.{k}", v) for k, v in list(attrs.items())]
+        self.budget -= len(children)
+        if self.budget < 0:
+            return
+        for child_name, child in children:
+            self.search(child_name, child, depth + 1)
 
 
 # Every read a closure search made: (globals dicts, names, values) read with

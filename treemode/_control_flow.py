@@ -114,11 +114,23 @@ class _LoopEntry:
         self.cond: Callable[..., Any] | None = None
         self.cond_extra: list[int] = []
 
-    def run(self, call: _core.Call, init_val: Any, run: Callable[[Any], Any]) -> Any:
-        """Run the JAX loop (``run(initial state)`` returns the final state), write back."""
-        with _core.bound(self.pure, call):
+    def run(
+        self,
+        call: _core.Call,
+        init_val: Any,
+        run: Callable[[Any], Any],
+        others: Sequence[tuple[_core.PureFunction, _core.Call]] = (),
+    ) -> Any:
+        """Run the JAX loop (``run(initial state)`` returns the final state), write back.
+
+        ``others`` are the further pure functions the loop traces (its condition).
+        """
+
+        def jax_call() -> tuple[Any, Any]:
             _, free, values, *_ = run(self.loop.init(call.dynamic))
-        _core.write_back(call, self.loop.final_updates(values), self.pure.record.metadata_updates)
+            return free, self.loop.final_updates(values)
+
+        free = _core.run(call, [(self.pure, call), *others], jax_call, finish=False)
         return rebuild_carry(init_val, self.layout, free)
 
 
@@ -196,10 +208,9 @@ def _while_loop(
     extra = [cond_call.dynamic[j] for j in entry.cond_extra]
 
     def run(state: Any) -> Any:
-        with _core.bound(entry.cond_pure, cond_call):
-            return jax.lax.while_loop(cond, entry.step, (*state, extra))
+        return jax.lax.while_loop(cond, entry.step, (*state, extra))
 
-    return entry.run(call, init_val, run)
+    return entry.run(call, init_val, run, [(entry.cond_pure, cond_call)])
 
 
 class _WhileEntry(_LoopEntry):
@@ -355,39 +366,25 @@ def _branches(
         lambda: _BranchEntry(transform, calls, to_union, union_dyn, n_arg_dyn, n_arg_vars, dynamic),
     )
     pures = entry.pures
-    for p, c in zip(pures, calls, strict=True):
-        p.bind(c)
-    try:
+
+    def jax_call() -> tuple[Any, Any]:
         out, values = run(entry.fns, dynamic)
-    finally:
-        for p in pures:
-            p.bind(None)
-    metadata = _merged_metadata(transform, calls, pures, to_union)
-    by_union = dict(zip(entry.written, values, strict=True))
-    done: set[int] = set()
-    plans = []
-    for b, c in enumerate(calls):
-        ups: list[Any] = []
-        for u in to_union[b]:
-            ups.append(by_union.get(u) if u not in done else None)
-            if u in by_union:
-                done.add(u)
-        meta = {k: metadata[u] for k, u in enumerate(to_union[b]) if u in metadata}
-        plans.append((c, ups, meta))
-    for c, ups, _ in plans:
-        _core.check_writable(c, ups)
-    # One write-back per branch call (their closure Variables differ): all of
-    # them commit, or none (a failure in a later one undoes the earlier ones).
-    before: list[tuple[Any, Any, Any]] = []
-    try:
-        for c, ups, meta in plans:
-            before.extend((v, v._raw_value, v._var_metadata) for v in c.variables)
-            _core.write_back(c, ups, meta)
-    except BaseException:
-        for var, value, meta in reversed(before):
-            _core._restore(var, value, meta)
-        raise
-    return _core.finish(main, out)
+        metadata = _merged_metadata(transform, calls, pures, to_union)
+        by_union = dict(zip(entry.written, values, strict=True))
+        done: set[int] = set()
+        # One write-back per branch call (their closure Variables differ).
+        writes = []
+        for b, c in enumerate(calls):
+            ups: list[Any] = []
+            for u in to_union[b]:
+                ups.append(by_union.get(u) if u not in done else None)
+                if u in by_union:
+                    done.add(u)
+            meta = {k: metadata[u] for k, u in enumerate(to_union[b]) if u in metadata}
+            writes.append(_core.WriteBack(c, ups, meta))
+        return out, _core.WriteBacks(writes)
+
+    return _core.run(main, list(zip(pures, calls, strict=True)), jax_call)
 
 
 class _BranchEntry:

@@ -119,7 +119,7 @@ class CustomVjp(Generic[P, R]):
                 )
         call = _core.prepare("custom_vjp", self.fn, args_t, {}, graph=self.graph)
         diff_args = [i for i in range(len(args_t)) if i not in self.nondiff_argnums]
-        split = DiffSplit(call, diff_args)
+        split = DiffSplit(call, diff_args, "nondiff_argnums")
         protected = _protected_variables(call, split)
         primal = _core.PureFunction(call)
         fwd_pure = _core.PureFunction(call, allow_output_variables=True)
@@ -233,10 +233,14 @@ class CustomVjp(Generic[P, R]):
 
         # symbolic_zeros: fwd learns which inputs the outer transform differentiates
         flat.defvjp(flat_fwd, flat_bwd, symbolic_zeros=True)
-        out, updates = flat(*call.dynamic)
-        record = primal.record.metadata_updates or fwd_pure.record.metadata_updates
-        _core.write_back(call, updates, record)
-        return _core.finish(call, out)
+
+        def jax_call() -> tuple[Any, Any]:
+            out, updates = flat(*call.dynamic)
+            record = primal.record.metadata_updates or fwd_pure.record.metadata_updates
+            return out, _core.WriteBack(call, updates, record)
+
+        # ``flat`` binds the call itself (``run`` above), as its rules do.
+        return _core.run(call, (), jax_call)
 
 
 def _instantiate(x: Any) -> Any:

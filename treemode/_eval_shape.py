@@ -40,9 +40,5 @@ def eval_shape(fn: Callable[..., Any], *args: Any, graph: bool = False, **kwargs
     """
     call = _core.prepare("eval_shape", fn, args, kwargs, graph=graph, abstract=True)
     pure = _core.PureFunction(call)
-    pure.bind(call)
-    try:
-        out, _ = jax.eval_shape(pure, *call.dynamic)
-    finally:
-        pure.bind(None)
-    return _core.finish(call, out)
+    # The updates' shapes are dropped: nothing is written back.
+    return _core.run(call, pure, lambda: (jax.eval_shape(pure, *call.dynamic)[0], None))

@@ -19,7 +19,8 @@ from flax import nnx
 from flax.nnx import filterlib
 
 from ._leaves import ARRAY_TYPES, is_variable
-from ._pytree import Pytree, from_parts, nnx_path
+from ._paths import nnx_path
+from ._pytree import Pytree, from_parts
 
 
 def is_inexact_array(x: Any) -> bool:

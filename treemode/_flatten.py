@@ -11,14 +11,10 @@ through (see `flatten_arg`).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import operator
-import sys
-import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any, TypeGuard
 
@@ -28,9 +24,20 @@ from jax.core import Tracer
 from jax.tree_util import PyTreeDef
 
 from ._errors import AliasError
-from ._hashed import HashedKey
-from ._leaves import is_graph_node, is_variable, is_variable_value_leaf
-from ._paths import format_path
+from ._leaves import is_graph_node, is_variable
+from ._paths import paths_and_leaves
+from ._recursion import CycleFound, find_cycle, recursion_headroom
+from ._specs import (  # noqa: F401  (re-exported: the names every flattening user needs)
+    DYNAMIC,
+    Spec,
+    StaticLeaf,
+    StructureKey,
+    VarSpec,
+    rebuild,
+    value_spec,
+    variable_dynamic,
+    variable_spec,
+)
 
 try:  # the compiled guard (treemode/_guard.c); optional, same checks in Python below
     from ._guard import holds as _compiled_holds
@@ -40,90 +47,6 @@ except ImportError:  # pragma: no cover - built wherever a C compiler is availab
     _version_tags = None
 
 Variable = Any  # nnx.Variable; kept loose for speed-critical annotations
-
-
-class _Dynamic:
-    """Spec of a traced non-Variable leaf (an array in a plain container)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "DYNAMIC"
-
-    def __reduce__(self):
-        return "DYNAMIC"
-
-
-DYNAMIC = _Dynamic()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StaticLeaf:
-    """Spec of a non-array leaf: compared by value, part of the cache key."""
-
-    value: Any
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class VarSpec:
-    """Spec of a Variable leaf: its type, metadata and the layout of its value.
-
-    ``value_def`` is ``None`` when the value is a single array (the common case);
-    otherwise it is the value's treedef, and ``value_static`` holds, per value
-    leaf, ``None`` for a traced leaf or a ``StaticLeaf``.
-    """
-
-    var_type: type
-    metadata: tuple[tuple[str, Any], ...]
-    value_def: PyTreeDef | None = None  # pyright: ignore[reportInvalidTypeForm]
-    value_static: tuple[StaticLeaf | None, ...] = ()
-
-    @property
-    def num_dynamic(self) -> int:
-        if self.value_def is None:
-            return 1
-        return sum(1 for s in self.value_static if s is None)
-
-    def build(self, dynamic: Sequence[Any]) -> Any:
-        """Rebuild a raw value from this spec's dynamic leaves."""
-        if self.value_def is None:
-            return dynamic[0]
-        it = iter(dynamic)
-        leaves = [next(it) if s is None else s.value for s in self.value_static]
-        return self.value_def.unflatten(leaves)
-
-
-Spec = VarSpec | StaticLeaf | _Dynamic
-
-
-def variable_spec(var: Any) -> tuple[VarSpec, list[Any]]:
-    """The spec of a Variable and its dynamic value leaves."""
-    return value_spec(type(var), var._var_metadata, var._raw_value)
-
-
-def value_spec(var_type: type, metadata: dict[str, Any], value: Any) -> tuple[VarSpec, list[Any]]:
-    """The spec of a Variable of ``var_type`` holding ``value``, and its dynamic leaves."""
-    metadata_key = tuple(sorted(metadata.items()))
-    if is_variable_value_leaf(value):
-        return VarSpec(var_type, metadata_key), [value]
-    leaves, value_def = jax.tree_util.tree_flatten(value)
-    static: list[StaticLeaf | None] = []
-    dynamic: list[Any] = []
-    for leaf in leaves:
-        if is_variable_value_leaf(leaf):
-            static.append(None)
-            dynamic.append(leaf)
-        else:
-            static.append(StaticLeaf(leaf))
-    return VarSpec(var_type, metadata_key, value_def, tuple(static)), dynamic
-
-
-def variable_dynamic(var: Any, spec: VarSpec) -> list[Any]:
-    """The dynamic leaves of ``var``'s current value (laid out as ``spec``)."""
-    if spec.value_def is None:
-        return [var._raw_value]
-    leaves = jax.tree_util.tree_leaves(var._raw_value)
-    return [x for x, s in zip(leaves, spec.value_static, strict=True) if s is None]
 
 
 class ArgFlat:
@@ -180,7 +103,7 @@ class ArgFlat:
                 self.dynamic.extend(values)
             elif spec is DYNAMIC:
                 self.dynamic.append(leaf)
-        self.key = _StructureKey(treedef, specs)
+        self.key = StructureKey(treedef, specs)
         # Whether ``dynamic`` is exactly one array per Variable (the common case,
         # where refreshing it is one read per Variable).
         self.values_only = (
@@ -207,22 +130,6 @@ class ArgFlat:
             else:
                 counts.append(1 if spec is DYNAMIC else 0)
         return counts
-
-
-class _StructureKey(HashedKey):
-    """Hashable (treedef, specs) with the hash computed once."""
-
-    __slots__ = ("treedef", "specs")
-    _fields = ("treedef", "specs")
-
-    def __init__(
-        self,
-        treedef: PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
-        specs: tuple[Spec, ...],
-    ):
-        self.treedef = treedef
-        self.specs = specs
-        self._hash_fields()
 
 
 class _Guard:
@@ -321,42 +228,6 @@ _metadata_of = operator.attrgetter("_var_metadata")
 _IMMUTABLE_NODES: tuple[type, ...] = (tuple, type(None))
 
 
-class CycleFound(RecursionError):
-    """Raised (outside JAX's flattening) for an argument that contains itself."""
-
-
-_headroom_lock = threading.Lock()
-_headroom_users = 0
-_saved_limit = 0
-RECURSION_HEADROOM = 8_000
-
-
-@contextlib.contextmanager
-def recursion_headroom() -> Iterator[None]:
-    """Raise Python's recursion limit to ``RECURSION_HEADROOM`` while flattening.
-
-    JAX flattens pytrees recursively (a few interpreter levels per nesting
-    level), and a RecursionError inside its C++ flattening leaves the
-    interpreter's recursion counter corrupted, so deep modules (hundreds of
-    levels) must not hit the default limit of 1000. The limit is only ever
-    raised, and restored when the last concurrent user leaves.
-    """
-    global _headroom_users, _saved_limit
-    with _headroom_lock:
-        if _headroom_users == 0:
-            _saved_limit = sys.getrecursionlimit()
-            if _saved_limit < RECURSION_HEADROOM:
-                sys.setrecursionlimit(RECURSION_HEADROOM)
-        _headroom_users += 1
-    try:
-        yield
-    finally:
-        with _headroom_lock:
-            _headroom_users -= 1
-            if _headroom_users == 0 and _saved_limit < RECURSION_HEADROOM:
-                sys.setrecursionlimit(_saved_limit)
-
-
 def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgFlat, bool]:
     containers: list[Any] = []
     seen: set[int] = set()
@@ -385,8 +256,6 @@ def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgF
     with recursion_headroom():
         leaves, treedef = jax.tree_util.tree_flatten(arg, is_leaf=is_leaf)
         if revisited:
-            from ._graph import find_cycle
-
             if find_cycle(arg) is not None:
                 raise CycleFound("reference cycle")
             # Only shared objects (no cycle): flatten them in full.
@@ -625,13 +494,11 @@ def check_no_aliases(transform: str = "check_no_aliases", /, **trees: Any) -> No
 def first_duplicate(roots: Iterable[tuple[str, Any]]) -> tuple[Any, str, str] | None:
     """``(variable, first path, second path)`` of the first Variable reached twice."""
     seen: dict[int, str] = {}
-    for root, tree in roots:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
-            if is_variable(leaf):
-                where = format_path(path, root)
-                first = seen.setdefault(id(leaf), where)
-                if first != where:
-                    return leaf, first, where
+    for where, leaf in paths_and_leaves(roots):
+        if is_variable(leaf):
+            first = seen.setdefault(id(leaf), where)
+            if first != where:
+                return leaf, first, where
     return None
 
 
@@ -642,39 +509,6 @@ def alias_error(transform: str, var: Any, first: str, second: str) -> AliasError
         "Tree mode treats modules as pytrees, so the two references would become "
         "independent copies and one of the updates would be lost.\n"
         "Fix: remove the duplicate reference, pass a copy made with treemode.clone(...), "
-        f"or keep the sharing with treemode.{transform}(..., graph=True)."
+        f"or keep the sharing with treemode.{transform}(..., graph=True).\n"
+        "See docs/migration.md#shared-variables."
     )
-
-
-def dynamic_ids_unique(flats: Sequence[ArgFlat], extra: Sequence[Any] = ()) -> bool:
-    ids = {id(v) for f in flats for v in f.variables}
-    ids.update(id(v) for v in extra)
-    return len(ids) == sum(len(f.variables) for f in flats) + len(extra)
-
-
-def rebuild(flat_key: _StructureKey, dynamic: Sequence[Any]) -> tuple[Any, list[Any], list[Any]]:
-    """Rebuild a pytree from a structure key and its dynamic leaves.
-
-    Returns ``(tree, variables, leaves)``.
-
-    Every Variable is a new object of the same type and metadata holding the new
-    value, so it belongs to the current trace and can be mutated there.
-    """
-    leaves: list[Any] = []
-    variables: list[Any] = []
-    i = 0
-    for spec in flat_key.specs:
-        if type(spec) is VarSpec:
-            n = spec.num_dynamic
-            value = spec.build(dynamic[i : i + n])
-            i += n
-            var = spec.var_type.from_metadata(value, dict(spec.metadata))
-            variables.append(var)
-            leaves.append(var)
-        elif spec is DYNAMIC:
-            leaves.append(dynamic[i])
-            i += 1
-        else:
-            assert isinstance(spec, StaticLeaf)
-            leaves.append(spec.value)
-    return flat_key.treedef.unflatten(leaves), variables, leaves

@@ -39,7 +39,11 @@ def is_differentiable(x: Any) -> bool:
     """Whether a dynamic array is differentiated: floating point or complex.
 
     Integers, booleans and PRNG keys (``nnx.Rngs`` streams and counters) are not.
+    A Python ``float`` or ``complex`` (``nnx.Param(1.0)``) is: under ``jit`` it
+    is traced as a weakly typed float32 (complex64), and eager must agree.
     """
+    if isinstance(x, (float, complex)):
+        return True
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
@@ -61,9 +65,11 @@ class DiffSplit:
     arrays of the call (including the closure's) form ``other``.
     """
 
-    def __init__(self, call: _core.Call, roots: Sequence[int]):
+    def __init__(self, call: _core.Call, roots: Sequence[int], what: str = "argnums"):
         self.call = call
         self.roots = tuple(roots)
+        if call.graph and len(call.arg_flats) > len(self.roots):
+            _check_shared_roots(call, self.roots, what)
         ranges = call.root_dynamic_ranges()
         in_root = [False] * len(call.dynamic)
         for k in self.roots:
@@ -100,6 +106,20 @@ class DiffSplit:
             full[j] = g
         trees = rebuild_arg_trees(self.call, full)
         return [trees[k] for k in self.roots]
+
+
+def _check_shared_roots(call: _core.Call, roots: tuple[int, ...], what: str) -> None:
+    """``graph=True``: a Variable shared by a differentiated and another argument is an error."""
+    per_root = []
+    for k, (name, original) in enumerate(_graph.original_roots(call)):
+        n = len(jax.tree_util.tree_leaves(original, is_leaf=is_variable))
+        per_root.append((name, original, [k in roots] * n))
+    _graph.check_one_spec_per_variable(
+        call.transform,
+        what,
+        per_root,
+        describe=lambda diff: "differentiated" if diff else "not differentiated",
+    )
 
 
 def rebuild_arg_trees(call: _core.Call, dynamic: Sequence[Any]) -> list[Any]:
@@ -293,7 +313,8 @@ def _normalize_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], b
         raise TypeError(
             f"treemode.grad: argnums must be an int or a non-empty tuple of ints, got "
             f"{argnums!r}. (Tree mode has no DiffState: to differentiate only some "
-            "Variables, nnx.split the module and pass the parts as separate arguments.)"
+            "Variables, nnx.split the module and pass the parts as separate arguments: "
+            "see docs/migration.md#diffstate.)"
         )
     return nums, False
 
@@ -345,11 +366,13 @@ def _grad_transform(
             check_scalar(name, loss, holomorphic)
             return loss, (aux, updates)
 
-        with _core.bound(pure, call):
+        def jax_call() -> tuple[Any, Any]:
             (loss, (aux, updates)), diff_grads = jax.value_and_grad(
                 differentiated, argnums=0, has_aux=True, holomorphic=holomorphic
             )(split.diff_values(), split.other_values())
-        _core.write_back(call, updates, pure.record.metadata_updates)
+            return (loss, aux, diff_grads), updates
+
+        loss, aux, diff_grads = _core.run(call, pure, jax_call, finish=False)
         grad_trees = split.cotangent_trees(diff_grads)
         grads = grad_trees[0] if single else tuple(grad_trees)
         if has_aux:

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.tree_util import PyTreeDef
 
-from ._errors import StructureError
-from ._flatten import RECURSION_HEADROOM, recursion_headroom
-from ._leaves import is_graph_node, is_variable
+from ._errors import AliasError
+from ._leaves import is_variable, is_variable_or_graph_node
 from ._paths import format_path
+from ._recursion import CycleError, below, recursion_headroom
 
 
 @jax.tree_util.register_static
@@ -68,80 +69,6 @@ class GraphNode:
 
 def _is_marker(x: Any) -> bool:
     return isinstance(x, (GraphNode, SharedRef)) or is_variable(x)
-
-
-class CycleError(StructureError):
-    """``to_tree`` found an object that contains itself."""
-
-
-def _below(x: Any) -> Any:
-    """``is_leaf`` that flattens ``x`` one level (``x`` itself as a child is a leaf)."""
-    root = [True]
-
-    def is_leaf(child: Any) -> bool:
-        if child is x and root[0]:
-            root[0] = False
-            return False
-        return True
-
-    return is_leaf
-
-
-def _children(x: Any) -> list[tuple[Any, Any]]:
-    """``(key, child)`` one level below a pytree node; ``[]`` for a leaf or a Variable."""
-    if is_variable(x):
-        return []
-    flat, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=_below(x))
-    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is x:
-        return []
-    return [(p[0], c) for p, c in flat]
-
-
-def find_cycle(tree: Any) -> tuple[Any, ...] | None:
-    """The path of the first object that contains itself, without recursion."""
-    on_path: set[int] = set()
-    stack: list[tuple[tuple[Any, ...], Any, bool]] = [((), tree, False)]
-    while stack:
-        path, x, done = stack.pop()
-        if done:
-            on_path.discard(id(x))
-            continue
-        if id(x) in on_path:
-            return path
-        if not (is_graph_node(x) or isinstance(x, (dict, list))):
-            if not _children(x):
-                continue
-        on_path.add(id(x))
-        stack.append((path, x, True))
-        for key, child in reversed(_children(x)):
-            stack.append(((*path, key), child, False))
-    return None
-
-
-def recursion_error(transform: str, roots: list[tuple[str, Any]]) -> StructureError:
-    """A clear error for a RecursionError while flattening ``roots``.
-
-    Names the reference cycle if there is one; otherwise the nesting is deeper
-    than Python's recursion limit allows JAX's (recursive) pytree flattening.
-    """
-    for root, tree in roots:
-        path = find_cycle(tree)
-        if path is not None:
-            return StructureError(
-                f"treemode.{transform}: reference cycle at {format_path(path, root)}: the "
-                "object contains itself, so it cannot be flattened into a pytree. Tree "
-                "mode needs an acyclic structure; store the back-reference outside the "
-                "module (or as a static non-NNX attribute)."
-            )
-    names = ", ".join(root for root, _ in roots)
-    limit = max(sys.getrecursionlimit(), RECURSION_HEADROOM)
-    return StructureError(
-        f"treemode.{transform}: the inputs ({names}) are nested too deeply to flatten "
-        f"within a recursion limit of {limit}: JAX flattens pytrees recursively, each "
-        "nesting level taking a few interpreter levels (about six with graph=True). "
-        "Raise the limit before calling (sys.setrecursionlimit) or store deep stacks "
-        "of layers in an nnx.List instead of nesting them."
-    )
 
 
 def to_tree(node: Any) -> Any:
@@ -203,13 +130,15 @@ def to_tree(node: Any) -> Any:
             return x
         in_progress.add(key)
         try:
-            flat, node_def = jax.tree_util.tree_flatten_with_path(x, is_leaf=_below(x))
+            flat, node_def = jax.tree_util.tree_flatten_with_path(x, is_leaf=below(x))
             keys = tuple(p[0] for p, _ in flat)
             children = [
                 jax.tree_util.tree_map_with_path(
-                    lambda p, c, k=k: convert((*path, k, *p), c) if is_variable_or_graph(c) else c,
+                    lambda p, c, k=k: (
+                        convert((*path, k, *p), c) if is_variable_or_graph_node(c) else c
+                    ),
                     child,
-                    is_leaf=is_variable_or_graph,
+                    is_leaf=is_variable_or_graph_node,
                 )
                 for k, (_, child) in zip(keys, flat, strict=True)
             ]
@@ -217,15 +146,12 @@ def to_tree(node: Any) -> Any:
             in_progress.discard(key)
         return GraphNode(node_def, keys, children)
 
-    def is_variable_or_graph(x: Any) -> bool:
-        return is_variable(x) or is_graph_node(x)
-
     with recursion_headroom():
         max_depth = sys.getrecursionlimit() // 7  # about six levels per nesting level
         tree = jax.tree_util.tree_map_with_path(
-            lambda p, x: convert(p, x) if is_variable_or_graph(x) else x,
+            lambda p, x: convert(p, x) if is_variable_or_graph_node(x) else x,
             node,
-            is_leaf=is_variable_or_graph,
+            is_leaf=is_variable_or_graph_node,
         )
     if errors:
         raise errors[0]
@@ -281,3 +207,61 @@ def from_tree(tree: Any) -> Any:
         return jax.tree_util.tree_map(
             lambda x: build(x) if _is_marker(x) else x, tree, is_leaf=_is_marker
         )
+
+
+def original_roots(call: Any) -> list[tuple[str, Any]]:
+    """``(display name, argument as passed)`` of a call's traced arguments (before `to_tree`)."""
+    static = call.static_positional
+    roots = [(f"args[{i}]", a) for i, a in enumerate(call.args) if i not in static]
+    return roots + [(f"kwargs[{name!r}]", call.kwargs[name]) for name in call.kw_names]
+
+
+def check_one_spec_per_variable(
+    transform: str,
+    what: str,
+    roots: list[tuple[str, Any, list[Any]]],
+    describe: Callable[[Any], str] = repr,
+) -> None:
+    """``graph=True``: raise if one Variable reached twice gets two specifications.
+
+    With sharing, a Variable passed in two places is one input of the JAX
+    transform, so it can take only one ``in_axes``, ``argnums`` membership or
+    sharding. ``roots`` are ``(name, original argument, values)``, ``values``
+    holding one specification per leaf of the argument (Variables count as
+    leaves, in ``jax.tree_util.tree_leaves`` order).
+
+    **Raises:**
+
+    `AliasError` naming both paths and both specifications.
+    """
+    first: dict[int, tuple[int, int, Any]] = {}
+    for r, (_, tree, values) in enumerate(roots):
+        leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_variable)
+        for j, (leaf, value) in enumerate(zip(leaves, values, strict=True)):
+            if not is_variable(leaf):
+                continue
+            seen = first.setdefault(id(leaf), (r, j, value))
+            if not _same_spec(seen[2], value):
+                where = [_leaf_path(roots[k][0], roots[k][1], i) for k, i in (seen[:2], (r, j))]
+                raise AliasError(
+                    f"treemode.{transform}: the {type(leaf).__name__} at {where[0]} is also "
+                    f"reachable at {where[1]} (shared, graph=True), with two different "
+                    f"{what}: {describe(seen[2])} at {where[0]} and {describe(value)} at "
+                    f"{where[1]}. A shared "
+                    "Variable is one input of the transform, so it takes one specification.\n"
+                    f"Fix: give both places the same {what}, or pass the Variable only once."
+                )
+
+
+def _same_spec(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+def _leaf_path(root: str, tree: Any, index: int) -> str:
+    path = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0][index][0]
+    return format_path(path, root)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
@@ -10,11 +11,13 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from jax.core import Tracer
 
-from . import _callsite, _core
-from ._callsite import CallSite, SiteCall
+from . import _callsite, _core, _explain, _writeback
+from ._callsite import CallSite
 from ._errors import DonationError, StaticArgumentError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
-from ._prefix import broadcast_to_dynamic
+from ._graph import check_one_spec_per_variable, original_roots
+from ._leaves import is_variable
+from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -79,14 +82,20 @@ class _Entry:
     write-back without looking at their updates, and JAX rebuilds a smaller
     output tree on every call. Not with explicit shardings, whose
     ``out_shardings`` give one entry per Variable.
+
+    Metadata updates are static, so each trace records its own in `record`,
+    under the abstract values of its inputs: ``jax.jit`` keeps one executable
+    per input shape under this one entry, and a call writes back the metadata
+    updates of the trace its executable came from.
     """
 
-    __slots__ = ("pure", "jitted", "donated", "kept", "_order", "_compact")
+    __slots__ = ("pure", "jitted", "donated", "kept", "record", "_order", "_compact")
 
     def __init__(
         self, pure: _core.PureFunction, jit_kwargs: dict[str, Any], donated: list[int], n: int
     ):
         self.pure = pure
+        self.record = _EntryRecord()
         self._compact = "out_shardings" not in jit_kwargs
         donated_set = set(donated)
         self.donated = donated
@@ -102,21 +111,26 @@ class _Entry:
             self.jitted = jax.jit(self._call_flat, **jit_kwargs)
 
     def _call_flat(self, *dynamic: Any) -> Any:
-        return self._traced(self.pure(*dynamic))
+        return self._traced(dynamic)
 
     def _call_split(self, donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
         joined = donated + kept
-        return self._traced(self.pure(*(joined[j] for j in self._order)))
+        return self._traced([joined[j] for j in self._order])
 
-    def _traced(self, result: tuple[Any, tuple[Any, ...]]) -> tuple[Any, tuple[Any, ...] | None]:
+    def _traced(self, dynamic: Sequence[Any]) -> tuple[Any, tuple[Any, ...] | None]:
+        result = self.pure(*dynamic)
         out, updates = result
-        if (
-            not self._compact
-            or any(u is not None for u in updates)
-            or self.pure.record.metadata_updates
-        ):
+        metadata = self.pure.record.metadata_updates
+        self.record.note(dynamic, metadata)
+        if not self._compact or any(u is not None for u in updates) or metadata:
             return result
         return out, None
+
+    def metadata_for(self, dynamic: Sequence[Any]) -> dict[int, dict[str, Any]] | None:
+        """The metadata updates of the trace whose executable ran on ``dynamic``."""
+        if not self.record.metadata_updates:
+            return None  # no trace of this entry recorded one
+        return self.record.by_signature.get(_signature(dynamic))
 
     def args(self, dynamic: Sequence[Any]) -> tuple[Any, ...]:
         if not self.donated:
@@ -127,9 +141,35 @@ class _Entry:
         """Arrange a per-dynamic-array list (e.g. shardings) like `args`."""
         return self.args(per_dynamic)
 
-    def write_back(self, call: _core.Call | SiteCall, updates: Sequence[Any]) -> None:
-        """Store a call's updates (and any metadata update its trace recorded)."""
-        _core.write_back(call, updates, self.pure.record.metadata_updates)
+    def write_back(self, call: _core.PreparedCall, updates: Sequence[Any]) -> None:
+        """Store a call's updates (and any metadata update its trace recorded).
+
+        The compiled call path calls it for updates it does not write itself.
+        """
+        _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
+
+
+class _EntryRecord:
+    """The metadata updates of every trace of one `_Entry`, by input signature.
+
+    ``metadata_updates`` is true once any trace recorded one (the compiled call
+    path then leaves the write to `_Entry.write_back`).
+    """
+
+    __slots__ = ("metadata_updates", "by_signature")
+
+    def __init__(self) -> None:
+        self.metadata_updates = False
+        self.by_signature: dict[tuple[Any, ...], dict[int, dict[str, Any]] | None] = {}
+
+    def note(self, dynamic: Sequence[Any], metadata: dict[int, dict[str, Any]]) -> None:
+        self.by_signature[_signature(dynamic)] = metadata or None
+        self.metadata_updates = self.metadata_updates or bool(metadata)
+
+
+def _signature(dynamic: Sequence[Any]) -> tuple[Any, ...]:
+    """What ``jax.jit`` tells traces apart by: each input's shape, dtype and weak type."""
+    return tuple((a.shape, a.dtype, a.weak_type) for a in map(jax.typeof, dynamic))
 
 
 class _PythonMemoCall:
@@ -216,6 +256,26 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         copied._memo = self._memo
         return copied
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> JitWrapped[P, R]:
+        """``copy.deepcopy``: as ``jax.jit``'s wrapper, a new wrapper of the same function.
+
+        The function and the compiled entries are shared (they hold no state of
+        the caller's); the arguments bound by `jit_partial` are deep-copied, so
+        the copy updates its own modules.
+        """
+        copied = self.__copy__()
+        if self.partial_args:
+            copied.partial_args = copy.deepcopy(self.partial_args, memo)
+            copied._memo = None  # the memo matched the original's bound objects
+        return copied
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"treemode.jit: cannot pickle the jitted function {getattr(self.fn, '__name__', '')!r}"
+            " (jax.jit's wrappers cannot be pickled either). Pickle the function itself "
+            "and apply treemode.jit again after loading."
+        )
+
     # -- descriptor protocol: methods ------------------------------------------
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
@@ -292,6 +352,8 @@ class JitWrapped(_MemoCall, Generic[P, R]):
                 "entry per positional argument (static arguments excluded), or a single "
                 "sharding for all."
             )
+        if call.graph:
+            _check_shared_shardings(call, spec, n_traced_pos)
         flat_shardings: list[Any] = []
         roots = self._positional_roots(call)
         for k, (flat, tree) in enumerate(roots):
@@ -346,36 +408,36 @@ class JitWrapped(_MemoCall, Generic[P, R]):
 
     def _plan(self, site: CallSite, entry: _Entry) -> Any:
         """The compiled call path's plan for ``site`` (``None``: match in Python)."""
-        writing = (entry.pure.record, vars(_core), _core.DEFAULT_STORE, _core.TRACE_REF)
+        writing = (
+            entry.record,
+            vars(_writeback),
+            _writeback.DEFAULT_STORE,
+            _writeback.TRACE_REF,
+        )
         donation = None
         if entry.donated:
             check = functools.partial(_check_donation, entry=entry)
             donation = (tuple(entry.donated), tuple(entry.kept), check)
         run = (entry.jitted, entry.pure.binding, entry, writing, donation)
-        return _callsite.compiled_plan(site, self.partial_args, run, _core.raise_explained)
+        return _callsite.compiled_plan(site, self.partial_args, run, _explain.raise_explained)
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
         """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
         return self._prepare(args[self._n_partial :], kwargs, abstract=False)
 
-    def _run(
-        self, call: _core.Call | SiteCall, entry: _Entry, executable: Callable[..., Any]
-    ) -> Any:
+    def _run(self, call: _core.PreparedCall, entry: _Entry, executable: Callable[..., Any]) -> Any:
         """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
         if entry.donated:
             _check_donation(call, entry)
         arrays = entry.args(call.dynamic)
-        binding = entry.pure.binding
-        binding.call = call
-        try:
+
+        def jax_call() -> tuple[Any, Any]:
             out, updates = executable(*arrays)
-        except (RuntimeError, jax.errors.UnexpectedTracerError) as e:
-            _core.raise_explained(call, e)
-        finally:
-            binding.call = None
-        if updates is not None:
-            entry.write_back(call, updates)
-        return out if not call.graph else _core.finish(call.full(), out)
+            if updates is None:
+                return out, None
+            return out, _core.WriteBack(call, updates, entry.metadata_for(call.dynamic))
+
+        return _core.run(call, entry.pure, jax_call)
 
     # -- AOT ---------------------------------------------------------------------
 
@@ -383,11 +445,10 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         """Trace without compiling; ``.jaxpr`` and ``.lower()`` are available."""
         call = self._prepare(args, kwargs, abstract=True)
         entry = self._entry(call)
-        entry.pure.bind(call)
-        try:
-            traced = entry.jitted.trace(*entry.args(call.dynamic))
-        finally:
-            entry.pure.bind(None)
+        arrays = entry.args(call.dynamic)
+        traced = _core.run(
+            call, entry.pure, lambda: (entry.jitted.trace(*arrays), None), finish=False
+        )
         return Traced(self, call.key, traced)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
@@ -397,13 +458,9 @@ class JitWrapped(_MemoCall, Generic[P, R]):
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """Output shapes and dtypes of a call; the inputs are never modified."""
         call = self._prepare(args, kwargs, abstract=True)
-        entry = self._entry(call)
-        entry.pure.bind(call)
-        try:
-            out, _ = jax.eval_shape(entry.pure, *call.dynamic)
-        finally:
-            entry.pure.bind(None)
-        return _core.finish(call, out)
+        pure = self._entry(call).pure
+        # The updates' shapes are dropped: nothing is written back.
+        return _core.run(call, pure, lambda: (jax.eval_shape(pure, *call.dynamic)[0], None))
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -414,7 +471,21 @@ def _is_sharding(x: Any) -> bool:
     return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
 
 
-def _check_donation(call: _core.Call | SiteCall, entry: _Entry) -> None:
+def _check_shared_shardings(call: _core.Call, spec: Sequence[Any], n_traced_pos: int) -> None:
+    """``graph=True``: one Variable passed in two arguments takes one sharding."""
+    per_root: list[tuple[str, Any, list[Any]]] = []
+    for k, (name, original) in enumerate(original_roots(call)[:n_traced_pos]):
+        try:
+            values = broadcast_to_leaves(
+                spec[k], original, is_prefix_leaf=_is_sharding, where=name, what="in_shardings"
+            )
+        except ValueError:
+            return  # not a prefix of the argument: reported with the per-array shardings
+        per_root.append((name, original, values))
+    check_one_spec_per_variable("jit", "in_shardings", per_root)
+
+
+def _check_donation(call: _core.PreparedCall, entry: _Entry) -> None:
     """Two donated leaves sharing a buffer fail inside XLA: name them here.
 
     A donated device buffer must appear once among the call's arrays; arrays
@@ -445,17 +516,11 @@ def _is_buffer(x: Any) -> bool:
 
 
 def _raise_shared_buffer(call: _core.Call, array: Any) -> None:
-    import jax.tree_util as jtu
-
-    from ._leaves import is_variable
-    from ._paths import format_path
-
-    paths: list[str] = []
-    for root, tree in call.arg_roots() + call.lifted_roots:
-        for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
-            value = leaf.get_raw_value() if is_variable(leaf) else leaf
-            if value is array:
-                paths.append(format_path(path, root))
+    paths = [
+        where
+        for where, leaf in call.paths_and_leaves()
+        if (leaf.get_raw_value() if is_variable(leaf) else leaf) is array
+    ]
     raise DonationError(
         "treemode.jit: the same buffer is reachable at "
         + " and ".join(paths[:2])

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.core import Tracer
+from jax.tree_util import PyTreeDef
 
 Variable = nnx.Variable
 
@@ -79,10 +80,95 @@ def is_variable_value_leaf(x: Any) -> bool:
 
 
 def same_static(a: Any, b: Any) -> bool:
-    """Equality of static values, where a failing ``==`` means different."""
+    """Equality of static values, types included; a failing ``==`` means different.
+
+    ``2 == 2.0`` and ``True == 1``, but a trace specialized on one is not the
+    program of the other (``x * 2`` is int32 where ``x * 2.0`` is float32), so,
+    as ``jax.jit`` does for ``static_argnums``, values of different types (at
+    any depth of a tuple, list or dict) are different.
+    """
     if a is b:
         return True
     try:
-        return bool(a == b)
+        return bool(a == b) and static_types(a) == static_types(b)
     except Exception:
         return False
+
+
+def static_types(value: Any) -> Any:
+    """The types inside a static value, recursively: what ``==`` does not compare."""
+    cls = type(value)
+    if cls is PyTreeDef:
+        return treedef_static_types(value)
+    if isinstance(value, (tuple, list)):
+        return (cls, tuple(map(static_types, value)))
+    if isinstance(value, dict):
+        return (cls, tuple((static_types(k), static_types(v)) for k, v in value.items()))
+    if isinstance(value, (set, frozenset)):
+        return (cls, frozenset((static_types(x), x) for x in value))
+    return cls
+
+
+def treedef_static_types(treedef: Any) -> tuple[Any, ...]:
+    """`static_types` of every node's auxiliary data (static fields, dict keys) in a treedef.
+
+    ``PyTreeDef.__eq__`` compares auxiliary data with ``==``, so two treedefs
+    holding a module with ``s = 2`` and one with ``s = 2.0`` are equal; these
+    types tell them apart.
+    """
+    out: list[Any] = []
+    stack = [treedef]
+    while stack:
+        node = stack.pop()
+        data = node.node_data()
+        if data is not None:
+            out.append(static_types(data[1]))
+        stack.extend(node.children())
+    return tuple(out)
+
+
+def same_treedef(a: Any, b: Any) -> bool:
+    """Treedef equality with the types of static values compared too (see `same_static`)."""
+    return a is b or (a == b and treedef_static_types(a) == treedef_static_types(b))
+
+
+def frozen_metadata(metadata: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A hashable, typed form of a Variable's metadata, for cache keys.
+
+    NNX accepts any value as metadata (``nnx.Param(x, tags=["decay"])``); lists,
+    dicts and sets are turned into tuples and frozensets tagged with their type,
+    other unhashable values are compared by identity. The Variable keeps the
+    user's values: this form is only compared.
+    """
+    return tuple((name, _freeze(metadata[name])) for name in sorted(metadata))
+
+
+class _ByIdentity:
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _ByIdentity and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"<{type(self.obj).__name__} at {id(self.obj):#x}>"
+
+
+def _freeze(value: Any) -> Any:
+    cls = type(value)
+    if isinstance(value, (tuple, list)):
+        return (cls, tuple(map(_freeze, value)))
+    if isinstance(value, dict):
+        return (cls, tuple((_freeze(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (set, frozenset)):
+        return (cls, frozenset(map(_freeze, value)))
+    try:
+        hash(value)
+    except TypeError:
+        return (cls, _ByIdentity(value))
+    return (cls, value)

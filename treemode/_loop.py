@@ -33,7 +33,7 @@ from . import _core
 from ._errors import StructureError
 from ._flatten import DYNAMIC, VarSpec, variable_dynamic
 from ._graph import GraphNode, SharedRef
-from ._leaves import is_graph_node, is_variable, same_static
+from ._leaves import is_variable, is_variable_or_graph_node, same_static
 from ._paths import format_path
 
 # -- per-dynamic-array helpers ------------------------------------------------------
@@ -74,13 +74,6 @@ def probe_changed(
     return frozenset(i for i, u in enumerate(updates) if u is not None)
 
 
-def variable_values(call: _core.Call, index: int, dynamic: Sequence[Any]) -> Any:
-    """The raw value of ``call.variables[index]`` built from ``dynamic``."""
-    spec = variable_specs(call)[index]
-    rng = call.variable_dynamic_ranges()[index]
-    return spec.build([dynamic[j] for j in rng])
-
-
 def variable_specs(call: _core.Call) -> list[VarSpec]:
     specs = [s for f in call.arg_flats for s in f.specs if type(s) is VarSpec]
     return specs + list(call.lifted_specs)
@@ -115,11 +108,7 @@ def type_error(transform: str, path: str, what: str, problem: str) -> StructureE
 
 
 def _is_coarse_leaf(x: Any) -> bool:
-    return is_variable(x) or is_graph_node(x) or isinstance(x, (GraphNode, SharedRef))
-
-
-def _is_object_leaf(x: Any) -> bool:
-    return is_variable(x) or is_graph_node(x)
+    return is_variable_or_graph_node(x) or isinstance(x, (GraphNode, SharedRef))
 
 
 NODE, FREE, STATIC = "node", "free", "static"
@@ -180,8 +169,10 @@ def check_carry_out(
     path when the structure differs, an NNX object or Variable was replaced, or a
     free array changed shape or dtype.
     """
-    in_paths, in_def = jax.tree_util.tree_flatten_with_path(carry_in, is_leaf=_is_object_leaf)
-    out_leaves, out_def = jax.tree_util.tree_flatten(carry_out, is_leaf=_is_object_leaf)
+    in_paths, in_def = jax.tree_util.tree_flatten_with_path(
+        carry_in, is_leaf=is_variable_or_graph_node
+    )
+    out_leaves, out_def = jax.tree_util.tree_flatten(carry_out, is_leaf=is_variable_or_graph_node)
     if in_def != out_def:
         path, what = _core.describe_structure_change(carry_in, carry_out)
         raise StructureError(
@@ -233,7 +224,7 @@ def rebuild_carry(original: Any, layout: CarryLayout, free_values: Sequence[Any]
     """The caller's carry object with new free arrays; NNX objects are kept as they are."""
     if not layout.free:
         return original
-    leaves, treedef = jax.tree_util.tree_flatten(original, is_leaf=_is_object_leaf)
+    leaves, treedef = jax.tree_util.tree_flatten(original, is_leaf=is_variable_or_graph_node)
     values = iter(free_values)
     new = [
         next(values) if kind == FREE else leaf
@@ -249,7 +240,7 @@ def scalars_to_arrays(tree: Any) -> Any:
     """
 
     def is_leaf(x: Any) -> bool:
-        return not isinstance(x, (tuple, list, dict)) or _is_object_leaf(x)
+        return not isinstance(x, (tuple, list, dict)) or is_variable_or_graph_node(x)
 
     def is_number(x: Any) -> bool:
         return isinstance(x, (bool, int, float, complex)) and not isinstance(x, jax.Array)

@@ -23,6 +23,7 @@ from typing import Any, TypeVar, overload
 
 import jax
 
+from . import _core
 from ._axes import is_axis, is_int_axis, positional_entries
 from ._errors import AxisError
 from ._leaves import is_variable
@@ -348,7 +349,19 @@ def transform_metadata(
         return functools.partial(
             transform_metadata, in_axes=in_axes, out_axes=out_axes, metadata=metadata
         )
-    return with_axis_metadata(f, in_axes, out_axes, metadata, transform="transform_metadata")
+    inner = with_axis_metadata(f, in_axes, out_axes, metadata, transform="transform_metadata")
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # The whole pipeline around a direct call (no JAX transform of its own): the
+        # function sees trace-time copies whose metadata it may change freely, and
+        # the caller's Variables get the changed values, all or nothing.
+        call = _core.prepare("transform_metadata", f, args, kwargs)
+        pure = _core.PureFunction(call)
+        pure.fn = inner
+        return _core.run(call, pure, lambda: pure(*call.dynamic))
+
+    return wrapper
 
 
 __all__ = [

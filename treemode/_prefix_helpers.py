@@ -16,20 +16,7 @@ from flax.nnx import filterlib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._leaves import is_variable
-from ._paths import format_path
-
-
-def nnx_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A JAX key path as an NNX path (attribute names, indices, dict keys)."""
-    out: list[Any] = []
-    for key in path:
-        for attr in ("name", "key", "idx"):
-            if hasattr(key, attr):
-                out.append(getattr(key, attr))
-                break
-        else:
-            out.append(str(key))
-    return tuple(out)
+from ._paths import format_path, nnx_path
 
 
 def prefix(
@@ -166,4 +153,4 @@ def partition_specs(node: Any) -> Any:
     )
 
 
-__all__ = ["nnx_path", "partition_spec_of", "partition_specs", "prefix", "sharding_of"]
+__all__ = ["partition_spec_of", "partition_specs", "prefix", "sharding_of"]

@@ -22,21 +22,24 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
 from flax import nnx
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+from jax.core import Tracer
+from jax.tree_util import GetAttrKey
 
-from ._errors import ProxyError
-from ._flatten import DYNAMIC, StaticLeaf, VarSpec, value_spec
+from ._errors import ProxyError, TraceContextError
 from ._graph import from_tree, to_tree
-from ._hashed import HashedKey
 from ._leaves import (
     ARRAY_TYPES,
     SCALAR_TYPES,
+    frozen_metadata,
     is_abstract_array,
     is_graph_node,
     is_variable,
     same_static,
+    same_treedef,
 )
-from ._paths import format_key
+from ._paths import format_key, nnx_path  # noqa: F401  (nnx_path: re-exported)
+from ._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild, value_spec
+from ._writeback import current_trace_ref
 
 M = TypeVar("M")
 
@@ -77,35 +80,12 @@ def _format_key(key: Any) -> str:
     return str(key) if isinstance(key, ModuleKey) else format_key(key)
 
 
-def nnx_path(keys: Sequence[Any]) -> tuple[Any, ...]:
-    """A JAX key path as an NNX path (``('layers', 0, 'kernel')``), for NNX filters."""
-    out: list[Any] = []
-    for key in keys:
-        if isinstance(key, ModuleKey):
-            out.extend(nnx_path(key.parts))
-        elif isinstance(key, GetAttrKey):
-            out.append(key.name)
-        elif isinstance(key, SequenceKey):
-            out.append(key.idx)
-        elif isinstance(key, (DictKey, FlattenedIndexKey)):
-            out.append(key.key)
-        else:
-            out.append(str(key))
-    return tuple(out)
-
-
 # ------------------------------------------------------------------ static part
 
 
 def _single(spec: VarSpec) -> bool:
     """Whether the Variable's value is one traced leaf (stored as it is)."""
     return spec.value_def is None
-
-
-def _leaf_count(spec: Any) -> int:
-    if type(spec) is VarSpec:
-        return spec.num_dynamic
-    return 1 if spec is DYNAMIC else 0
 
 
 class LeafInfo(NamedTuple):
@@ -117,7 +97,7 @@ class LeafInfo(NamedTuple):
     var_path: tuple[Any, ...]  # key path of the owning Variable
 
 
-class PytreeDef(HashedKey):
+class PytreeDef(StructureKey):
     """The static part of a `Pytree`: hashable and compared by value.
 
     Holds the module's structure (the treedef of ``to_tree(module)`` with
@@ -129,8 +109,6 @@ class PytreeDef(HashedKey):
     """
 
     __slots__ = (
-        "treedef",
-        "specs",
         "num_leaves",
         "_keys",
         "_layout",
@@ -138,12 +116,12 @@ class PytreeDef(HashedKey):
         "_masks",
         "__weakref__",
     )
-    _fields = ("treedef", "specs")
 
     def __init__(self, treedef: Any, specs: tuple[Any, ...]):
         self.treedef = treedef  # a jax PyTreeDef
         self.specs = specs
-        self.num_leaves = sum(_leaf_count(s) for s in specs)
+        self.num_leaves = sum(dynamic_count(s) for s in specs)
+        self._static_types = None
         try:
             self._hash_fields()
         except TypeError as e:
@@ -202,7 +180,7 @@ class PytreeDef(HashedKey):
             slots = []
             start = 0
             for spec in self.specs:
-                n = _leaf_count(spec)
+                n = dynamic_count(spec)
                 if type(spec) is VarSpec:
                     slots.append((start, n, spec))
                 start += n
@@ -284,7 +262,7 @@ def _reuse(flat: list[Any], old: PytreeDef) -> tuple[tuple[Any, ...], list[Any]]
         elif type(spec) is VarSpec:
             if type(x) is not spec.var_type:
                 return None
-            if tuple(sorted(x._var_metadata.items())) != spec.metadata:
+            if frozen_metadata(x._var_metadata) != spec.frozen:
                 return None
             variables.append(x)
             value = _unwrap(x._raw_value)
@@ -292,7 +270,7 @@ def _reuse(flat: list[Any], old: PytreeDef) -> tuple[tuple[Any, ...], list[Any]]
                 leaves.append(value)
                 continue
             parts, value_def = jax.tree_util.tree_flatten(value)
-            if value_def != spec.value_def:
+            if not same_treedef(value_def, spec.value_def):
                 return None
             for part, static in zip(parts, spec.value_static, strict=True):
                 if static is None:
@@ -337,27 +315,8 @@ def capture(
 
 def materialize(pdef: PytreeDef, leaves: Sequence[Any], *, wrap: bool) -> tuple[Any, list[Any]]:
     """Build a new module (and its Variables, in order) from a static part and leaves."""
-    tree_leaves: list[Any] = []
-    variables: list[Any] = []
-    i = 0
-    for spec in pdef.specs:
-        if type(spec) is VarSpec:
-            if _single(spec):
-                value = _wrap(leaves[i]) if wrap else leaves[i]
-                i += 1
-            else:
-                n = spec.num_dynamic
-                value = spec.build(leaves[i : i + n])
-                i += n
-            var = spec.var_type.from_metadata(value, dict(spec.metadata))
-            tree_leaves.append(var)
-            variables.append(var)
-        elif spec is DYNAMIC:
-            tree_leaves.append(leaves[i])
-            i += 1
-        else:
-            tree_leaves.append(spec.value)
-    return from_tree(pdef.treedef.unflatten(tree_leaves)), variables
+    tree, variables, _ = rebuild(pdef, leaves, _wrap if wrap else None)
+    return from_tree(tree), variables
 
 
 # ------------------------------------------------------------------------ proxy
@@ -396,8 +355,10 @@ class Pytree(Generic[M]):
     attributes with those names through `with proxy as module:`.
 
     Pass a proxy to transforms as an argument (or a field of one). A proxy read
-    through a jitted function's closure is a constant there, and calling its
-    stateful methods inside the trace would store traced values in it.
+    through the closure of a JAX transform (`jax.jit`, `jax.vmap`, `jax.lax.scan`)
+    is a constant there: calling its stateless methods works, and a call that
+    would store that transform's traced values in it (BatchNorm statistics, RNG
+    counters) raises `treemode.TraceContextError` and leaves the proxy as it was.
 
     **Arguments:**
 
@@ -418,13 +379,14 @@ class Pytree(Generic[M]):
     ```
     """
 
-    __slots__ = ("_pt_def", "_pt_leaves", "_pt_module", "_pt_vars", "_pt_watch")
+    __slots__ = ("_pt_def", "_pt_leaves", "_pt_module", "_pt_vars", "_pt_watch", "_pt_trace")
 
     _pt_def: PytreeDef
     _pt_leaves: tuple[Any, ...]
     _pt_module: Any
     _pt_vars: list[Any] | None
     _pt_watch: tuple[int, ...] | list[int]
+    _pt_trace: Any  # the JAX trace the proxy was made in (its weak reference)
 
     def __init__(self, module: M):
         if isinstance(module, Pytree):
@@ -472,12 +434,39 @@ class Pytree(Generic[M]):
         old_vars = self._pt_vars or []
         watched = [old_vars[k] for k in self._pt_watch]
         pdef, leaves, variables = capture(module, self._pt_def)
+        self._pt_check_trace(leaves)
         _set(self, "_pt_def", pdef)
         _set(self, "_pt_leaves", leaves)
         _set(self, "_pt_vars", variables)
         if watched:
             index = {id(v): k for k, v in enumerate(variables)}
             _set(self, "_pt_watch", [index[id(v)] for v in watched if id(v) in index])
+
+    def _pt_check_trace(self, leaves: Sequence[Any]) -> None:
+        """Refuse to store values traced by a JAX transform the proxy was not passed into.
+
+        A proxy read through the closure of ``jax.jit``/``jax.vmap`` is a
+        constant there: a method that changes its state would store that
+        trace's tracers in it, which outlive the trace. As NNX does for a
+        Variable mutated from another trace, raise instead (the proxy keeps its
+        state: the module run in the trace is discarded).
+        """
+        if current_trace_ref() is self._pt_trace:
+            return
+        old = set(map(id, self._pt_leaves))
+        if not any(isinstance(x, Tracer) and id(x) not in old for x in leaves):
+            return
+        name = type(self._pt_module).__name__
+        self._pt_drop()
+        raise TraceContextError(
+            f"treemode.Pytree: a call changed the state of this {name} proxy (e.g. "
+            "BatchNorm statistics, an RNG counter) inside a JAX transform that the proxy "
+            "was not passed into (a closure of jax.jit, jax.vmap, jax.lax.scan, ...): "
+            "storing that transform's traced values in the proxy would leak them. The "
+            "proxy keeps its previous state.\nFix: pass the proxy as an argument of the "
+            "transform and return it (model = step(model, x)), or call a method that "
+            "does not change state there."
+        )
 
     def _pt_run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
         module = self._pt_module
@@ -528,6 +517,7 @@ class Pytree(Generic[M]):
                     new = list(leaves)
                 new[start : start + n] = current
         if new is not None:
+            self._pt_check_trace(new)
             _set(self, "_pt_leaves", tuple(new))
 
     def _pt_expose(self, value: Any) -> Any:
@@ -658,6 +648,7 @@ def _init(p: Pytree[Any], pdef: PytreeDef, leaves: tuple[Any, ...]) -> None:
     _set(p, "_pt_module", None)
     _set(p, "_pt_vars", None)
     _set(p, "_pt_watch", ())
+    _set(p, "_pt_trace", current_trace_ref())
 
 
 def from_parts(pdef: PytreeDef, leaves: Iterable[Any]) -> Pytree[Any]:

@@ -72,12 +72,8 @@ def remat(
         nums = frozenset(i + len(args) if i < 0 else i for i in statics)
         call = _core.prepare("remat", fn, args, kwargs, graph=graph, static_argnums=nums)
         pure = _core.PureFunction(call)
-        with _core.bound(pure, call):
-            out, updates = jax.checkpoint(pure, prevent_cse=prevent_cse, policy=policy)(
-                *call.dynamic
-            )
-        _core.write_back(call, updates, pure.record.metadata_updates)
-        return _core.finish(call, out)
+        checkpointed = jax.checkpoint(pure, prevent_cse=prevent_cse, policy=policy)
+        return _core.run(call, pure, lambda: checkpointed(*call.dynamic))
 
     return wrapper
 

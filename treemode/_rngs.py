@@ -23,8 +23,7 @@ from ._errors import TraceContextError
 from ._flatten import check_no_aliases
 from ._graph import from_tree, to_tree
 from ._leaves import is_variable
-from ._paths import format_path
-from ._prefix_helpers import nnx_path
+from ._paths import format_path, nnx_path
 
 F = TypeVar("F", bound=Callable[..., Any])
 Splits = int | tuple[int, ...]

@@ -314,7 +314,8 @@ class ScanWrapped:
             call.dynamic[j] if ax == 0 else jnp.moveaxis(call.dynamic[j], ax, 0)
             for j, ax in entry.scanned
         ]
-        with _core.bound(entry.pure, call):
+
+        def jax_call() -> tuple[Any, Any]:
             (_, free, values), (ys, stacked) = jax.lax.scan(
                 entry.step,
                 entry.loop.init(call.dynamic),
@@ -323,15 +324,17 @@ class ScanWrapped:
                 reverse=self.reverse,
                 unroll=self.unroll,
             )
-        updates = entry.loop.final_updates(values)
-        for (i, ax), u in zip(entry.scanned_vars, stacked, strict=True):
-            if u is not None:
-                updates[i] = (
-                    u
-                    if ax == 0
-                    else jax.tree_util.tree_map(lambda a, ax=ax: jnp.moveaxis(a, 0, ax), u)
-                )
-        _core.write_back(call, updates, entry.pure.record.metadata_updates)
+            updates = entry.loop.final_updates(values)
+            for (i, ax), u in zip(entry.scanned_vars, stacked, strict=True):
+                if u is not None:
+                    updates[i] = (
+                        u
+                        if ax == 0
+                        else jax.tree_util.tree_map(lambda a, ax=ax: jnp.moveaxis(a, 0, ax), u)
+                    )
+            return (free, ys), updates
+
+        free, ys = _core.run(call, entry.pure, jax_call, finish=False)
         ys = _core.finish(call, self._move_out_axes(ys))
         carry = None
         if carry_pos is not None and entry.layout is not None:

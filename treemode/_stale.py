@@ -25,8 +25,8 @@ import jax
 from flax.nnx import tracers
 
 from ._errors import MutationError
-from ._flatten import VarSpec, _StructureKey
 from ._paths import format_path
+from ._specs import StructureKey, VarSpec
 
 # Messages of the last few stale writes (any thread: callbacks run on XLA's).
 _recent: collections.deque[str] = collections.deque(maxlen=16)
@@ -44,8 +44,8 @@ class _Origin:
         names = [f"args[{i}]" for i in range(pure.num_args) if i not in static]
         names += [f"kwargs[{name!r}]" for name in pure.kw_names]
         self.names = names
-        keys = [k for k in key.positional if isinstance(k, _StructureKey)]
-        keys += [k for _, k in key.keywords if isinstance(k, _StructureKey)]
+        keys = [k for k in key.positional if isinstance(k, StructureKey)]
+        keys += [k for _, k in key.keywords if isinstance(k, StructureKey)]
         self.keys = keys
 
     def describe(self, index: int) -> str:
@@ -61,7 +61,7 @@ class _Origin:
         return "a Variable of an argument"  # pragma: no cover - defensive
 
 
-def _path(key: _StructureKey, position: int, name: str) -> str:
+def _path(key: StructureKey, position: int, name: str) -> str:
     """The display path of leaf ``position`` of an argument with structure ``key``."""
     marks = [_Mark() for _ in key.specs]
     try:

@@ -66,9 +66,11 @@ def vjp(
             aux = None
         return out, (aux, updates)
 
-    with _core.bound(pure, call):
+    def jax_call() -> tuple[Any, Any]:
         out, raw_vjp, (aux, updates) = jax.vjp(differentiated, *split.diff_values(), has_aux=True)
-    _core.write_back(call, updates, pure.record.metadata_updates)
+        return (out, raw_vjp, aux), updates
+
+    out, raw_vjp, aux = _core.run(call, pure, jax_call, finish=False)
 
     def vjp_fn(cotangent: Any) -> tuple[Any, ...]:
         if graph:
@@ -144,11 +146,13 @@ def jvp(
             aux = None
         return out, (aux, updates)
 
-    with _core.bound(pure, call):
+    def jax_call() -> tuple[Any, Any]:
         out, out_tangent, (aux, updates) = jax.jvp(
             differentiated, (split.diff_values(),), (diff_tangents,), has_aux=True
         )
-    _core.write_back(call, updates, pure.record.metadata_updates)
+        return (out, out_tangent, aux), updates
+
+    out, out_tangent, aux = _core.run(call, pure, jax_call, finish=False)
     out, out_tangent = _core.finish(call, out), _core.finish(call, out_tangent)
     if has_aux:
         return out, out_tangent, _core.finish(call, aux)

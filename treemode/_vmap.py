@@ -150,17 +150,19 @@ class MappedWrapper:
         call = self.prepare(args, kwargs)
         entry = self._entry(call)
         self.check(call, entry.axes)
-        with _core.bound(entry.pure, call):
+
+        def jax_call() -> tuple[Any, Any]:
             try:
                 if not entry.checked:
                     self.first_call_check(entry, call)
-                out, updates = entry.mapped(*call.dynamic)
+                result = entry.mapped(*call.dynamic)
             except ValueError as e:
                 self.translate(e, call, entry)
                 raise
-        entry.checked = True
-        _core.write_back(call, updates, entry.pure.record.metadata_updates)
-        return _core.finish(call, out)
+            entry.checked = True
+            return result
+
+        return _core.run(call, entry.pure, jax_call)
 
     def clear_cache(self) -> None:
         self._cache.clear()

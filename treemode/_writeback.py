@@ -1,0 +1,232 @@
+"""Write-back, after the JAX transform returns: step 4 of the pipeline.
+
+`write_back` stores the changed values (and any metadata a trace changed) into
+the caller's Variables, all or nothing, after `check_writable` made sure every
+target may be written in the current trace. `write_all` does the same for
+several candidate write-backs at once (the branches of ``cond``/``switch``,
+whose closure Variables differ): all of them commit, or none.
+
+`store` is the one place a Variable is written (tests inject faults there);
+while it is the default, the writes are made in bulk, in C where the extension
+is built. The compiled call path reads this module's globals (``store``),
+`DEFAULT_STORE` and `TRACE_REF`.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from itertools import compress, repeat
+from typing import Any, NamedTuple
+
+import jax
+from flax.nnx import tracers
+from jax.core import Tracer
+
+from ._call import PreparedCall
+from ._errors import TraceContextError
+from ._flatten import ArgFlat
+
+
+def check_writable(call: PreparedCall, updates: Sequence[Any]) -> None:
+    """Raise before writing anything if a target Variable belongs to another trace."""
+    # A Variable may be written in the trace it was created in (as Variable itself
+    # checks). Fast path: the traces' weak references compared by identity, and
+    # remembered per cached argument (a Variable's trace never changes).
+    ref = current_trace_ref()
+    if ref is not None and all(_writable_in(ref, flat) for flat in call.sources):
+        return
+    current = tracers.current_jax_trace()
+    targets = [var for var, new in zip(call.variables, updates, strict=True) if new is not None]
+    for var in targets:
+        if var._trace_state._jax_trace != current and not var.hijax:
+            index = next(i for i, v in enumerate(call.variables) if v is var)
+            path = call.full().variable_paths()[index]
+            raise TraceContextError(
+                f"treemode.{call.transform}: cannot write the new value of the "
+                f"{type(var).__name__} at {path} back: the Variable was created outside "
+                "the JAX transform that is currently tracing (for example a module closed "
+                "over by jax.jit or jax.lax.scan), so storing a traced value in it would "
+                "leak a tracer.\nPass the module as an argument of that outer transform "
+                "(e.g. treemode.jit instead of jax.jit over a closure)."
+            )
+
+
+def _writable_in(ref: Any, flat: ArgFlat) -> bool:
+    """Whether every Variable of ``flat`` was created in the trace behind ``ref``."""
+    entry = flat.origin or flat  # remembered on the cache entry
+    if entry.writable_in is ref:
+        return True
+    writable = all(map(operator.is_, map(_trace_ref_of, flat.variables), repeat(ref)))
+    if writable:
+        entry.writable_in = ref
+    return writable
+
+
+_trace_ref_of = operator.attrgetter("_trace_state._jax_trace._trace_ref")
+_raw_value_of = operator.attrgetter("_raw_value")
+
+
+def write_back(
+    call: PreparedCall,
+    updates: Sequence[Any],
+    metadata_updates: dict[int, dict[str, Any]] | None = None,
+) -> None:
+    """Store the changed values into the caller's Variables, all or nothing."""
+    if not metadata_updates and store is DEFAULT_STORE and _write_changed is not None:
+        # The common case, in one C pass: new values only, with the default hook.
+        if any(map(operator.is_not, updates, repeat(None))):
+            check_writable(call, updates)
+            _write_changed(call.variables, updates)
+        return
+    changed = list(map(operator.is_not, updates, repeat(None)))
+    if not metadata_updates and not any(changed):
+        return  # the no-update path (a forward pass): nothing to check or write
+    if all(changed):  # a train step: every Variable changed
+        targets, values = list(call.variables), list(updates)
+    else:
+        targets = list(compress(call.variables, changed))
+        values = list(compress(updates, changed))
+    check_writable(call, updates)
+    old_values = list(map(_raw_value_of, targets))
+    meta_targets = [call.variables[i] for i in metadata_updates] if metadata_updates else []
+    old_meta = [(var, var._raw_value, var._var_metadata) for var in meta_targets]
+    try:
+        if store is DEFAULT_STORE:
+            # The default hook, in one C-level pass (no interrupt can land midway).
+            list(map(_setattr, targets, repeat("_raw_value"), values))
+        else:
+            for var, value in zip(targets, values, strict=True):
+                store(var, value)
+        if metadata_updates:
+            for var, metadata in zip(meta_targets, metadata_updates.values(), strict=True):
+                store(var, var._raw_value, dict(metadata))
+    except BaseException:
+        if _any_deleted(old_values):
+            # The call donated the old buffers and they are gone: the only whole
+            # state left to give is the new one, so the write is finished instead.
+            for var, value in zip(targets, values, strict=True):
+                _setattr(var, "_raw_value", value)
+            if metadata_updates:
+                for var, metadata in zip(meta_targets, metadata_updates.values(), strict=True):
+                    _setattr(var, "_var_metadata", dict(metadata))
+        else:
+            for var, value in zip(targets, old_values, strict=True):
+                _setattr(var, "_raw_value", value)
+            for var, value, metadata in old_meta:
+                _restore(var, value, metadata)
+        raise
+
+
+_setattr = object.__setattr__
+
+
+def _any_deleted(values: Sequence[Any]) -> bool:
+    """Whether a device buffer among ``values`` was deleted (donated to the call)."""
+    return any(
+        isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
+        for x in jax.tree_util.tree_leaves(list(values))
+    )
+
+
+try:  # the compiled writes (treemode/_guard.c); optional, the loop above otherwise
+    from ._guard import write_changed as _write_changed
+except ImportError:  # pragma: no cover - built wherever a C compiler is available
+    _write_changed = None
+
+
+def _trace_ref_from_jax() -> Any:
+    """The weak reference identifying the current JAX trace (what NNX compares)."""
+    return getattr(tracers.current_jax_trace(), "_trace_ref", None)
+
+
+class _TraceRefFromJax:
+    """Gives `_trace_ref_from_jax()` as ``value``, like JAX's per-thread ``trace_state``."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> Any:
+        return _trace_ref_from_jax()
+
+
+def _verified_trace_state() -> Any:
+    # JAX keeps the current trace's weak reference in a per-thread config value;
+    # read it directly (without building NNX's wrapper object) where it is the
+    # reference NNX compares.
+    try:
+        from jax._src.core import trace_state
+
+        if trace_state.value is _trace_ref_from_jax():
+            return trace_state
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX version
+        pass
+    return _TraceRefFromJax()  # pragma: no cover - another JAX version
+
+
+# ``TRACE_REF.value``: the current trace's weak reference (the compiled write
+# path reads it too).
+TRACE_REF = _verified_trace_state()
+
+
+def current_trace_ref() -> Any:
+    """The weak reference identifying the current JAX trace."""
+    return TRACE_REF.value
+
+
+def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:
+    """Write one Variable (bypassing the trace-level check done by ``check_writable``).
+
+    The one place Variables are written, so tests can inject faults here; while
+    it is not replaced, `write_back` does the same writes in bulk.
+    """
+    object.__setattr__(var, "_raw_value", value)
+    if metadata is not None:
+        object.__setattr__(var, "_var_metadata", metadata)
+
+
+DEFAULT_STORE = store  # the compiled write path runs only while `store` is this one
+
+
+def _restore(var: Any, value: Any, metadata: dict[str, Any]) -> None:
+    object.__setattr__(var, "_raw_value", value)
+    object.__setattr__(var, "_var_metadata", metadata)
+
+
+class WriteBack(NamedTuple):
+    """One candidate write-back: ``updates`` (one per ``call.variables``, ``None``: unchanged)."""
+
+    call: PreparedCall
+    updates: Sequence[Any]
+    metadata: dict[int, dict[str, Any]] | None = None
+
+
+def write_all(writes: Sequence[WriteBack]) -> None:
+    """Every write-back of ``writes``, all or nothing (each is checked before any is made)."""
+    if len(writes) == 1:
+        write_back(*writes[0])
+        return
+    for w in writes:
+        check_writable(w.call, w.updates)
+    # A failure in a later write-back undoes the earlier ones.
+    before: list[tuple[Any, Any, Any]] = []
+    try:
+        for w in writes:
+            before.extend((v, v._raw_value, v._var_metadata) for v in w.call.variables)
+            write_back(*w)
+    except BaseException:
+        for var, value, metadata in reversed(before):
+            _restore(var, value, metadata)
+        raise
+
+
+__all__ = [
+    "DEFAULT_STORE",
+    "TRACE_REF",
+    "WriteBack",
+    "check_writable",
+    "current_trace_ref",
+    "store",
+    "write_all",
+    "write_back",
+]
