@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # ranges (pyproject.toml), tested at both ends by `make compat`.
 CONSTRAINTS := -c constraints.txt
 
-.PHONY: demo test fuzz test-leaks bench lint docs docs-update check-layout dist compat clean
+.PHONY: demo test test-python fuzz test-leaks bench lint docs docs-update check-layout dist compat clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -21,6 +21,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q
+
+# The whole suite again without the compiled extension (TREEMODE_NO_EXTENSION=1,
+# docs/contributing.md): the pure-Python call path every user without a C
+# compiler, or on a Flax/JAX the extension does not know, runs.
+test-python: $(STAMP)
+	TREEMODE_NO_EXTENSION=1 $(PY) -m pytest -n 2 -q
 
 # Property tests with the "fuzz" hypothesis profile (tests/conftest.py): 1,000
 # random examples per test instead of CI's 20 derandomized ones (about an hour).

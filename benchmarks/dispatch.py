@@ -16,6 +16,13 @@ the samples pooled (see ``_common.measure_instances``); the tables give the
 floor in microseconds and every peer as a ratio to it, from the best sample
 and from the median sample.
 
+Two more columns give ``treemode.jit`` and ``treemode.jit_partial`` without
+the compiled extension (``TREEMODE_NO_EXTENSION=1``, the pure-Python call
+path): they are measured in a subprocess with that variable set, against that
+process's own floor, since the extension is chosen once, at import. Their
+ratios are to that floor; their microseconds are stored scaled to this
+process's floor, so every ratio in the table reads the same way.
+
 Also here: the asynchronous-dispatch check (a call returns before its result
 is computed), for a computation heavy enough that XLA's CPU client runs it
 asynchronously.
@@ -26,15 +33,21 @@ Run: ``make bench`` (whole suite) or ``python benchmarks/dispatch.py [--quick]``
 from __future__ import annotations
 
 import functools
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from _common import Config, Table, case_main, measure_instances, ratio_table
+from _common import CONFIGS, Config, Table, Timing, case_main, measure_instances, ratio_table
 from _models import (
     BATCH,
     MLP,
@@ -56,6 +69,7 @@ from _models import (
 from flax import nnx
 
 import treemode
+from treemode import _compiled
 
 PEERS = [
     "floor",
@@ -66,6 +80,8 @@ PEERS = [
     "nnx.jit_partial",
     "eqx.filter_jit",
 ]
+# The same two treemode peers without the compiled extension (see the docstring).
+PYTHON_PEERS = {"treemode.jit": "treemode.jit (no C)", "treemode.jit_partial": "jit_partial (no C)"}
 MODELS: dict[str, int | None] = {"2-layer MLP": 2, "64-layer MLP": 64, "stateful": None}
 
 Peers = dict[str, Callable[[], Any]]
@@ -201,22 +217,70 @@ def train_peers(depth: int | None) -> Peers:
     return {name: peers[name] for name in PEERS}
 
 
-def run(config: Config) -> list[Table]:
+def _subset(make: Callable[[], Peers], names: list[str]) -> Peers:
+    peers = make()
+    return {name: peers[name] for name in names}
+
+
+def measure_cases(config: Config, names: list[str] | None = None) -> list[tuple[str, Any]]:
+    """``(case, timings)`` per dispatch case, for every peer or only ``names``."""
     rows = []
     for label in config.dispatch_models:
         depth = MODELS[label]
         for task, make in (("forward", forward_peers), ("train step", train_peers)):
-            timings = measure_instances(functools.partial(make, depth), config)
+            build = functools.partial(make, depth)
+            if names is not None:
+                build = functools.partial(_subset, build, names)
+            timings = measure_instances(build, config)
             rows.append((f"{label}, {task}", timings))
             print(f"  measured {rows[-1][0]}", flush=True)
-    return ratio_table(
-        "dispatch",
-        "Dispatch: microseconds per call",
-        PEERS,
-        "floor",
-        rows,
-        note="Lower is better; 1.00× is the hand-written `jax.jit` on a flat tuple.",
-    )
+    return rows
+
+
+def python_path_timings(config: Config) -> dict[str, dict[str, list[float]]]:
+    """Per case, ``{peer: [best, median]}`` of the floor and the treemode peers, measured
+    in a subprocess without the compiled extension."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "python.json"
+        env = {**os.environ, _compiled.ENV_VAR: "1"}
+        cmd = [sys.executable, __file__, "--python-path", config.name, str(out)]
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(out.read_text())
+
+
+def _python_path_main(config_name: str, out: str) -> None:
+    assert not _compiled.ENABLED, f"run with {_compiled.ENV_VAR}=1"
+    names = ["floor", *PYTHON_PEERS]
+    rows = measure_cases(CONFIGS[config_name], names)
+    data = {case: {p: [t[p].best, t[p].median] for p in names} for case, t in rows}
+    Path(out).write_text(json.dumps(data))
+
+
+def run(config: Config) -> list[Table]:
+    rows = measure_cases(config)
+    peers = list(PEERS)
+    if _compiled.ENABLED:  # the pure-Python columns, side by side
+        print("  measuring the pure-Python path (TREEMODE_NO_EXTENSION=1)", flush=True)
+        python = python_path_timings(config)
+        for case, timings in rows:
+            floor, other = timings["floor"], python[case]
+            for peer, column in PYTHON_PEERS.items():
+                best, median = other[peer]
+                timings[column] = Timing(
+                    best / other["floor"][0] * floor.best,
+                    median / other["floor"][1] * floor.median,
+                    floor.samples,
+                )
+        peers += list(PYTHON_PEERS.values())
+    note = "Lower is better; 1.00× is the hand-written `jax.jit` on a flat tuple."
+    if _compiled.ENABLED:
+        note += (
+            " The (no C) columns run without the compiled extension, in a subprocess "
+            "with TREEMODE_NO_EXTENSION=1, as ratios to that process's floor."
+        )
+    else:
+        note += " This run had no compiled extension: treemode ran its pure-Python path."
+    return ratio_table("dispatch", "Dispatch: microseconds per call", peers, "floor", rows, note)
 
 
 # -- asynchronous dispatch --------------------------------------------------------------
@@ -291,6 +355,9 @@ def run_all(config: Config) -> list[Table]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--python-path"]:
+        _python_path_main(sys.argv[2], sys.argv[3])
+        return
     case_main(__doc__, run_all)
 
 

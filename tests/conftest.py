@@ -60,6 +60,52 @@ def _tracer_leak_mode(request):
         yield
 
 
+# The compiled extension (treemode/_compiled.py). `make test` runs the suite with
+# it, `make test-python` with TREEMODE_NO_EXTENSION=1 (the pure-Python path).
+# Tests of a piece that has a compiled and a Python implementation take the
+# `implementation` fixture: both where the extension is on, the Python one where
+# it is off; tests of the C code alone take `extension`.
+from treemode import _callsite, _closure, _compiled, _flatten, _writeback  # noqa: E402
+
+IMPLEMENTATIONS = ["compiled", "python"] if _compiled.ENABLED else ["python"]
+
+
+def pytest_report_header(config):
+    state = "on" if _compiled.ENABLED else "off"
+    env = os.environ.get(_compiled.ENV_VAR, "")
+    return f"treemode compiled extension: {state} ({_compiled.ENV_VAR}={env!r})"
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def implementation(request, monkeypatch):
+    """``"compiled"`` or ``"python"``: which helpers the call path runs.
+
+    In ``"python"`` every compiled helper that modules look up per call is
+    replaced by its Python twin (the flattening guard, the closure-read check,
+    the call-site match, the bulk write, and the compiled memo plan). The types
+    the extension provides as base classes (``MemoCall``, ``SiteCallFields``)
+    are fixed at import: `make test-python` runs their twins.
+    The flattening cache starts empty (its entries carry the guard they were
+    made with).
+    """
+    monkeypatch.setattr(_flatten, "_cache", {})
+    if request.param == "python":
+        monkeypatch.setattr(_flatten, "_compiled_holds", None)
+        monkeypatch.setattr(_closure, "_reads_hold", None)
+        monkeypatch.setattr(_callsite, "match_into", _callsite._match_into_python)
+        monkeypatch.setattr(_callsite, "compiled_plan", lambda *args: None)
+        monkeypatch.setattr(_writeback, "_write_changed", None)
+    return request.param
+
+
+@pytest.fixture
+def extension():
+    """The compiled extension module, for tests of the C code alone."""
+    if _compiled.guard is None:
+        pytest.skip(f"the compiled extension is off ({_compiled.ENV_VAR} or not built)")
+    return _compiled.guard
+
+
 class Hooks:
     """The private places of treemode's pipeline a test may replace, named only here.
 

@@ -534,3 +534,47 @@ def scenarios(
             is_shared = True
     h = handles(tree)
     return Scenario(tree, h, draw(ops(h)), is_shared)
+
+
+# -- mutations between calls -----------------------------------------------------------
+
+# Equal values of different types: a trace specialized on one is not the program
+# of another (``x * 2`` is int32, ``x * 2.0`` float32, ``jnp.asarray(True)`` bool).
+_SCALAR_TYPES = (int, float, complex, bool, np.int32, np.float32)
+
+
+@st.composite
+def static_scalar(draw: Any) -> Any:
+    """A static number: 0, 1 or 2 as one of several equal-comparing types."""
+    value = draw(st.integers(0, 2))
+    kind = draw(st.sampled_from(_SCALAR_TYPES))
+    if kind is bool:
+        return bool(value > 0)
+    return kind(value)
+
+
+def static_value() -> st.SearchStrategy[Any]:
+    """A static value: a number, or a (nested) tuple of numbers."""
+    return st.recursive(
+        static_scalar(), lambda inner: st.tuples(inner) | st.tuples(inner, inner), max_leaves=3
+    )
+
+
+def static_value_sequence() -> st.SearchStrategy[list[Any]]:
+    """Static values to set between calls; consecutive ones are often equal in value."""
+    return st.lists(static_value(), min_size=2, max_size=5)
+
+
+def metadata_value() -> st.SearchStrategy[Any]:
+    """Variable metadata as NNX accepts it: lists, tuples, dicts and sets of names and numbers."""
+    atom = st.sampled_from(["decay", "ema", "frozen"]) | st.integers(0, 2) | st.just(1.0)
+    return st.recursive(
+        atom,
+        lambda inner: (
+            st.lists(inner, max_size=2)
+            | st.tuples(inner)
+            | st.dictionaries(st.sampled_from(["a", "b"]), inner, max_size=2)
+            | st.frozensets(st.sampled_from(["x", "y"]), max_size=2)
+        ),
+        max_leaves=4,
+    )

@@ -139,6 +139,15 @@ def test_variable_metadata_of_another_type():
     assert seen == [int, float]
 
 
+def test_static_attribute_whose_equality_fails_is_a_different_structure():
+    # np.int32(0) == (0, 0) gives an array, which PyTreeDef's comparison refuses.
+    m = Scaled(np.int32(0))
+    f = treemode.jit(lambda m: _program(m.w[...], m.s))
+    for s in (np.int32(0), (0, 0), np.int32(0)):
+        m.s = s
+        assert _dtypes(f(m)) == _dtypes(_program(m.w[...], s))
+
+
 def test_function_changing_a_static_attribute_to_another_type_is_a_structure_error():
     m = Scaled(2)
 

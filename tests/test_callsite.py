@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import IMPLEMENTATIONS
 from flax import nnx
 
 import treemode
@@ -35,10 +36,16 @@ def _step(m: Counter, x: jax.Array) -> jax.Array:
     return jnp.sum(m.w[...])
 
 
-@pytest.fixture(autouse=True, params=["compiled call", "compiled match", "python"])
+MATCHERS = (
+    ["compiled call", "compiled match", "python"] if "compiled" in IMPLEMENTATIONS else ["python"]
+)
+
+
+@pytest.fixture(autouse=True, params=MATCHERS)
 def matcher(request, monkeypatch):
-    """How a memo-matched call runs: entirely in C (``_guard.MemoCall``), matched in
-    C (``_guard.match_into``) from the Python call path, or all in Python."""
+    """How a memo-matched call runs: entirely in C (``MemoCall``), matched in C
+    (``match_into``) from the Python call path, or all in Python (the only way
+    where the extension is off)."""
     if request.param != "compiled call":
         monkeypatch.setattr(_callsite, "compiled_plan", lambda *args: None)
     if request.param == "python":

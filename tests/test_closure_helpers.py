@@ -23,17 +23,15 @@ from treemode._closure import MAX_DEPTH, _plan, closure_objects
 GLOBAL_STATS = Counter()
 
 
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def reads_check(request, monkeypatch):
-    """Whether cached answers are revalidated by ``_guard.reads_hold`` or in Python."""
+@pytest.fixture(autouse=True)
+def reads_check(implementation, monkeypatch):
+    """Whether cached answers are revalidated by the compiled ``reads_hold`` or in Python."""
     from treemode import _closure
 
-    if request.param == "python":
-        monkeypatch.setattr(_closure, "_reads_hold", None)
     # Each run starts with empty caches (the per-code-object counts are kept there).
     monkeypatch.setattr(_closure, "_plans", {})
     monkeypatch.setattr(_closure, "_snapshots", {})
-    return request.param
+    return implementation
 
 
 def record_global(x):

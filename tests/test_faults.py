@@ -13,7 +13,7 @@ again gives the state the eager program gives.
 
 from __future__ import annotations
 
-import importlib
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 
 import treemode
+from treemode import _compat
 
 
 class Model(nnx.Module):
@@ -518,11 +519,11 @@ def test_fault_in_check_writable_leaves_inputs(hooks):
     _every_transform_raises_and_leaves_inputs(CheckFault)
 
 
-def test_compiled_write_is_all_or_nothing():
+def test_compiled_write_is_all_or_nothing(extension):
     # `write_back`'s C pass writes a Variable's `_raw_value` slot directly; any other
     # layout goes through object.__setattr__, which can fail midway: the writes
     # already made are undone and the error is the one raised.
-    guard = importlib.import_module("treemode._guard")
+    guard = extension
 
     class Refusing:
         def __init__(self, value: Any):
@@ -568,6 +569,69 @@ def test_two_arguments_roll_back_together(hooks):
             f(a, b, jnp.ones(2))
         hooks.undo()
         snap.assert_unchanged()
+
+
+class RefusingParam(nnx.Param):
+    """A Param whose new values can be refused: a fault in the middle of a write-back.
+
+    Its ``_raw_value`` is a property over Param's slot, so every write path (the
+    compiled one included) writes it with setattr rather than in place, and the
+    refusal lands after the Variables before it were written in place.
+    """
+
+    refuse = False
+
+    @property
+    def _raw_value(self) -> Any:
+        return _compat.raw_value_member.__get__(self)
+
+    @_raw_value.setter
+    def _raw_value(self, value: Any) -> None:
+        member = _compat.raw_value_member
+        if type(self).refuse and value is not member.__get__(self):
+            raise CheckFault("refused")
+        member.__set__(self, value)
+
+
+class Refusing(nnx.Module):
+    def __init__(self):
+        self.a = nnx.Param(jnp.zeros(2))  # before `b`: written (in place) before the fault
+        self.b = RefusingParam(jnp.zeros(2))
+
+
+def _bump(m: Refusing, x: jax.Array) -> jax.Array:
+    m.a[...] += x
+    m.b[...] += x
+    return jnp.sum(m.a[...])
+
+
+@pytest.fixture
+def refusing():
+    yield RefusingParam
+    RefusingParam.refuse = False
+
+
+def test_a_fault_inside_the_write_of_a_matched_call_leaves_inputs(implementation, refusing):
+    # The write of a memo-matched call (in C where the extension is on: `fast_call`
+    # writes without entering Python's write_back) fails at its second Variable:
+    # the first is restored and the error is the one raised.
+    f = treemode.jit(_bump)
+    m = Refusing()
+    for _ in range(3):  # record the memo; the first matched write remembers the trace
+        f(m, jnp.ones(2))
+    compiled = f._memo is not None and f._memo[2] is not None
+    assert compiled == (implementation == "compiled")
+    a, b = m.a.get_raw_value(), m.b.get_raw_value()
+    refusing.refuse = True
+    with pytest.raises(CheckFault, match="refused") as raised:
+        f(m, jnp.ones(2))
+    frames = [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
+    assert ("write_back" in frames) != compiled, frames
+    assert m.a.get_raw_value() is a and m.b.get_raw_value() is b
+    refusing.refuse = False
+    f(m, jnp.ones(2))
+    np.testing.assert_allclose(m.a[...], np.full(2, 4.0))
+    np.testing.assert_allclose(m.b[...], np.full(2, 4.0))
 
 
 def test_interrupted_donated_write_back_leaves_the_new_values(hooks):

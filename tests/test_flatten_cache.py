@@ -3,15 +3,14 @@
 The cache (``treemode._flatten``) revalidates a cached flattening with bulk
 identity checks; each test below changes an argument in one way between two calls
 and asserts the second call sees the change (a new trace where the structure
-differs, the new Variable where one was replaced). Every test runs twice: with
-the compiled guard (``treemode/_guard.c``) and with the pure-Python one that
-replaces it where no C compiler is available.
+differs, the new Variable where one was replaced). Every test runs with the
+compiled guard (``treemode/_guard.c``, where the extension is on) and with the
+pure-Python one that replaces it where it is off.
 """
 
 from __future__ import annotations
 
 import collections
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -20,22 +19,22 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _flatten
+from treemode import _compiled, _flatten
 
 
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def guard(request, monkeypatch):
+@pytest.fixture(autouse=True)
+def guard(implementation, monkeypatch):
     """Which guard new flattenings get (the cache is emptied so none is reused)."""
-    if request.param == "python":
-        monkeypatch.setattr(_flatten, "_compiled_holds", None)
     monkeypatch.setattr(_flatten, "_cache", {})
-    return request.param
+    return implementation
 
 
 def test_the_compiled_guard_is_built():
     # `make install` compiles it wherever a C compiler is available (CI has one);
-    # without it treemode is correct but slower, so a failed build must not go unseen.
-    module = importlib.import_module("treemode._guard")
+    # without it treemode is correct but slower, so a failed build must not go unseen
+    # (also in `make test-python`, where TREEMODE_NO_EXTENSION only turns it off).
+    module = _compiled.load(environ={})
+    assert module is not None, "the compiled extension was not built"
     m = nnx.Module()
     m.w = nnx.Param(jnp.ones(2))
     flat = _flatten.flatten_arg(m, treemode._leaves.is_array)
@@ -178,10 +177,10 @@ def test_ordered_dict_reordered_is_seen():
     assert len(traces) == 2
 
 
-def test_compiled_guard_reads_metadata_kept_outside_slots():
+def test_compiled_guard_reads_metadata_kept_outside_slots(extension):
     # Flax keeps `_var_metadata` in a slot, read directly; any other layout goes
     # through getattr, with the same answers.
-    guard = importlib.import_module("treemode._guard")
+    guard = extension
 
     class Holder:  # `_var_metadata` in the instance __dict__, not a slot
         pass
@@ -210,11 +209,11 @@ def test_compiled_guard_reads_metadata_kept_outside_slots():
         guard.holds(state[:3], [v])
 
 
-def test_version_tags_skip_unmodified_dicts_and_never_hide_a_change():
+def test_version_tags_skip_unmodified_dicts_and_never_hide_a_change(extension):
     # With version tags (CPython 3.11), a dict not modified since the snapshot is
     # not compared; a modified one is compared in full, so a change restored to the
     # same objects still validates and any real change is caught.
-    guard = importlib.import_module("treemode._guard")
+    guard = extension
     v = nnx.Param(jnp.ones(2))
     m = nnx.Module()
     m.w = v

@@ -222,13 +222,15 @@ def _sdist_build(tmp_path: Path) -> Path:
 
 
 # What the tests of an unpacked sdist read besides treemode/: every file of these
-# folders that the checkout holds (results of benchmark runs excepted).
+# folders that the checkout holds (results of benchmark runs excepted, but for
+# results.json, from which tests/test_docs.py checks a table of docs/choosing.md).
 _TEST_INPUTS = ("tests", "docs", "examples", "benchmarks", "tools")
 
 
 def _wanted_in_sdist() -> set[str]:
     wanted = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "mkdocs.yml"}
     wanted |= {"constraints.txt", "treemode/_guard.c", "treemode/py.typed"}
+    wanted.add("benchmarks/results/results.json")
     for folder in _TEST_INPUTS:
         for path in (ROOT / folder).rglob("*"):
             rel = path.relative_to(ROOT).as_posix()

@@ -306,3 +306,77 @@ def test_jit_donating_a_later_argument_keeps_the_argument_order():
     f = treemode.jit(lambda a, b: (a[0], a[1], b), donate_argnums=1)
     out = f((jnp.array(0.0), jnp.array(1.0)), jnp.array(2.0))
     assert [float(x) for x in out] == [0.0, 1.0, 2.0]
+
+
+# -- mutations between calls: static values changing type, list metadata -----------
+
+
+def _static_program(w: jax.Array, s: Any) -> list[jax.Array]:
+    """Outputs whose dtype depends on the type of every number in ``s``."""
+    numbers = jax.tree_util.tree_leaves(s)
+    return [w * n for n in numbers] + [jnp.asarray(n) for n in numbers]
+
+
+def _same_arrays(expected: list[jax.Array], actual: list[jax.Array]) -> None:
+    assert [jnp.asarray(a).dtype for a in actual] == [jnp.asarray(e).dtype for e in expected]
+    for e, a in zip(expected, actual, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static")  # eqx, NumPy scalars
+@examples(1.0)
+@given(
+    values=S.static_value_sequence(),
+    place=st.sampled_from(["attribute", "graph attribute", "static_argnums", "equinox"]),
+)
+def test_static_values_changing_type_between_calls_match_eager(values, place):
+    """A cached trace is reused only for static values of the same value *and* types."""
+    import equinox as eqx
+    from flax import nnx
+
+    w = jnp.arange(3, dtype=jnp.int32)
+
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(w)
+            self.s = values[0]
+
+    class EqxHolder(eqx.Module):
+        w: jax.Array
+        s: Any = eqx.field(static=True)
+
+    holder = Holder()
+    by_module = treemode.jit(lambda m: _static_program(m.w[...], m.s), graph=place != "attribute")
+    by_argnum = treemode.jit(_static_program, static_argnums=1)
+    by_eqx = treemode.jit(lambda e: _static_program(e.w, e.s))
+    for s in values:
+        expected = _static_program(w, s)
+        if place == "static_argnums":
+            actual = by_argnum(w, s)
+        elif place == "equinox":
+            actual = by_eqx(EqxHolder(w, s))
+        else:
+            holder.s = s  # the same module, its static attribute replaced
+            actual = by_module(holder)
+        _same_arrays(expected, actual)
+
+
+@examples(1.0)
+@given(metadata=st.lists(S.metadata_value(), min_size=1, max_size=4), graph=st.booleans())
+def test_variable_metadata_of_any_kind_changing_between_calls_matches_eager(metadata, graph):
+    """Unhashable metadata works, and a trace sees the metadata of its call."""
+    from flax import nnx
+
+    def program(v):
+        v[...] += 1.0
+        return v[...] * float(len(repr(v.tags)))
+
+    eager = nnx.Param(jnp.ones(2), tags=metadata[0])
+    jitted_var = nnx.Param(jnp.ones(2), tags=metadata[0])
+    jitted = treemode.jit(program, graph=graph)
+    for tags in metadata:
+        eager.set_metadata(tags=tags)
+        jitted_var.set_metadata(tags=tags)
+        np.testing.assert_array_equal(jitted(jitted_var), program(eager))
+        assert jitted_var.tags is tags  # the user's object is kept
+    np.testing.assert_array_equal(jitted_var[...], eager[...])

@@ -14,7 +14,7 @@ Each case is a fresh virtual environment under ``.compat/`` (gitignored):
 The lower bounds come from ``treemode/_versions.py``, the one source of the
 supported ranges. A case whose Python is not on this machine is reported as
 skipped (pyenv's ``~/.pyenv/versions`` and ``pythonX.Y`` on ``PATH`` are
-searched). The results are printed and written to ``.compat/results.md``.
+searched). The results are printed and written to ``.compat/results-<cases>.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,16 +130,17 @@ def versions(python: Path, log: Path) -> dict[str, str]:
 
 
 def build_sdist(log: Path) -> tuple[Path, Path]:
-    """Build the sdist of this checkout and unpack it; ``(sdist, unpacked dir)``."""
-    dist = WORK / "dist"
-    shutil.rmtree(dist, ignore_errors=True)
-    run([sys.executable, "-m", "build", "--sdist", "--outdir", str(dist), str(ROOT)], log)
-    (sdist,) = dist.glob("treemode-*.tar.gz")
-    src = WORK / "src"
-    shutil.rmtree(src, ignore_errors=True)
+    """Build the sdist of this checkout and unpack it; ``(sdist, unpacked dir)``.
+
+    Each run gets its own folder under ``.compat/`` (removed when its cases pass),
+    so that two runs can go on at once.
+    """
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=WORK))
+    run([sys.executable, "-m", "build", "--sdist", "--outdir", str(work), str(ROOT)], log)
+    (sdist,) = work.glob("treemode-*.tar.gz")
     with tarfile.open(sdist) as tar:
-        tar.extractall(src, filter="data")
-    (unpacked,) = src.iterdir()
+        tar.extractall(work / "src", filter="data")
+    (unpacked,) = (work / "src").iterdir()
     return sdist, unpacked
 
 
@@ -172,7 +174,7 @@ def run_case(case: Case, sdist: Path, tests: Path, workers: str, pytest_args: li
             raise RuntimeError(f"installing treemode changed pinned versions: {rewritten}")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
         out = run(
-            [str(env_dir / "bin" / "pytest"), "-n", workers, "-q", "-p", "no:cacheprovider"]
+            [str(env_dir / "bin" / "pytest"), "-n", workers, "-q", "-rf", "-p", "no:cacheprovider"]
             + pytest_args,
             log,
             cwd=tests,
@@ -225,13 +227,12 @@ def main() -> int:
         if "error" in r:
             print(r["error"], flush=True)
     table = report(results)
-    (WORK / "results.md").write_text(table + "\n")
+    (WORK / f"results-{'+'.join(chosen)}.md").write_text(table + "\n")
     print(table)
-    return (
-        0
-        if all(r["status"] in ("ok",) or r["status"].startswith("skipped") for r in results)
-        else 1
-    )
+    passed = all(r["status"] == "ok" or r["status"].startswith("skipped") for r in results)
+    if passed:
+        shutil.rmtree(sdist.parent, ignore_errors=True)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _closure
+from . import _closure, _compiled
 from ._closure import closure_snapshot, unchanged_closure_objects
 from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, variables_of
 from ._leaves import CONCRETE_ARRAY_TYPES, is_traced
@@ -173,10 +173,7 @@ def _match_into_python(
     return True
 
 
-try:
-    from ._guard import match_into
-except ImportError:  # built without the C extension
-    match_into = _match_into_python
+match_into = _compiled.match_into or _match_into_python
 
 
 def _cached_entry(flat: ArgFlat) -> ArgFlat | None:
@@ -208,11 +205,8 @@ class _PythonSiteCallFields:
 
 if TYPE_CHECKING:
     _SiteCallFields = _PythonSiteCallFields
-else:
-    try:  # the compiled fields, which the compiled call path makes without a Python frame
-        from ._guard import SiteCallFields as _SiteCallFields
-    except ImportError:  # built without the C extension
-        _SiteCallFields = _PythonSiteCallFields
+else:  # the compiled fields, which the compiled call path makes without a Python frame
+    _SiteCallFields = _compiled.SiteCallFields or _PythonSiteCallFields
 
 
 class SiteCall(_SiteCallFields):
@@ -250,44 +244,58 @@ class SiteCall(_SiteCallFields):
 
 
 def compiled_plan(
-    site: CallSite,
-    partial_args: tuple[Any, ...],
-    run: tuple[Callable[..., Any], Any, Any, tuple[Any, ...], tuple[Any, ...] | None],
-    raise_failure: Callable[[SiteCall, BaseException], None],
-) -> tuple[Any, ...] | None:
-    """What the compiled call path (``_guard.MemoCall``) runs for calls matching ``site``.
+    site: CallSite, partial_args: tuple[Any, ...], entry: _compiled.EntryPlan
+) -> _compiled.MemoPlan | None:
+    """What the compiled call path (``_compiled.MemoCall``) runs for calls matching ``site``.
 
-    ``run`` is ``(jitted, binding, entry, writing, donation)``: the
-    executable, the per-thread binding its `PureFunction` reads the current
+    ``entry`` says how to run a matched call (see `treemode._compiled.EntryPlan`):
+    the executable, the per-thread binding its `PureFunction` reads the current
     call from, the compiled entry (called for ``write_back(call, updates)``
-    when a call has updates the C write cannot make), what
-    writing in C reads: ``(trace record, the _writeback module's globals, the
-    default store hook, _writeback.TRACE_REF)``, and ``None`` or, for an entry
-    with donated arrays, ``(donated indices, kept indices, check)``: the
-    executable takes the two tuples, and ``check(call)`` runs when two of
-    them are the same object (it raises the shared-buffer error, or returns
-    when the object is not a device buffer).
-    ``raise_failure(call, error)`` raises the error a failed executable call
-    should raise. ``None`` when the compiled path cannot run this site (the
-    extension is not built, or the site was recorded with keyword arguments:
+    when a call has updates the C write does not make), the trace record
+    (its ``metadata_updates``), and ``None`` or, for an entry with donated
+    arrays, ``(donated indices, kept indices, check)``: the executable takes
+    the two tuples, and ``check(call)`` runs when two of them are the same
+    object (it raises the shared-buffer error, or returns when the object is
+    not a device buffer). ``None`` when the compiled path cannot run this site
+    (the extension is off, or the site was recorded with keyword arguments:
     those calls take the Python match).
     """
-    if _SiteCallFields is _PythonSiteCallFields or site.kw_names:
+    if not _compiled.ENABLED or site.kw_names:
         return None
     # The snapshot's reads and answer never change once it is made.
     snapshot = site.snapshot
-    site_part = (site, site.slots, partial_args, snapshot.reads, snapshot.found, site.lifted_slots)
-    environment = (
+    matching = _compiled.SitePlan(
+        site, site.slots, partial_args, snapshot.reads, snapshot.found, site.lifted_slots
+    )
+    return _compiled.MemoPlan(matching, entry)
+
+
+def call_path_config(
+    raise_failure: Callable[[SiteCall, BaseException], Any],
+    store_owner: Any,
+    store_name: str,
+    default_store: Callable[..., Any],
+) -> _compiled.CallPath:
+    """The `treemode._compiled.CallPath` of the call-site match.
+
+    ``raise_failure(call, error)`` raises the error a failed executable call
+    should raise; the C write runs while ``getattr(store_owner, store_name)``
+    is ``default_store`` (the write-back hook has not been replaced).
+    """
+    kinds, ignore, empty, ignored = _closure.read_check_args()
+    return _compiled.CallPath(
         CONCRETE_ARRAY_TYPES,
         _match_slow,
-        _closure._kinds,
-        _closure._IGNORE,
-        _closure._EMPTY,
-        _closure._IGNORED,
+        kinds,
+        ignore,
+        empty,
+        ignored,
         SiteCall,
         raise_failure,
+        store_owner,
+        store_name,
+        default_store,
     )
-    return (site_part, run, environment)
 
 
 __all__ = ["CallSite", "SiteCall", "compiled_plan"]

@@ -52,12 +52,11 @@ from typing import Any
 
 from flax import nnx
 
+from . import _compiled
 from ._leaves import is_variable_or_graph_node
 
-try:  # the compiled checks (treemode/_guard.c); optional, the same checks in Python below
-    from ._guard import reads_hold as _reads_hold
-except ImportError:  # pragma: no cover - built wherever a C compiler is available
-    _reads_hold = None
+# The compiled checks (treemode._compiled); None where it is off: the same checks below.
+_reads_hold = _compiled.reads_hold
 
 MAX_DEPTH = 4  # function hops followed from the transformed function
 
@@ -537,6 +536,11 @@ class _Snapshot:
             if getattr(owner, name, None) is not value:
                 return False
         return True
+
+
+def read_check_args() -> tuple[dict[type, int], int, object, object]:
+    """What ``reads_hold`` compares cells with: ``(kinds, ignore, empty, ignored)``."""
+    return _kinds, _IGNORE, _EMPTY, _IGNORED
 
 
 _snapshots: dict[int, _Snapshot] = {}

@@ -13,6 +13,7 @@ from typing import NoReturn
 import jax
 from jax.core import Tracer
 
+from . import _compat
 from ._call import Call, PreparedCall
 from ._errors import DonationError, TraceContextError
 from ._leaves import is_variable
@@ -37,7 +38,9 @@ def explain_failure(call: Call, error: BaseException) -> Exception | None:
     if stale is not None:
         return stale
     for where, leaf in call.paths_and_leaves():
-        values = jax.tree_util.tree_leaves(leaf._raw_value if is_variable(leaf) else leaf)
+        values = jax.tree_util.tree_leaves(
+            _compat.raw_value_of(leaf) if is_variable(leaf) else leaf
+        )
         what = f"the {type(leaf).__name__} at {where}" if is_variable(leaf) else where
         for x in values:
             if isinstance(error, jax.errors.UnexpectedTracerError) and isinstance(x, Tracer):

@@ -24,6 +24,9 @@ from flax.nnx.statelib import State
 from jax.core import Tracer
 from jax.tree_util import PyTreeDef
 
+from . import _compiled
+from ._compat import metadata_of as _metadata_of
+from ._compat import raw_value_of as _raw_value_of
 from ._errors import AliasError
 from ._leaves import CONCRETE_ARRAY_TYPES, is_graph_node, is_python_scalar, is_variable
 from ._paths import paths_and_leaves
@@ -40,12 +43,9 @@ from ._specs import (  # noqa: F401  (re-exported: the names every flattening us
     variable_spec,
 )
 
-try:  # the compiled guard (treemode/_guard.c); optional, same checks in Python below
-    from ._guard import holds as _compiled_holds
-    from ._guard import version_tags as _version_tags
-except ImportError:  # pragma: no cover - built wherever a C compiler is available
-    _compiled_holds = None
-    _version_tags = None
+# The compiled guard (treemode._compiled); None where it is off: the same checks in Python.
+_compiled_holds = _compiled.holds
+_version_tags = _compiled.version_tags
 
 Variable = Any  # nnx.Variable; kept loose for speed-critical annotations
 
@@ -139,17 +139,16 @@ class _Guard:
     Validation compares, with ``is`` only and in bulk (each check is one C-level
     pass over all containers), the current state of those containers against the
     snapshot: their lengths, the values of every dict (NNX objects' ``__dict__``
-    and plain dicts), the keys of plain dicts, the items of lists, and the
-    Variables' metadata dicts against copies. NNX objects replace their
-    ``_pytree__nodes`` mapping (one of the values checked) whenever an attribute
-    is added or deleted, so their keys need no separate check; the length check
-    covers the rest.
+    and plain dicts), the keys of plain dicts, the items of lists, and each
+    Variable's metadata: the very same dict, holding the very same keys and
+    values. NNX objects replace their ``_pytree__nodes`` mapping (one of the
+    values checked) whenever an attribute is added or deleted, so their keys
+    need no separate check; the length check covers the rest.
 
-    Where the compiled guard (``treemode/_guard.c``) is built, the same checks
-    run there in one pass, with the metadata dicts compared by identity (the
-    dict and each of its keys and values) instead of against copies; it needs
-    exact ``dict``/``list`` containers, so that its iteration order is the
-    snapshot's.
+    Where the compiled guard (``treemode/_guard.c``) is on, the same checks run
+    there in one pass (`compiled_state`); it needs exact ``dict``/``list``
+    containers, so that its iteration order is the snapshot's. The Python checks
+    below decide exactly what it decides.
     """
 
     __slots__ = (
@@ -159,7 +158,10 @@ class _Guard:
         "values",
         "ordered",
         "items",
-        "metadata_copies",
+        "metadata",
+        "metadata_lens",
+        "metadata_keys",
+        "metadata_values",
         "compiled_state",
     )
 
@@ -177,23 +179,25 @@ class _Guard:
                 self.dicts.append(obj.__dict__)
         exact = (dict, list)
         compiled = _compiled_holds is not None and all(type(c) in exact for c in self.ordered)
+        self.metadata = tuple(map(_metadata_of, variables))
         if compiled:
-            metadata = tuple(v._var_metadata for v in variables)
             # Version tags are read before the contents they vouch for: a change in
             # between makes a tag stale (a full comparison), never a content.
             tags = (
                 ()
                 if _version_tags is None
-                else tuple(map(_version_tags, (self.dicts, self.ordered, metadata)))
+                else tuple(map(_version_tags, (self.dicts, self.ordered, self.metadata)))
             )
         self.sized = self.dicts + [obj for obj in self.ordered if isinstance(obj, list)]
         self.lens = list(map(len, self.sized))
         self.values = tuple(chain.from_iterable(map(dict.values, self.dicts)))
         self.items = tuple(chain.from_iterable(self.ordered))
+        self.metadata_lens = list(map(len, self.metadata))
+        self.metadata_keys = tuple(chain.from_iterable(self.metadata))
+        self.metadata_values = tuple(chain.from_iterable(map(dict.values, self.metadata)))
         self.compiled_state: tuple[Any, ...] | None = None
-        self.metadata_copies: list[dict[str, Any]] = []
         if compiled:
-            entries = tuple(tuple(chain.from_iterable(m.items())) for m in metadata)
+            entries = tuple(tuple(chain.from_iterable(m.items())) for m in self.metadata)
             self.compiled_state = (
                 tuple(self.sized),
                 tuple(self.lens),
@@ -201,28 +205,30 @@ class _Guard:
                 self.values,
                 tuple(self.ordered),
                 self.items,
-                metadata,
+                self.metadata,
                 entries,
                 *(tags if tags and None not in tags else ()),
             )
-        else:
-            self.metadata_copies = [dict(v._var_metadata) for v in variables]
 
     def holds(self, variables: list[Any]) -> bool:
         if self.compiled_state is not None:
             return _compiled_holds(self.compiled_state, variables)  # type: ignore[misc]
         # The lengths first: they keep the element-wise checks below aligned (and
         # keep empty plain dicts and lists empty, so no keys/items pass is needed).
+        metadata = list(map(_metadata_of, variables))
         return (
             list(map(len, self.sized)) == self.lens
             and all(map(_is, chain.from_iterable(map(dict.values, self.dicts)), self.values))
             and (not self.items or all(map(_is, chain.from_iterable(self.ordered), self.items)))
-            and list(map(_metadata_of, variables)) == self.metadata_copies
+            and len(metadata) == len(self.metadata)
+            and all(map(_is, metadata, self.metadata))
+            and list(map(len, metadata)) == self.metadata_lens
+            and all(map(_is, chain.from_iterable(metadata), self.metadata_keys))
+            and all(map(_is, chain.from_iterable(map(dict.values, metadata)), self.metadata_values))
         )
 
 
 _is = operator.is_
-_metadata_of = operator.attrgetter("_var_metadata")
 
 
 # Immutable containers that need no guard: their children are walked instead.
@@ -472,9 +478,6 @@ def variables_of(flats: Sequence[ArgFlat]) -> list[Any]:
 _variables_of = operator.attrgetter("variables")
 
 
-_raw_value_of = operator.attrgetter("_raw_value")
-
-
 def _refresh(entry: ArgFlat) -> ArgFlat:
     """A copy of ``entry`` with the Variables' current values."""
     fresh = ArgFlat.__new__(ArgFlat)
@@ -505,7 +508,7 @@ def current_dynamic(entry: ArgFlat) -> list[Any]:
     variables = iter(entry.variables)
     for spec, leaf in zip(entry.specs, entry.leaves, strict=True):
         if type(spec) is VarSpec:
-            dynamic.append(next(variables)._raw_value)
+            dynamic.append(_raw_value_of(next(variables)))
         elif spec is DYNAMIC:
             dynamic.append(leaf)
     return dynamic

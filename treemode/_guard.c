@@ -1,4 +1,14 @@
-/* Identity checks behind treemode's flattening cache (see treemode/_flatten.py).
+/* treemode's optional compiled call path (imported only by treemode/_compiled.py).
+ *
+ * Every function here executes what the Python code decided and also
+ * implements (its Python twins are named in each docstring); nothing here knows
+ * a private Flax or JAX name: `configure` receives, once, the Variable slots and
+ * JAX trace state that treemode/_compat.py verified, and the Python objects the
+ * call path compares with or calls back (see the records in _compiled.py). The
+ * names read below (`_fast`, `writable_in`, `variables`, `metadata_updates`,
+ * `write_back`, `_call`) are treemode's own.
+ *
+ * Identity checks behind treemode's flattening cache (see treemode/_flatten.py).
  *
  * A cached flattening of an argument stays valid while every container it
  * walked through still holds the very same objects. `_Guard` in _flatten.py
@@ -14,8 +24,6 @@
 #include <Python.h>
 #include <structmember.h> /* T_OBJECT_EX */
 
-static PyObject *metadata_name;  /* interned "_var_metadata" */
-static PyObject *raw_value_name; /* interned "_raw_value" */
 static PyObject *fast_name;      /* interned "_fast" */
 static PyObject *code_name;      /* interned "__code__" */
 static PyObject *closure_name;   /* interned "__closure__" */
@@ -23,10 +31,31 @@ static PyObject *call_name;      /* interned "call" */
 static PyObject *write_back_name; /* interned "write_back" */
 static PyObject *slow_call_name; /* interned "_call" */
 static PyObject *metadata_updates_name; /* interned "metadata_updates" */
-static PyObject *store_name;     /* interned "store" */
 static PyObject *writable_in_name; /* interned "writable_in" */
 static PyObject *variables_name; /* interned "variables" */
-static PyObject *value_name;     /* interned "value" */
+
+/* The configuration (see `configure`): the two records, held, and their
+ * fields (borrowed from them). */
+static PyObject *config_layout, *config_call_path;
+static PyObject *raw_value_member;   /* Variable._raw_value's member descriptor */
+static PyObject *metadata_member;    /* Variable._var_metadata's member descriptor */
+static PyObject *raw_value_name, *metadata_name; /* their names */
+static PyObject *current_trace;      /* its `current_trace_attr`: the current trace's weakref */
+static PyObject *current_trace_attr;
+static PyObject *cfg_array_types, *cfg_match_slow, *cfg_kinds, *cfg_ignore, *cfg_empty,
+    *cfg_ignored, *cfg_raise_failure, *cfg_store_owner, *cfg_store_name, *cfg_default_store;
+static PyTypeObject *cfg_site_call;
+
+/* 0 (with a RuntimeError) until `configure` was called. */
+static int
+configured(void)
+{
+    if (config_layout != NULL)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError,
+                    "treemode._guard: configure() was not called (import treemode first)");
+    return 0;
+}
 
 /* Dict version tags (CPython 3.11: `ma_version_tag` changes whenever a dict is
  * modified). A dict whose tag is the one saved with a snapshot has not been
@@ -89,26 +118,42 @@ version_tags(PyObject *Py_UNUSED(module), PyObject *containers)
     Py_DECREF(seq);
     return tags;
 #else
-    (void)containers;
+    if (!PyList_Check(containers) && !PyTuple_Check(containers)) {
+        PyErr_SetString(PyExc_TypeError, "version_tags: a sequence of containers");
+        return NULL;
+    }
     Py_RETURN_NONE;
 #endif
 }
 
-/* Whether `container` (a dict or a list) has `expected` entries. */
+static int
+malformed(const char *message)
+{
+    PyErr_SetString(PyExc_TypeError, message);
+    return -1;
+}
+
+/* Whether `container` (a dict or a list) has `expected` entries: 1, 0, or -1. */
 static int
 same_length(PyObject *container, PyObject *expected)
 {
+    if (!(PyDict_Check(container) || PyList_Check(container)) || !PyLong_Check(expected))
+        return malformed("a guard state's sized containers are dicts or lists, lengths ints");
     Py_ssize_t n = PyDict_Check(container) ? PyDict_GET_SIZE(container)
                                            : PyList_GET_SIZE(container);
     Py_ssize_t want = PyLong_AsSsize_t(expected);
+    if (want == -1 && PyErr_Occurred())
+        return -1;
     return want == n;
 }
 
 /* Whether iterating `container` (a dict's keys, or a list's items) gives
- * items[*k], items[*k + 1], ... by identity; advances *k. */
+ * items[*k], items[*k + 1], ... by identity; advances *k. -1 if malformed. */
 static int
 same_iteration(PyObject *container, PyObject *items, Py_ssize_t *k)
 {
+    if (!PyDict_Check(container) && !PyList_Check(container))
+        return malformed("a guard state's ordered containers are dicts or lists");
     Py_ssize_t total = PyTuple_GET_SIZE(items);
     if (PyDict_Check(container)) {
         Py_ssize_t pos = 0;
@@ -133,6 +178,8 @@ same_iteration(PyObject *container, PyObject *items, Py_ssize_t *k)
 static int
 same_values(PyObject *dict, PyObject *values, Py_ssize_t *k)
 {
+    if (!PyDict_Check(dict))
+        return malformed("a guard state's value-checked containers are dicts");
     Py_ssize_t total = PyTuple_GET_SIZE(values);
     Py_ssize_t pos = 0;
     PyObject *key, *value;
@@ -174,8 +221,25 @@ typedef struct {
 
 static SlotCache metadata_slots, raw_value_slots, fast_slots, writable_in_slots, variables_slots;
 
+/* The offset of `descr`'s slot in instances of `type`, if `descr` is a
+ * `__slots__` member descriptor (an object slot) of `type` or of a base: else -1. */
 static Py_ssize_t
-slot_offset(PyTypeObject *type, PyObject *name, SlotCache *cache)
+member_offset(PyTypeObject *type, PyObject *descr)
+{
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type))
+        return -1;
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    if (member->type != T_OBJECT_EX || (member->flags & READONLY) ||
+        !PyType_IsSubtype(type, PyDescr_TYPE(descr)))
+        return -1;
+    return member->offset;
+}
+
+/* Resolves `name` on `type` once: its slot's offset if the class attribute is
+ * an object slot's member descriptor (and, when `expected` is not NULL, that
+ * very descriptor), else -1. */
+static Py_ssize_t
+slot_offset_of(PyTypeObject *type, PyObject *name, PyObject *expected, SlotCache *cache)
 {
     for (int i = 0; i < cache->n; i++) {
         if (cache->types[i] == type)
@@ -188,11 +252,8 @@ slot_offset(PyTypeObject *type, PyObject *name, SlotCache *cache)
         PyErr_Clear();
     }
     else {
-        if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
-            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-            if (member->type == T_OBJECT_EX)
-                offset = member->offset;
-        }
+        if (expected == NULL || descr == expected)
+            offset = member_offset(type, descr);
         Py_DECREF(descr);
     }
     if (cache->n < SLOT_CACHE_SIZE) {
@@ -202,6 +263,35 @@ slot_offset(PyTypeObject *type, PyObject *name, SlotCache *cache)
         cache->n++;
     }
     return offset;
+}
+
+/* treemode's own slots (`_fast`, `writable_in`, `variables`). */
+static Py_ssize_t
+slot_offset(PyTypeObject *type, PyObject *name, SlotCache *cache)
+{
+    return slot_offset_of(type, name, NULL, cache);
+}
+
+/* The Variable slots `configure` named: read or written in place when `type`
+ * inherits that very slot, else with getattr / setattr by name. */
+static Py_ssize_t
+raw_value_offset(PyTypeObject *type)
+{
+    return slot_offset_of(type, raw_value_name, raw_value_member, &raw_value_slots);
+}
+
+static Py_ssize_t
+metadata_offset(PyTypeObject *type)
+{
+    return slot_offset_of(type, metadata_name, metadata_member, &metadata_slots);
+}
+
+static void
+slot_cache_clear(SlotCache *cache)
+{
+    for (int i = 0; i < cache->n; i++)
+        Py_CLEAR(cache->types[i]);
+    cache->n = 0;
 }
 
 /* `obj.name` (a new reference), read from its `__slots__` slot when its type
@@ -225,11 +315,14 @@ static int
 same_metadata(PyObject *var, PyObject *expected, PyObject *entries, const uint64_t *tags,
               Py_ssize_t i)
 {
-    Py_ssize_t offset = slot_offset(Py_TYPE(var), metadata_name, &metadata_slots);
+    if (!PyTuple_Check(entries))
+        return malformed("a guard state's metadata entries are tuples");
+    Py_ssize_t offset = metadata_offset(Py_TYPE(var));
     if (offset >= 0) {
         PyObject *current = *(PyObject **)((char *)var + offset); /* borrowed; NULL if unset */
-        return current == expected && PyDict_Check(current) &&
-               (unmodified(current, tags, i) || same_entries(current, entries));
+        if (current != expected || !PyDict_Check(current))
+            return 0;
+        return unmodified(current, tags, i) ? 1 : same_entries(current, entries);
     }
     PyObject *current = PyObject_GetAttr(var, metadata_name);
     if (current == NULL) {
@@ -248,10 +341,18 @@ same_metadata(PyObject *var, PyObject *expected, PyObject *entries, const uint64
 static int
 state_holds(PyObject *state, PyObject *variables)
 {
-    if (!PyTuple_Check(state) || (PyTuple_GET_SIZE(state) != 8 && PyTuple_GET_SIZE(state) != 11)) {
-        PyErr_SetString(PyExc_TypeError, "a guard state is an 8-tuple, or 11 with version tags");
+    if (!configured())
         return -1;
+    if (!PyTuple_Check(state) || (PyTuple_GET_SIZE(state) != 8 && PyTuple_GET_SIZE(state) != 11))
+        return malformed("a guard state is an 8-tuple, or 11 with version tags");
+    for (Py_ssize_t i = 0; i < 8; i++) {
+        if (!PyTuple_Check(PyTuple_GET_ITEM(state, i)))
+            return malformed("the first 8 items of a guard state are tuples");
     }
+    if (PyTuple_GET_SIZE(PyTuple_GET_ITEM(state, 0)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(state, 1)) ||
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(state, 6)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(state, 7)))
+        return malformed("a guard state has one length per sized container and one entries "
+                         "tuple per metadata dict");
     PyObject *sized = PyTuple_GET_ITEM(state, 0);
     PyObject *lens = PyTuple_GET_ITEM(state, 1);
     PyObject *dicts = PyTuple_GET_ITEM(state, 2);
@@ -270,9 +371,10 @@ state_holds(PyObject *state, PyObject *variables)
     Py_ssize_t k;
 
     /* Lengths first: they keep the element-wise passes below aligned. */
+    int same;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sized); i++) {
-        if (!same_length(PyTuple_GET_ITEM(sized, i), PyTuple_GET_ITEM(lens, i)))
-            return 0;
+        if ((same = same_length(PyTuple_GET_ITEM(sized, i), PyTuple_GET_ITEM(lens, i))) != 1)
+            return same;
     }
     k = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dicts); i++) {
@@ -281,8 +383,8 @@ state_holds(PyObject *state, PyObject *variables)
             k += PyDict_GET_SIZE(d); /* its length was checked above */
             continue;
         }
-        if (!same_values(d, values, &k))
-            return 0;
+        if ((same = same_values(d, values, &k)) != 1)
+            return same;
     }
     if (k != PyTuple_GET_SIZE(values))
         return 0;
@@ -293,8 +395,8 @@ state_holds(PyObject *state, PyObject *variables)
             k += PyDict_GET_SIZE(c);
             continue;
         }
-        if (!same_iteration(c, items, &k))
-            return 0;
+        if ((same = same_iteration(c, items, &k)) != 1)
+            return same;
     }
     if (k != PyTuple_GET_SIZE(items))
         return 0;
@@ -302,9 +404,10 @@ state_holds(PyObject *state, PyObject *variables)
     if (n_vars != PyTuple_GET_SIZE(metadata))
         return 0;
     for (Py_ssize_t i = 0; i < n_vars; i++) {
-        if (!same_metadata(PySequence_Fast_GET_ITEM(variables, i), PyTuple_GET_ITEM(metadata, i),
-                           PyTuple_GET_ITEM(metadata_entries, i), metadata_tags, i))
-            return PyErr_Occurred() ? -1 : 0;
+        same = same_metadata(PySequence_Fast_GET_ITEM(variables, i), PyTuple_GET_ITEM(metadata, i),
+                             PyTuple_GET_ITEM(metadata_entries, i), metadata_tags, i);
+        if (same != 1)
+            return same;
     }
     return 1;
 }
@@ -439,7 +542,7 @@ gathered_take(Gathered *g, int as_list)
 static int
 gather_raw_value(Gathered *out, PyObject *var)
 {
-    Py_ssize_t offset = slot_offset(Py_TYPE(var), raw_value_name, &raw_value_slots);
+    Py_ssize_t offset = raw_value_offset(Py_TYPE(var));
     if (offset >= 0) {
         PyObject *value = *(PyObject **)((char *)var + offset); /* borrowed; NULL if unset */
         return value == NULL ? 0 : (gathered_push(out, value) < 0 ? -1 : 1);
@@ -469,6 +572,8 @@ match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *sources,
     PyObject *entry = NULL, *fast = NULL;
     int result = 0;
     if (slot != Py_None) {
+        if (!PyWeakref_CheckRef(slot))
+            return malformed("a call-site slot is None or a weak reference");
         entry = referent(slot);
         if (entry == NULL)
             return 0; /* the flattening was dropped */
@@ -478,6 +583,11 @@ match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *sources,
     }
     if (fast != NULL && PyTuple_Check(fast) && PyTuple_GET_SIZE(fast) == 3) {
         /* (the argument's weak reference, the guard state, the Variables) */
+        if (!PyWeakref_CheckRef(PyTuple_GET_ITEM(fast, 0)) ||
+            !PyTuple_Check(PyTuple_GET_ITEM(fast, 2))) {
+            result = malformed("a flattening's _fast is (weak reference, guard state, tuple)");
+            goto done;
+        }
         PyObject *arg = referent(PyTuple_GET_ITEM(fast, 0));
         Py_XDECREF(arg); /* only compared */
         if (arg != obj)
@@ -547,8 +657,10 @@ PyDoc_STRVAR(match_into_doc,
 static PyObject *
 match_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
+    if (!configured())
+        return NULL;
     if (nargs != 6 || !PyTuple_Check(args[0]) || !PyList_Check(args[2]) ||
-        !PyList_Check(args[3]) || !PyAnySet_Check(args[4])) {
+        !PyList_Check(args[3]) || !PyAnySet_Check(args[4]) || !PyCallable_Check(args[5])) {
         PyErr_SetString(PyExc_TypeError,
                         "match_into(slots: tuple, objs, dynamic: list, sources: list, "
                         "array_types: set, slow)");
@@ -754,7 +866,7 @@ reads_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 static int
 set_raw_value(PyObject *var, PyObject *value, PyObject *previous)
 {
-    Py_ssize_t offset = slot_offset(Py_TYPE(var), raw_value_name, &raw_value_slots);
+    Py_ssize_t offset = raw_value_offset(Py_TYPE(var));
     if (offset >= 0) {
         PyObject **slot = (PyObject **)((char *)var + offset);
         if (*slot == NULL) {
@@ -832,6 +944,8 @@ write_all(PyObject *variables, PyObject *updates)
 static PyObject *
 write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
+    if (!configured())
+        return NULL;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "write_changed(variables, updates) takes 2 arguments");
         return NULL;
@@ -977,12 +1091,10 @@ static PyTypeObject SiteCallFields_Type = {
  * checked, so an answer whose reads hold is right whether or not the cache
  * has since been cleared. */
 static int
-match_closure(PyObject *reads, PyObject *found, PyObject *lifted_slots, PyObject *env,
-              Gathered *dynamic, Gathered *sources)
+match_closure(PyObject *reads, PyObject *found, PyObject *lifted_slots, Gathered *dynamic,
+              Gathered *sources)
 {
-    PyObject *array_types = PyTuple_GET_ITEM(env, 0), *slow = PyTuple_GET_ITEM(env, 1);
-    int ok = closure_reads_hold(reads, PyTuple_GET_ITEM(env, 2), PyTuple_GET_ITEM(env, 3),
-                                PyTuple_GET_ITEM(env, 4), PyTuple_GET_ITEM(env, 5));
+    int ok = closure_reads_hold(reads, cfg_kinds, cfg_ignore, cfg_empty, cfg_ignored);
     if (ok != 1)
         return ok;
     /* found: [(name, holder), ...] */
@@ -998,177 +1110,20 @@ match_closure(PyObject *reads, PyObject *found, PyObject *lifted_slots, PyObject
             ok = 0; /* the object died */
             break;
         }
-        ok = match_one(PyTuple_GET_ITEM(lifted_slots, i), obj, dynamic, sources, array_types,
-                       slow);
+        ok = match_one(PyTuple_GET_ITEM(lifted_slots, i), obj, dynamic, sources, cfg_array_types,
+                       cfg_match_slow);
         Py_DECREF(obj);
     }
     return ok;
 }
 
-/* Binding: the call a PureFunction runs, per thread (what a threading.local
- * with a `call` attribute gives, at the cost of a pointer store). Nearly always
- * one thread calls a given function, so that thread's call sits in `call`;
- * calls on other threads while it is bound go to `others`, by thread ident.
- * Every access holds the GIL: this type is not built without one. */
-#ifndef Py_GIL_DISABLED
-#define HAVE_BINDING 1
-typedef struct {
-    PyObject_HEAD
-    int owned;           /* whether `owner`'s call is in `call` */
-    unsigned long owner; /* the thread ident of that call */
-    PyObject *call;      /* NULL unless owned */
-    PyObject *others;    /* dict {thread ident: call} of other threads, or NULL */
-} BindingObject;
-
-static PyTypeObject Binding_Type;
-
-/* The calling thread's call (borrowed), or NULL (no exception) if none. */
-static PyObject *
-binding_current(BindingObject *self)
-{
-    unsigned long me = PyThread_get_thread_ident();
-    if (self->owned && self->owner == me)
-        return self->call;
-    if (self->others == NULL || PyDict_GET_SIZE(self->others) == 0)
-        return NULL;
-    PyObject *key = PyLong_FromUnsignedLong(me);
-    if (key == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    PyObject *call = PyDict_GetItemWithError(self->others, key);
-    Py_DECREF(key);
-    if (call == NULL)
-        PyErr_Clear();
-    return call;
-}
-
-/* Sets the calling thread's call (`call` NULL or None: unbinds): 0, or -1. */
-static int
-binding_set(BindingObject *self, PyObject *call)
-{
-    unsigned long me = PyThread_get_thread_ident();
-    if (call == Py_None)
-        call = NULL;
-    if (self->owned && self->owner == me) {
-        PyObject *previous = self->call; /* released last: its finalizer may call back */
-        Py_XINCREF(call);
-        self->call = call;
-        self->owned = call != NULL;
-        Py_XDECREF(previous);
-        return 0;
-    }
-    PyObject *key = NULL;
-    if (self->others != NULL && PyDict_GET_SIZE(self->others) > 0) {
-        key = PyLong_FromUnsignedLong(me);
-        if (key == NULL)
-            return -1;
-        /* this thread's entry moves to (or stays in) the slot below */
-        if (PyDict_DelItem(self->others, key) < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
-                Py_DECREF(key);
-                return -1;
-            }
-            PyErr_Clear();
-        }
-    }
-    int result = 0;
-    if (call == NULL) {
-        /* nothing bound for this thread any more */
-    }
-    else if (!self->owned) {
-        Py_INCREF(call);
-        self->call = call;
-        self->owner = me;
-        self->owned = 1;
-    }
-    else { /* another thread's call is in the slot */
-        if (self->others == NULL && (self->others = PyDict_New()) == NULL)
-            result = -1;
-        if (result == 0 && key == NULL && (key = PyLong_FromUnsignedLong(me)) == NULL)
-            result = -1;
-        if (result == 0)
-            result = PyDict_SetItem(self->others, key, call);
-    }
-    Py_XDECREF(key);
-    return result;
-}
-
-static PyObject *
-binding_get_call(BindingObject *self, void *Py_UNUSED(closure))
-{
-    PyObject *call = binding_current(self);
-    if (call == NULL)
-        Py_RETURN_NONE;
-    Py_INCREF(call);
-    return call;
-}
-
-static int
-binding_set_call(BindingObject *self, PyObject *value, void *Py_UNUSED(closure))
-{
-    return binding_set(self, value); /* deleting (NULL) unbinds too */
-}
-
-static int
-binding_traverse(BindingObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->call);
-    Py_VISIT(self->others);
-    return 0;
-}
-
-static int
-binding_clear(BindingObject *self)
-{
-    self->owned = 0;
-    Py_CLEAR(self->call);
-    Py_CLEAR(self->others);
-    return 0;
-}
-
-static void
-binding_dealloc(BindingObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    binding_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyGetSetDef binding_getset[] = {
-    {"call", (getter)binding_get_call, (setter)binding_set_call,
-     PyDoc_STR("The calling thread's call (None when nothing is bound)."), NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject Binding_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "treemode._guard.Binding",
-    .tp_doc = PyDoc_STR("Binding()\n\nThe call a function is running, per thread: `call` reads "
-                        "and sets the calling thread's (None when unbound)."),
-    .tp_basicsize = sizeof(BindingObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
-    .tp_traverse = (traverseproc)binding_traverse,
-    .tp_clear = (inquiry)binding_clear,
-    .tp_dealloc = (destructor)binding_dealloc,
-    .tp_getset = binding_getset,
-};
-
-static int
-bind_call(PyObject *binding, PyObject *call)
-{
-    if (Py_IS_TYPE(binding, &Binding_Type))
-        return binding_set((BindingObject *)binding, call);
-    return PyObject_SetAttr(binding, call_name, call);
-}
-#else
+/* Binds `call` as the current call of a PureFunction's binding (a
+ * threading.local: `binding.call = call`). */
 static int
 bind_call(PyObject *binding, PyObject *call)
 {
     return PyObject_SetAttr(binding, call_name, call);
 }
-#endif
 
 /* Runs `jitted(*arrays)` (the arrays, or the donated and the kept tuples) with
  * `call` bound, then unbinds; on failure, hands the error to
@@ -1288,30 +1243,30 @@ split_donated(PyObject *donation, PyObject *arrays, PyObject *call, PyObject **s
     return 0;
 }
 
-/* The write-back of a memo-matched call, in C when nothing needs Python: no
- * metadata update was traced, the store hook is the default, and every source
- * flattening is remembered as writable in the current trace. 1 written, 0 not
- * attempted (the caller writes in Python), -1 error.
- *
- * write_env = (record, core module globals, default store, trace ref source: its
- *              `value` is the current trace's weak reference) */
+/* The write-back of a memo-matched call, in C when nothing needs Python, as
+ * `write_back` in Python decides: no metadata update was traced (`record`),
+ * the store hook is the default one, and every source flattening is
+ * remembered as writable in the current trace. 1 written, 0 not attempted
+ * (the caller writes in Python, which decides again), -1 error. */
 static int
-write_in_c(PyObject *write_env, PyObject *sources, PyObject *updates)
+write_in_c(PyObject *record, PyObject *sources, PyObject *updates)
 {
-    if (!PyTuple_Check(write_env) || PyTuple_GET_SIZE(write_env) != 4 || !PyList_Check(sources) ||
-        !PyTuple_Check(updates))
+    if (!PyList_Check(sources) || !PyTuple_Check(updates))
         return 0;
-    PyObject *metadata = PyObject_GetAttr(PyTuple_GET_ITEM(write_env, 0), metadata_updates_name);
+    PyObject *metadata = PyObject_GetAttr(record, metadata_updates_name);
     if (metadata == NULL)
         return -1;
     int has_metadata = PyObject_IsTrue(metadata);
     Py_DECREF(metadata);
     if (has_metadata != 0)
         return has_metadata < 0 ? -1 : 0;
-    PyObject *store = PyDict_GetItemWithError(PyTuple_GET_ITEM(write_env, 1), store_name);
-    if (store != PyTuple_GET_ITEM(write_env, 2))
-        return PyErr_Occurred() ? -1 : 0; /* replaced (tests inject faults there) */
-    PyObject *ref = PyObject_GetAttr(PyTuple_GET_ITEM(write_env, 3), value_name);
+    PyObject *store = PyObject_GetAttr(cfg_store_owner, cfg_store_name);
+    if (store == NULL)
+        return -1;
+    Py_DECREF(store); /* only compared; the owner holds it */
+    if (store != cfg_default_store)
+        return 0; /* replaced (tests inject faults there) */
+    PyObject *ref = PyObject_GetAttr(current_trace, current_trace_attr);
     if (ref == NULL)
         return -1;
     PyObject *variables = PyList_New(0);
@@ -1355,48 +1310,60 @@ write_in_c(PyObject *write_env, PyObject *sources, PyObject *updates)
     return ok;
 }
 
-/* A call through a memo's plan: its result, or NULL with an exception, or
- * NULL without one when the arguments do not match the memo (the caller then
- * takes the Python path, which decides everything again).
- *
- * plan = (site part, entry part, environment):
- *   site part   (site, slots, partial_args, closure reads, closure answer,
- *                lifted_slots)
- *   entry part  (jitted, binding, entry, write environment: see write_in_c,
- *                donation: None or see split_donated)
- *   environment (array_types, match_slow, kinds, ignore, empty, ignored,
- *                SiteCall type, raise_failure) */
+/* A memo plan's records (treemode._compiled.SitePlan, EntryPlan), checked once
+ * when the memo is set (see `memo_set`); `fast_call` trusts their shape. */
+enum { SITE_SITE, SITE_SLOTS, SITE_PARTIAL, SITE_READS, SITE_FOUND, SITE_LIFTED, SITE_FIELDS };
+enum { ENTRY_JITTED, ENTRY_BINDING, ENTRY_ENTRY, ENTRY_RECORD, ENTRY_DONATION, ENTRY_FIELDS };
+
+static int
+plan_valid(PyObject *plan)
+{
+    if (plan == Py_None)
+        return 1;
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 2)
+        return malformed("a memo plan is (SitePlan, EntryPlan) or None");
+    PyObject *site = PyTuple_GET_ITEM(plan, 0), *entry = PyTuple_GET_ITEM(plan, 1);
+    if (!PyTuple_Check(site) || PyTuple_GET_SIZE(site) != SITE_FIELDS ||
+        !PyTuple_Check(PyTuple_GET_ITEM(site, SITE_SLOTS)) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(site, SITE_PARTIAL)) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(site, SITE_READS)) ||
+        !PyList_Check(PyTuple_GET_ITEM(site, SITE_FOUND)) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(site, SITE_LIFTED)))
+        return malformed("a SitePlan is (site, slots: tuple, partial_args: tuple, "
+                         "closure_reads: tuple, closure_found: list, lifted_slots: tuple)");
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != ENTRY_FIELDS)
+        return malformed("an EntryPlan has 5 fields");
+    PyObject *donation = PyTuple_GET_ITEM(entry, ENTRY_DONATION);
+    if (!PyCallable_Check(PyTuple_GET_ITEM(entry, ENTRY_JITTED)) ||
+        (donation != Py_None &&
+         (!PyTuple_Check(donation) || PyTuple_GET_SIZE(donation) != 3 ||
+          !PyTuple_Check(PyTuple_GET_ITEM(donation, 0)) ||
+          !PyTuple_Check(PyTuple_GET_ITEM(donation, 1)) ||
+          !PyCallable_Check(PyTuple_GET_ITEM(donation, 2)))))
+        return malformed("an EntryPlan is (jitted: callable, binding, entry, record, donation: "
+                         "None or (tuple, tuple, callable))");
+    return 1;
+}
+
+/* A call through a memo's plan (see plan_valid): its result, or NULL with an
+ * exception, or NULL without one when the arguments do not match the memo (the
+ * caller then takes the Python path, which decides everything again). */
 static PyObject *
 fast_call(PyObject *plan, PyObject *args)
 {
-    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 3) {
-        PyErr_SetString(PyExc_TypeError, "treemode: a memo plan is a 3-tuple");
-        return NULL;
-    }
     PyObject *site_part = PyTuple_GET_ITEM(plan, 0);
     PyObject *entry_part = PyTuple_GET_ITEM(plan, 1);
-    PyObject *env = PyTuple_GET_ITEM(plan, 2);
-    if (!PyTuple_Check(site_part) || PyTuple_GET_SIZE(site_part) != 6 ||
-        !PyTuple_Check(entry_part) || PyTuple_GET_SIZE(entry_part) != 5 || !PyTuple_Check(env) ||
-        PyTuple_GET_SIZE(env) != 8 || !PyTuple_Check(PyTuple_GET_ITEM(site_part, 1)) ||
-        !PyTuple_Check(PyTuple_GET_ITEM(site_part, 2)) ||
-        !PyTuple_Check(PyTuple_GET_ITEM(site_part, 5)) || !PyAnySet_Check(PyTuple_GET_ITEM(env, 0)) ||
-        !PyType_Check(PyTuple_GET_ITEM(env, 6)) ||
-        !PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(env, 6), &SiteCallFields_Type)) {
-        PyErr_SetString(PyExc_TypeError, "treemode: malformed memo plan");
-        return NULL;
-    }
-    PyObject *site = PyTuple_GET_ITEM(site_part, 0), *slots = PyTuple_GET_ITEM(site_part, 1);
-    PyObject *partial = PyTuple_GET_ITEM(site_part, 2), *reads = PyTuple_GET_ITEM(site_part, 3);
-    PyObject *found = PyTuple_GET_ITEM(site_part, 4);
-    PyObject *lifted_slots = PyTuple_GET_ITEM(site_part, 5);
-    PyObject *jitted = PyTuple_GET_ITEM(entry_part, 0);
-    PyObject *binding = PyTuple_GET_ITEM(entry_part, 1);
-    PyObject *entry = PyTuple_GET_ITEM(entry_part, 2);
-    PyObject *donation = PyTuple_GET_ITEM(entry_part, 4);
-    PyObject *array_types = PyTuple_GET_ITEM(env, 0), *slow = PyTuple_GET_ITEM(env, 1);
-    PyTypeObject *site_call_type = (PyTypeObject *)PyTuple_GET_ITEM(env, 6);
-    PyObject *raise_failure = PyTuple_GET_ITEM(env, 7);
+    PyObject *site = PyTuple_GET_ITEM(site_part, SITE_SITE);
+    PyObject *slots = PyTuple_GET_ITEM(site_part, SITE_SLOTS);
+    PyObject *partial = PyTuple_GET_ITEM(site_part, SITE_PARTIAL);
+    PyObject *reads = PyTuple_GET_ITEM(site_part, SITE_READS);
+    PyObject *found = PyTuple_GET_ITEM(site_part, SITE_FOUND);
+    PyObject *lifted_slots = PyTuple_GET_ITEM(site_part, SITE_LIFTED);
+    PyObject *jitted = PyTuple_GET_ITEM(entry_part, ENTRY_JITTED);
+    PyObject *binding = PyTuple_GET_ITEM(entry_part, ENTRY_BINDING);
+    PyObject *entry = PyTuple_GET_ITEM(entry_part, ENTRY_ENTRY);
+    PyObject *record = PyTuple_GET_ITEM(entry_part, ENTRY_RECORD);
+    PyObject *donation = PyTuple_GET_ITEM(entry_part, ENTRY_DONATION);
 
     PyObject *roots = NULL, *dynamic = NULL, *sources = NULL, *kwargs = NULL, *call = NULL;
     PyObject *result = NULL, *out = NULL, *split[2] = {NULL, NULL};
@@ -1417,11 +1384,11 @@ fast_call(PyObject *plan, PyObject *args)
         goto done; /* a miss */
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(slots); i++) {
         ok = match_one(PyTuple_GET_ITEM(slots, i), PyTuple_GET_ITEM(roots, i), &gathered_dynamic,
-                       &gathered_sources, array_types, slow);
+                       &gathered_sources, cfg_array_types, cfg_match_slow);
         if (ok != 1)
             goto done;
     }
-    ok = match_closure(reads, found, lifted_slots, env, &gathered_dynamic, &gathered_sources);
+    ok = match_closure(reads, found, lifted_slots, &gathered_dynamic, &gathered_sources);
     if (ok != 1)
         goto done;
     ok = -1; /* from here on, every failure is an error */
@@ -1432,17 +1399,17 @@ fast_call(PyObject *plan, PyObject *args)
     kwargs = PyDict_New();
     if (kwargs == NULL)
         goto done;
-    call = site_call_new(site_call_type, site, roots, kwargs, dynamic, sources);
+    call = site_call_new(cfg_site_call, site, roots, kwargs, dynamic, sources);
     if (call == NULL)
         goto done;
     if (donation == Py_None) { /* the arrays as positional arguments */
         result = run_bound(jitted, binding, call, &PyTuple_GET_ITEM(dynamic, 0),
-                           PyTuple_GET_SIZE(dynamic), raise_failure);
+                           PyTuple_GET_SIZE(dynamic), cfg_raise_failure);
     }
     else {
         if (split_donated(donation, dynamic, call, split) < 0)
             goto done;
-        result = run_bound(jitted, binding, call, split, 2, raise_failure);
+        result = run_bound(jitted, binding, call, split, 2, cfg_raise_failure);
     }
     if (result == NULL)
         goto done;
@@ -1453,7 +1420,7 @@ fast_call(PyObject *plan, PyObject *args)
     /* A trace without updates returns (out, None): nothing to write. */
     PyObject *updates = PyTuple_GET_ITEM(result, 1);
     if (updates != Py_None) {
-        int in_c = write_in_c(PyTuple_GET_ITEM(entry_part, 3), sources, updates);
+        int in_c = write_in_c(record, sources, updates);
         if (in_c < 0)
             goto done;
         if (in_c == 0) {
@@ -1491,8 +1458,9 @@ static PyObject *
 memo_call(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     PyObject *memo = ((MemoCallObject *)self)->memo;
-    if (memo != NULL && PyTuple_Check(memo) && PyTuple_GET_SIZE(memo) == 3 &&
-        PyTuple_GET_ITEM(memo, 2) != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+    /* `memo_set` checked its shape: None, or (site, entry, plan or None). */
+    if (memo != NULL && memo != Py_None && PyTuple_GET_ITEM(memo, 2) != Py_None &&
+        config_call_path != NULL && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
         Py_INCREF(memo); /* another thread may replace it meanwhile */
         PyObject *result = fast_call(PyTuple_GET_ITEM(memo, 2), args);
         Py_DECREF(memo);
@@ -1505,6 +1473,30 @@ memo_call(PyObject *self, PyObject *args, PyObject *kwargs)
     PyObject *result = PyObject_Call(slow_path, args, kwargs);
     Py_DECREF(slow_path);
     return result;
+}
+
+static PyObject *
+memo_get(MemoCallObject *self, void *Py_UNUSED(closure))
+{
+    PyObject *memo = self->memo == NULL ? Py_None : self->memo;
+    Py_INCREF(memo);
+    return memo;
+}
+
+static int
+memo_set(MemoCallObject *self, PyObject *memo, void *Py_UNUSED(closure))
+{
+    if (memo == NULL)
+        memo = Py_None;
+    if (memo != Py_None &&
+        (!PyTuple_Check(memo) || PyTuple_GET_SIZE(memo) != 3 || plan_valid(PyTuple_GET_ITEM(memo, 2)) < 0)) {
+        if (!PyErr_Occurred())
+            malformed("a memo is None or (CallSite, compiled entry, MemoPlan or None)");
+        return -1;
+    }
+    Py_INCREF(memo);
+    Py_XSETREF(self->memo, memo);
+    return 0;
 }
 
 static int
@@ -1529,10 +1521,10 @@ memo_call_dealloc(MemoCallObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyMemberDef memo_call_members[] = {
-    {"_memo", T_OBJECT, offsetof(MemoCallObject, memo), 0,
-     "None, or (CallSite, compiled entry, plan or None) of the last call"},
-    {NULL, 0, 0, 0, NULL},
+static PyGetSetDef memo_call_getset[] = {
+    {"_memo", (getter)memo_get, (setter)memo_set,
+     PyDoc_STR("None, or (CallSite, compiled entry, MemoPlan or None) of the last call"), NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyTypeObject MemoCall_Type = {
@@ -1547,10 +1539,95 @@ static PyTypeObject MemoCall_Type = {
     .tp_traverse = (traverseproc)memo_call_traverse,
     .tp_clear = (inquiry)memo_call_clear,
     .tp_dealloc = (destructor)memo_call_dealloc,
-    .tp_members = memo_call_members,
+    .tp_getset = memo_call_getset,
 };
 
+/* configure(layout, call_path): see treemode._compiled.Layout and CallPath. */
+enum { LAYOUT_RAW_VALUE, LAYOUT_METADATA, LAYOUT_TRACE, LAYOUT_TRACE_ATTR, LAYOUT_FIELDS };
+enum {
+    CP_ARRAY_TYPES, CP_MATCH_SLOW, CP_KINDS, CP_IGNORE, CP_EMPTY, CP_IGNORED, CP_SITE_CALL,
+    CP_RAISE_FAILURE, CP_STORE_OWNER, CP_STORE_NAME, CP_DEFAULT_STORE, CP_FIELDS
+};
+
+static int
+object_slot_member(PyObject *descr)
+{
+    return Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+           ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX &&
+           !(((PyMemberDescrObject *)descr)->d_member->flags & READONLY);
+}
+
+PyDoc_STRVAR(configure_doc,
+"configure(layout, call_path) -> None\n\n"
+"Set what the C code reads and calls (treemode._compiled.configure calls it\n"
+"once). layout: (raw_value, var_metadata, current_trace, current_trace_attr):\n"
+"the Variable slots' member descriptors, and an object whose attribute\n"
+"`current_trace_attr` is the current trace's weak reference. call_path:\n"
+"(array_types: set, match_slow, closure_kinds: dict, closure_ignore,\n"
+"closure_empty, closure_ignored, site_call: a SiteCallFields subclass,\n"
+"raise_failure, store_owner, store_name: str, default_store).");
+
+static PyObject *
+configure(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "configure(layout, call_path) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *layout = args[0], *path = args[1];
+    if (!PyTuple_Check(layout) || PyTuple_GET_SIZE(layout) != LAYOUT_FIELDS ||
+        !object_slot_member(PyTuple_GET_ITEM(layout, LAYOUT_RAW_VALUE)) ||
+        !object_slot_member(PyTuple_GET_ITEM(layout, LAYOUT_METADATA)) ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(layout, LAYOUT_TRACE_ATTR))) {
+        malformed("configure: layout is (raw_value, var_metadata: object-slot member "
+                  "descriptors, current_trace, current_trace_attr: str)");
+        return NULL;
+    }
+    if (!PyTuple_Check(path) || PyTuple_GET_SIZE(path) != CP_FIELDS ||
+        !PyAnySet_Check(PyTuple_GET_ITEM(path, CP_ARRAY_TYPES)) ||
+        !PyCallable_Check(PyTuple_GET_ITEM(path, CP_MATCH_SLOW)) ||
+        !PyDict_Check(PyTuple_GET_ITEM(path, CP_KINDS)) ||
+        !PyType_Check(PyTuple_GET_ITEM(path, CP_SITE_CALL)) ||
+        !PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(path, CP_SITE_CALL),
+                          &SiteCallFields_Type) ||
+        !PyCallable_Check(PyTuple_GET_ITEM(path, CP_RAISE_FAILURE)) ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(path, CP_STORE_NAME)) ||
+        !PyCallable_Check(PyTuple_GET_ITEM(path, CP_DEFAULT_STORE))) {
+        malformed("configure: call_path is (array_types: set, match_slow: callable, "
+                  "closure_kinds: dict, closure_ignore, closure_empty, closure_ignored, "
+                  "site_call: SiteCallFields subclass, raise_failure: callable, store_owner, "
+                  "store_name: str, default_store: callable)");
+        return NULL;
+    }
+    Py_INCREF(layout);
+    Py_XSETREF(config_layout, layout);
+    Py_INCREF(path);
+    Py_XSETREF(config_call_path, path);
+    raw_value_member = PyTuple_GET_ITEM(layout, LAYOUT_RAW_VALUE);
+    metadata_member = PyTuple_GET_ITEM(layout, LAYOUT_METADATA);
+    raw_value_name = PyDescr_NAME(raw_value_member);
+    metadata_name = PyDescr_NAME(metadata_member);
+    current_trace = PyTuple_GET_ITEM(layout, LAYOUT_TRACE);
+    current_trace_attr = PyTuple_GET_ITEM(layout, LAYOUT_TRACE_ATTR);
+    cfg_array_types = PyTuple_GET_ITEM(path, CP_ARRAY_TYPES);
+    cfg_match_slow = PyTuple_GET_ITEM(path, CP_MATCH_SLOW);
+    cfg_kinds = PyTuple_GET_ITEM(path, CP_KINDS);
+    cfg_ignore = PyTuple_GET_ITEM(path, CP_IGNORE);
+    cfg_empty = PyTuple_GET_ITEM(path, CP_EMPTY);
+    cfg_ignored = PyTuple_GET_ITEM(path, CP_IGNORED);
+    cfg_site_call = (PyTypeObject *)PyTuple_GET_ITEM(path, CP_SITE_CALL);
+    cfg_raise_failure = PyTuple_GET_ITEM(path, CP_RAISE_FAILURE);
+    cfg_store_owner = PyTuple_GET_ITEM(path, CP_STORE_OWNER);
+    cfg_store_name = PyTuple_GET_ITEM(path, CP_STORE_NAME);
+    cfg_default_store = PyTuple_GET_ITEM(path, CP_DEFAULT_STORE);
+    /* The Variable slots may be other descriptors now. */
+    slot_cache_clear(&raw_value_slots);
+    slot_cache_clear(&metadata_slots);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
     {"holds", (PyCFunction)(void (*)(void))holds, METH_FASTCALL, holds_doc},
     {"version_tags", (PyCFunction)version_tags, METH_O, version_tags_doc},
     {"match_into", (PyCFunction)(void (*)(void))match_into, METH_FASTCALL, match_into_doc},
@@ -1560,67 +1637,70 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static int
+add_type(PyObject *module, const char *name, PyTypeObject *type)
+{
+    if (PyType_Ready(type) < 0)
+        return -1;
+    Py_INCREF(type);
+    if (PyModule_AddObject(module, name, (PyObject *)type) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+intern_once(PyObject **slot, const char *text)
+{
+    if (*slot == NULL)
+        *slot = PyUnicode_InternFromString(text);
+    return *slot;
+}
+
+/* Multi-phase initialization (PEP 489). The configuration and the slot caches
+ * are process-wide statics, so the module declares itself unfit for
+ * subinterpreters with their own GIL, and needs the GIL (3.13+). */
+static int
+module_exec(PyObject *module)
+{
+    if (intern_once(&fast_name, "_fast") == NULL || intern_once(&code_name, "__code__") == NULL ||
+        intern_once(&closure_name, "__closure__") == NULL ||
+        intern_once(&call_name, "call") == NULL ||
+        intern_once(&write_back_name, "write_back") == NULL ||
+        intern_once(&slow_call_name, "_call") == NULL ||
+        intern_once(&metadata_updates_name, "metadata_updates") == NULL ||
+        intern_once(&writable_in_name, "writable_in") == NULL ||
+        intern_once(&variables_name, "variables") == NULL)
+        return -1;
+    if (add_type(module, "SiteCallFields", &SiteCallFields_Type) < 0 ||
+        add_type(module, "MemoCall", &MemoCall_Type) < 0)
+        return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+#ifdef Py_mod_multiple_interpreters
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#ifdef Py_mod_gil
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
+    {0, NULL},
+};
+
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "treemode._guard",
-    "Identity checks behind treemode's flattening cache (optional accelerator).",
-    -1,
-    methods,
-    NULL,
-    NULL,
-    NULL,
-    NULL,
+    .m_name = "treemode._guard",
+    .m_doc = "treemode's optional compiled call path (see treemode/_compiled.py).",
+    .m_size = 0,
+    .m_methods = methods,
+    .m_slots = module_slots,
 };
 
 PyMODINIT_FUNC
 PyInit__guard(void)
 {
-    metadata_name = PyUnicode_InternFromString("_var_metadata");
-    raw_value_name = PyUnicode_InternFromString("_raw_value");
-    fast_name = PyUnicode_InternFromString("_fast");
-    code_name = PyUnicode_InternFromString("__code__");
-    closure_name = PyUnicode_InternFromString("__closure__");
-    call_name = PyUnicode_InternFromString("call");
-    write_back_name = PyUnicode_InternFromString("write_back");
-    slow_call_name = PyUnicode_InternFromString("_call");
-    metadata_updates_name = PyUnicode_InternFromString("metadata_updates");
-    store_name = PyUnicode_InternFromString("store");
-    writable_in_name = PyUnicode_InternFromString("writable_in");
-    variables_name = PyUnicode_InternFromString("variables");
-    value_name = PyUnicode_InternFromString("value");
-    if (metadata_name == NULL || raw_value_name == NULL || fast_name == NULL ||
-        code_name == NULL || closure_name == NULL || call_name == NULL ||
-        write_back_name == NULL || slow_call_name == NULL || metadata_updates_name == NULL ||
-        store_name == NULL || writable_in_name == NULL || variables_name == NULL || value_name == NULL)
-        return NULL;
-    if (PyType_Ready(&SiteCallFields_Type) < 0 || PyType_Ready(&MemoCall_Type) < 0)
-        return NULL;
-#ifdef HAVE_BINDING
-    if (PyType_Ready(&Binding_Type) < 0)
-        return NULL;
-#endif
-    PyObject *module = PyModule_Create(&module_def);
-    if (module == NULL)
-        return NULL;
-    Py_INCREF(&SiteCallFields_Type);
-    if (PyModule_AddObject(module, "SiteCallFields", (PyObject *)&SiteCallFields_Type) < 0) {
-        Py_DECREF(&SiteCallFields_Type);
-        Py_DECREF(module);
-        return NULL;
-    }
-    Py_INCREF(&MemoCall_Type);
-    if (PyModule_AddObject(module, "MemoCall", (PyObject *)&MemoCall_Type) < 0) {
-        Py_DECREF(&MemoCall_Type);
-        Py_DECREF(module);
-        return NULL;
-    }
-#ifdef HAVE_BINDING
-    Py_INCREF(&Binding_Type);
-    if (PyModule_AddObject(module, "Binding", (PyObject *)&Binding_Type) < 0) {
-        Py_DECREF(&Binding_Type);
-        Py_DECREF(module);
-        return NULL;
-    }
-#endif
-    return module;
+    return PyModuleDef_Init(&module_def);
 }

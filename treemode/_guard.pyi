@@ -1,6 +1,7 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
+def configure(layout: tuple[Any, ...], call_path: tuple[Any, ...], /) -> None: ...
 def holds(state: tuple[Any, ...], variables: Sequence[Any], /) -> bool: ...
 def match_into(
     slots: tuple[Any, ...],
@@ -36,9 +37,6 @@ class SiteCallFields:
         dynamic: Sequence[Any],
         sources: list[Any],
     ) -> None: ...
-
-class Binding:
-    call: Any
 
 class MemoCall:
     _memo: Any

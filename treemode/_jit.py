@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from jax.core import Tracer
 
-from . import _callsite, _core, _explain, _retrace, _writeback
+from . import _callsite, _compiled, _core, _explain, _retrace, _writeback
 from ._callsite import CallSite
 from ._errors import DonationError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
@@ -23,6 +23,13 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _UNSET: Any = UNSPECIFIED
+
+# What the compiled call path compares with and calls back (treemode._compiled), once.
+_compiled.configure(
+    _callsite.call_path_config(
+        _explain.raise_explained, _writeback, "store", _writeback.DEFAULT_STORE
+    )
+)
 
 
 def _resolve_argnums(
@@ -152,9 +159,16 @@ def _signature(dynamic: Sequence[Any]) -> tuple[Any, ...]:
 
 
 class _PythonMemoCall:
-    """What ``_guard.MemoCall`` does, where it is not built: every call runs `_call`."""
+    """What the compiled ``MemoCall`` does, where it is off: every call runs `_call`.
+
+    A subclass's ``__call__`` is its ``_call`` itself (one Python frame per call).
+    """
 
     _memo: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__call__ = cls._call  # pyright: ignore[reportAttributeAccessIssue]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
@@ -166,10 +180,8 @@ class _PythonMemoCall:
 if TYPE_CHECKING:
     _MemoCall = _PythonMemoCall
 else:
-    try:  # calls matching the memo run in C, without a Python frame
-        from ._guard import MemoCall as _MemoCall
-    except ImportError:  # built without the C extension
-        _MemoCall = _PythonMemoCall
+    # Calls matching the memo run in C, without a Python frame (treemode._compiled).
+    _MemoCall = _compiled.MemoCall or _PythonMemoCall
 
 
 class JitWrapped(_MemoCall, Generic[P, R]):
@@ -398,18 +410,12 @@ class JitWrapped(_MemoCall, Generic[P, R]):
 
     def _plan(self, site: CallSite, entry: _Entry) -> Any:
         """The compiled call path's plan for ``site`` (``None``: match in Python)."""
-        writing = (
-            entry.record,
-            vars(_writeback),
-            _writeback.DEFAULT_STORE,
-            _writeback.TRACE_REF,
-        )
         donation = None
         if entry.donated:
             check = functools.partial(_check_donation, entry=entry)
             donation = (tuple(entry.donated), tuple(entry.kept), check)
-        run = (entry.jitted, entry.pure.binding, entry, writing, donation)
-        return _callsite.compiled_plan(site, self.partial_args, run, _explain.raise_explained)
+        run = _compiled.EntryPlan(entry.jitted, entry.pure.binding, entry, entry.record, donation)
+        return _callsite.compiled_plan(site, self.partial_args, run)
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
         """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _core
+from . import _compat, _core
 from ._errors import StructureError
 from ._flatten import DYNAMIC, VarSpec, variable_dynamic
 from ._graph import GraphNode, SharedRef
@@ -373,7 +373,7 @@ class LoopState:
 class _ValueHolder:
     """Quacks like a Variable for `variable_dynamic`."""
 
-    __slots__ = ("_raw_value",)
+    __slots__ = (_compat.RAW_VALUE,)
 
     def __init__(self, value: Any):
-        self._raw_value = value
+        _compat.set_raw_value(self, value)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar, overload
 
 import jax
 
-from . import _core
+from . import _compat, _core
 from ._axes import is_axis, is_int_axis, positional_entries
 from ._errors import AxisError
 from ._leaves import is_variable
@@ -54,7 +54,7 @@ def check_metadata(metadata: Mapping[str, Any], transform: str) -> None:
 
 def _fields(var: Any, extra: Mapping[str, Any]) -> list[tuple[str, tuple[Any, ...], Any]]:
     """``(key, current tuple, entry for the axis)`` for each tuple-valued field to edit."""
-    meta = var._var_metadata
+    meta = _compat.metadata_of(var)
     fields = []
     for key in _SHARDING_KEYS:
         value = meta.get(key)
@@ -78,7 +78,7 @@ def _add_one(var: Any, index: int, name: Any, extra: Mapping[str, Any]) -> None:
         items.insert(at, entry)
         updates[key] = tuple(items)
     if updates:
-        object.__setattr__(var, "_var_metadata", {**var._var_metadata, **updates})
+        _compat.set_metadata(var, {**_compat.metadata_of(var), **updates})
     var.add_axis(index, name)
 
 
@@ -101,7 +101,7 @@ def _remove_one(
         del items[at]
         updates[key] = tuple(items)
     if updates:
-        object.__setattr__(var, "_var_metadata", {**var._var_metadata, **updates})
+        _compat.set_metadata(var, {**_compat.metadata_of(var), **updates})
     var.remove_axis(index, name)
 
 
@@ -233,7 +233,7 @@ def with_axis_metadata(
         )
         targets = [(f"args[{i}]", a, e) for i, (a, e) in enumerate(zip(args, entries, strict=True))]
         targets += [(f"kwargs[{k!r}]", v, kwargs_axis) for k, v in kwargs.items()]
-        saved = [(var, var._var_metadata) for _, a, _ in targets for _, var in _variables(a)]
+        saved = [(var, _compat.metadata_of(var)) for _, a, _ in targets for _, var in _variables(a)]
         removed: set[int] = set()  # a Variable shared by two arguments moves once
         try:
             for where, tree, axes in targets:
@@ -250,7 +250,7 @@ def with_axis_metadata(
             out = fn(*args, **kwargs)
         except BaseException:
             for var, meta in saved:
-                object.__setattr__(var, "_var_metadata", meta)
+                _compat.set_metadata(var, meta)
             raise
         added: set[int] = set()
         for where, tree, axes in targets:

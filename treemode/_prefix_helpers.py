@@ -15,6 +15,7 @@ import jax
 from flax.nnx import filterlib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import _compat
 from ._leaves import is_variable
 from ._paths import format_path, nnx_path
 
@@ -81,7 +82,7 @@ def prefix(
 
 def partition_spec_of(var: Any) -> PartitionSpec:
     """The ``PartitionSpec`` recorded in a Variable's ``out_sharding`` (``P()`` if none)."""
-    sharding = var._var_metadata.get("out_sharding")
+    sharding = _compat.metadata_of(var).get("out_sharding")
     if not sharding:
         return PartitionSpec()
     if isinstance(sharding, PartitionSpec):

@@ -13,12 +13,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-from flax.nnx import tracers
 
-from . import _graph, _pytree
+from . import _compat, _graph, _pytree
 from ._call import Call, PreparedCall
 from ._errors import AliasError, StructureError
 from ._leaves import (
@@ -54,13 +53,7 @@ class TraceRecord:
     metadata_updates: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
-if TYPE_CHECKING:
-    _Binding = threading.local
-else:
-    try:  # a threading.local whose ``call`` costs a pointer store (treemode/_guard.c)
-        from ._guard import Binding as _Binding
-    except ImportError:  # built without the C extension, or without a GIL
-        _Binding = threading.local
+_Binding = threading.local  # the call a PureFunction runs, per thread
 
 
 class PureFunction:
@@ -267,10 +260,11 @@ class PureFunction:
         ranges = call.variable_dynamic_ranges()
         for i, (var, spec) in enumerate(zip(all_vars, specs, strict=True)):
             before = spec.build([dynamic[j] for j in ranges[i]])
-            changed = _value_changed(var._raw_value, before)
-            if frozen_metadata(var._var_metadata) != spec.frozen:
-                metadata_updates[i] = dict(var._var_metadata)
-            updates.append(var._raw_value if (changed or i in self.force) else None)
+            value, metadata = _compat.raw_value_of(var), _compat.metadata_of(var)
+            changed = _value_changed(value, before)
+            if frozen_metadata(metadata) != spec.frozen:
+                metadata_updates[i] = dict(metadata)
+            updates.append(value if (changed or i in self.force) else None)
         self.record.metadata_updates = metadata_updates
         return tuple(updates)
 
@@ -311,9 +305,9 @@ def _swap_in(
             n = spec.num_dynamic
             value = spec.build(dynamic[offset : offset + n])
             offset += n
-            swapped.append((var, var._raw_value, var._trace_state))
-            object.__setattr__(var, "_raw_value", value)
-            object.__setattr__(var, "_trace_state", tracers.TraceState())
+            swapped.append((var, _compat.raw_value_of(var), _compat.trace_state_of(var)))
+            _compat.set_raw_value(var, value)
+            _compat.set_trace_state(var, _compat.TraceState())
     except BaseException:
         _swap_out(swapped)
         raise
@@ -322,8 +316,8 @@ def _swap_in(
 
 def _swap_out(swapped: list[tuple[Any, Any, Any]]) -> None:
     for var, value, trace_state in swapped:
-        object.__setattr__(var, "_raw_value", value)
-        object.__setattr__(var, "_trace_state", trace_state)
+        _compat.set_raw_value(var, value)
+        _compat.set_trace_state(var, trace_state)
 
 
 def describe_structure_change(before: Any, after: Any) -> tuple[tuple[Any, ...], str]:

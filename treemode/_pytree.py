@@ -25,6 +25,7 @@ from flax import nnx
 from jax.core import Tracer
 from jax.tree_util import GetAttrKey
 
+from . import _compat
 from ._errors import ProxyError, TraceContextError
 from ._graph import from_tree, to_tree
 from ._leaves import (
@@ -249,7 +250,7 @@ def _unwrap(value: Any) -> Any:
 
 
 def _var_spec(var: Any) -> tuple[VarSpec, list[Any]]:
-    return value_spec(type(var), var._var_metadata, _unwrap(var._raw_value))
+    return value_spec(type(var), _compat.metadata_of(var), _unwrap(_compat.raw_value_of(var)))
 
 
 def _reuse(flat: list[Any], old: PytreeDef) -> tuple[tuple[Any, ...], list[Any]] | None:
@@ -262,10 +263,10 @@ def _reuse(flat: list[Any], old: PytreeDef) -> tuple[tuple[Any, ...], list[Any]]
         elif type(spec) is VarSpec:
             if type(x) is not spec.var_type:
                 return None
-            if frozen_metadata(x._var_metadata) != spec.frozen:
+            if frozen_metadata(_compat.metadata_of(x)) != spec.frozen:
                 return None
             variables.append(x)
-            value = _unwrap(x._raw_value)
+            value = _unwrap(_compat.raw_value_of(x))
             if _single(spec):
                 leaves.append(value)
                 continue
@@ -501,12 +502,14 @@ class Pytree(Generic[M]):
             start, n, spec = slots[k]
             var = variables[k]
             if _single(spec):
-                current = [_unwrap(var._raw_value)]
+                current = [_unwrap(_compat.raw_value_of(var))]
             else:
                 current = [
                     x
                     for x, s in zip(
-                        jax.tree_util.tree_leaves(var._raw_value), spec.value_static, strict=False
+                        jax.tree_util.tree_leaves(_compat.raw_value_of(var)),
+                        spec.value_static,
+                        strict=False,
                     )
                     if s is None
                 ]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import filterlib
 
+from . import _compat
 from ._errors import TraceContextError
 from ._flatten import check_no_aliases
 from ._graph import from_tree, to_tree
@@ -71,7 +72,7 @@ def _replace_streams(
         if not selected:
             continue
         count = stream.count
-        if not count._trace_state.is_valid():
+        if not _compat.trace_state_of(count).is_valid():
             raise TraceContextError(
                 f"treemode.{transform}: the RngStream at {format_path(path, 'node')} was "
                 "created outside the JAX transform that is tracing, so advancing its count "

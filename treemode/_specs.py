@@ -18,6 +18,7 @@ from typing import Any
 import jax
 from jax.tree_util import PyTreeDef
 
+from . import _compat
 from ._hashed import HashedKey
 from ._leaves import (
     frozen_metadata,
@@ -117,7 +118,7 @@ Spec = VarSpec | StaticLeaf | _Dynamic
 
 def variable_spec(var: Any) -> tuple[VarSpec, list[Any]]:
     """The spec of a Variable and its dynamic value leaves."""
-    return value_spec(type(var), var._var_metadata, var._raw_value)
+    return value_spec(type(var), _compat.metadata_of(var), _compat.raw_value_of(var))
 
 
 def value_spec(var_type: type, metadata: dict[str, Any], value: Any) -> tuple[VarSpec, list[Any]]:
@@ -144,8 +145,8 @@ def _first(item: tuple[str, Any]) -> str:
 def variable_dynamic(var: Any, spec: VarSpec) -> list[Any]:
     """The dynamic leaves of ``var``'s current value (laid out as ``spec``)."""
     if spec.value_def is None:
-        return [var._raw_value]
-    leaves = jax.tree_util.tree_leaves(var._raw_value)
+        return [_compat.raw_value_of(var)]
+    leaves = jax.tree_util.tree_leaves(_compat.raw_value_of(var))
     return [x for x, s in zip(leaves, spec.value_static, strict=True) if s is None]
 
 
@@ -182,7 +183,10 @@ class StructureKey(HashedKey):
         # are otherwise equal (a cached argument reuses its key object).
         if self is other:
             return True
-        if not super().__eq__(other):
+        try:
+            if not super().__eq__(other):
+                return False
+        except (ValueError, TypeError):  # a static field whose == fails (NumPy vs tuple)
             return False
         assert isinstance(other, StructureKey)
         return self.static_types() == other.static_types()

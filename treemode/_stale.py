@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from flax.nnx import tracers
 
+from . import _compat
 from ._errors import MutationError
 from ._paths import format_path
 from ._specs import StructureKey, VarSpec
@@ -82,18 +82,18 @@ class _Mark:
     __slots__ = ()
 
 
-class TraceTimeState(tracers.TraceState):
+class TraceTimeState(_compat.TraceState):
     """The trace state of a Variable a transform rebuilt for one trace."""
 
     __slots__ = ("origin", "index")
 
     def __init__(self, jax_trace: Any, origin: _Origin, index: int):
-        self._jax_trace = jax_trace
+        self._jax_trace = jax_trace  # the slot of _compat.TraceState
         self.origin = origin
         self.index = index
 
     def is_valid(self) -> bool:
-        if self._jax_trace == tracers.current_jax_trace():
+        if self._jax_trace == _compat.current_jax_trace():
             return True  # in its own trace: the traced function may write it
         message = _message(self.origin, self.index)
         _recent.append(message)
@@ -121,8 +121,8 @@ def mark_trace_time(pure: Any, variables: Sequence[Any]) -> None:
         return
     origin = _Origin(pure)
     for i, var in enumerate(variables):
-        state = var._trace_state
-        object.__setattr__(var, "_trace_state", TraceTimeState(state._jax_trace, origin, i))
+        state = _compat.jax_trace_of(_compat.trace_state_of(var))
+        _compat.set_trace_state(var, TraceTimeState(state, origin, i))
 
 
 def stale_write_error(error: BaseException) -> MutationError | None:

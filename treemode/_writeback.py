@@ -20,9 +20,9 @@ from itertools import compress, repeat
 from typing import Any, NamedTuple
 
 import jax
-from flax.nnx import tracers
 from jax.core import Tracer
 
+from . import _compat, _compiled
 from ._call import PreparedCall
 from ._errors import TraceContextError
 from ._flatten import ArgFlat
@@ -36,10 +36,10 @@ def check_writable(call: PreparedCall, updates: Sequence[Any]) -> None:
     ref = current_trace_ref()
     if ref is not None and all(_writable_in(ref, flat) for flat in call.sources):
         return
-    current = tracers.current_jax_trace()
+    current = _compat.current_jax_trace()
     targets = [var for var, new in zip(call.variables, updates, strict=True) if new is not None]
     for var in targets:
-        if var._trace_state._jax_trace != current and not var.hijax:
+        if _compat.jax_trace_of(_compat.trace_state_of(var)) != current and not var.hijax:
             index = next(i for i, v in enumerate(call.variables) if v is var)
             path = call.full().variable_paths()[index]
             raise TraceContextError(
@@ -63,8 +63,9 @@ def _writable_in(ref: Any, flat: ArgFlat) -> bool:
     return writable
 
 
-_trace_ref_of = operator.attrgetter("_trace_state._jax_trace._trace_ref")
-_raw_value_of = operator.attrgetter("_raw_value")
+_trace_ref_of = _compat.trace_ref_of
+_raw_value_of = _compat.raw_value_of
+_metadata_of = _compat.metadata_of
 
 
 def write_back(
@@ -90,29 +91,29 @@ def write_back(
     check_writable(call, updates)
     old_values = list(map(_raw_value_of, targets))
     meta_targets = [call.variables[i] for i in metadata_updates] if metadata_updates else []
-    old_meta = [(var, var._raw_value, var._var_metadata) for var in meta_targets]
+    old_meta = [(var, _raw_value_of(var), _metadata_of(var)) for var in meta_targets]
     try:
         if store is DEFAULT_STORE:
             # The default hook, in one C-level pass (no interrupt can land midway).
-            list(map(_setattr, targets, repeat("_raw_value"), values))
+            list(map(_setattr, targets, repeat(_compat.RAW_VALUE), values))
         else:
             for var, value in zip(targets, values, strict=True):
                 store(var, value)
         if metadata_updates:
             for var, metadata in zip(meta_targets, metadata_updates.values(), strict=True):
-                store(var, var._raw_value, dict(metadata))
+                store(var, _raw_value_of(var), dict(metadata))
     except BaseException:
         if _any_deleted(old_values):
             # The call donated the old buffers and they are gone: the only whole
             # state left to give is the new one, so the write is finished instead.
             for var, value in zip(targets, values, strict=True):
-                _setattr(var, "_raw_value", value)
+                _setattr(var, _compat.RAW_VALUE, value)
             if metadata_updates:
                 for var, metadata in zip(meta_targets, metadata_updates.values(), strict=True):
-                    _setattr(var, "_var_metadata", dict(metadata))
+                    _setattr(var, _compat.VAR_METADATA, dict(metadata))
         else:
             for var, value in zip(targets, old_values, strict=True):
-                _setattr(var, "_raw_value", value)
+                _setattr(var, _compat.RAW_VALUE, value)
             for var, value, metadata in old_meta:
                 _restore(var, value, metadata)
         raise
@@ -129,49 +130,12 @@ def _any_deleted(values: Sequence[Any]) -> bool:
     )
 
 
-try:  # the compiled writes (treemode/_guard.c); optional, the loop above otherwise
-    from ._guard import write_changed as _write_changed
-except ImportError:  # pragma: no cover - built wherever a C compiler is available
-    _write_changed = None
+_write_changed = _compiled.write_changed  # the compiled writes; None: the loop above
 
-
-def _trace_ref_from_jax() -> Any:
-    """The weak reference identifying the current JAX trace (what NNX compares)."""
-    return getattr(tracers.current_jax_trace(), "_trace_ref", None)
-
-
-class _TraceRefFromJax:
-    """Gives `_trace_ref_from_jax()` as ``value``, like JAX's per-thread ``trace_state``."""
-
-    __slots__ = ()
-
-    @property
-    def value(self) -> Any:
-        return _trace_ref_from_jax()
-
-
-def _verified_trace_state() -> Any:
-    # JAX keeps the current trace's weak reference in a per-thread config value;
-    # read it directly (without building NNX's wrapper object) where it is the
-    # reference NNX compares.
-    try:
-        from jax._src.core import trace_state
-
-        if trace_state.value is _trace_ref_from_jax():
-            return trace_state
-    except (ImportError, AttributeError):  # pragma: no cover - another JAX version
-        pass
-    return _TraceRefFromJax()  # pragma: no cover - another JAX version
-
-
-# ``TRACE_REF.value``: the current trace's weak reference (the compiled write
-# path reads it too).
-TRACE_REF = _verified_trace_state()
-
-
-def current_trace_ref() -> Any:
-    """The weak reference identifying the current JAX trace."""
-    return TRACE_REF.value
+# ``TRACE_REF.value``: the current trace's weak reference (`treemode._compat`; the
+# compiled write path reads the same object, see `treemode._compiled.Layout`).
+TRACE_REF = _compat.CURRENT_TRACE
+current_trace_ref = _compat.current_trace_ref
 
 
 def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:
@@ -180,17 +144,17 @@ def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:
     The one place Variables are written, so tests can inject faults here; while
     it is not replaced, `write_back` does the same writes in bulk.
     """
-    object.__setattr__(var, "_raw_value", value)
+    _compat.set_raw_value(var, value)
     if metadata is not None:
-        object.__setattr__(var, "_var_metadata", metadata)
+        _compat.set_metadata(var, metadata)
 
 
 DEFAULT_STORE = store  # the compiled write path runs only while `store` is this one
 
 
 def _restore(var: Any, value: Any, metadata: dict[str, Any]) -> None:
-    object.__setattr__(var, "_raw_value", value)
-    object.__setattr__(var, "_var_metadata", metadata)
+    _compat.set_raw_value(var, value)
+    _compat.set_metadata(var, metadata)
 
 
 class WriteBack(NamedTuple):
@@ -212,7 +176,7 @@ def write_all(writes: Sequence[WriteBack]) -> None:
     before: list[tuple[Any, Any, Any]] = []
     try:
         for w in writes:
-            before.extend((v, v._raw_value, v._var_metadata) for v in w.call.variables)
+            before.extend((v, _raw_value_of(v), _metadata_of(v)) for v in w.call.variables)
             write_back(*w)
     except BaseException:
         for var, value, metadata in reversed(before):

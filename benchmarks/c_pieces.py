@@ -1,0 +1,169 @@
+"""What each piece of the compiled extension saves per call, against its Python twin.
+
+For the 2-layer and the 64-layer MLP (a ``treemode.jit`` forward pass and an
+Adam train step), each piece is timed alone on the very inputs a repeated call
+hands it, compiled and in Python, and the whole memo-matched call is timed
+three ways (all in C; matched in C from the Python call; all in Python):
+
+- ``holds``: the flattening guard (`treemode._flatten._Guard.holds`);
+- ``match_into``: the call-site match of the arguments (`treemode._callsite`);
+- ``reads_hold``: the closure-read check (`treemode._closure._Snapshot`);
+- ``write_changed``: the all-or-nothing write of a train step's new values;
+- ``MemoCall``: the whole call in C against the Python call with the compiled
+  helpers (what the call-path type saves on top of them).
+
+Run: ``python benchmarks/c_pieces.py`` (needs the extension; prints a table).
+CPU time (``time.process_time``) per call, best of several rounds, so that a
+loaded machine changes the numbers less.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from _models import BATCH, MLP, WIDTH, train_step, with_optimizer
+from flax import nnx
+
+import treemode
+from treemode import _callsite, _closure, _compiled, _flatten, _writeback
+from treemode._leaves import is_array
+
+
+def per_call_us(fn: Callable[[], Any], n: int = 2000, rounds: int = 7) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.process_time()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.process_time() - start) / n)
+    return best * 1e6
+
+
+def _fwd(m, x):
+    return m(x)
+
+
+def pieces(depth: int) -> list[tuple[str, float, float]]:
+    guard = _compiled.guard
+    assert guard is not None, "the compiled extension is off"
+    x = jnp.ones((BATCH, WIDTH))
+    m = MLP(depth, nnx.Rngs(0))
+    f = treemode.jit(_fwd)
+    for _ in range(3):
+        jax.block_until_ready(f(m, x))
+    memo: Any = f._memo
+    site, entry, _ = memo
+    rows = []
+
+    flat = _flatten.flatten_arg(m, is_array)
+    g: Any = (flat.origin or flat)._guard
+    variables = flat.variables
+    state = g.compiled_state
+    rows.append(
+        (
+            "holds (flattening guard)",
+            per_call_us(lambda: guard.holds(state, variables)),
+            per_call_us(lambda: _python_holds(g, variables)),
+        )
+    )
+
+    def match(impl):
+        def run():
+            dynamic: list[Any] = []
+            sources: list[Any] = []
+            impl(site.slots, (m, x), dynamic, sources, _callsite.CONCRETE_ARRAY_TYPES, _slow)
+
+        return run
+
+    _slow = _callsite._match_slow
+    python_match = _python(match(_callsite._match_into_python), g)
+    rows.append(
+        ("match_into (call-site match)", per_call_us(match(guard.match_into)), python_match())
+    )
+
+    snap = site.snapshot
+    args = _closure.read_check_args()
+    rows.append(
+        (
+            "reads_hold (closure reads)",
+            per_call_us(lambda: guard.reads_hold(snap.reads, *args)),
+            _python(snap.still_valid, g)(),
+        )
+    )
+
+    values = [v.get_raw_value() for v in variables]
+    rows.append(
+        (
+            "write_changed (train-step write)",
+            per_call_us(lambda: guard.write_changed(variables, values)),
+            per_call_us(lambda: list(map(_writeback._setattr, variables, _repeat_raw, values))),
+        )
+    )
+
+    whole_c = per_call_us(lambda: f(m, x), n=500)
+    f._memo = (memo[0], memo[1], None)  # the Python call, compiled helpers
+    whole_py = per_call_us(lambda: f(m, x), n=500)
+    f._memo = memo
+    rows.append(("MemoCall (whole forward call)", whole_c, whole_py))
+
+    mt, opt = with_optimizer(MLP(depth, nnx.Rngs(0)))
+    step = treemode.jit(train_step)
+    for _ in range(3):
+        jax.block_until_ready(step(mt, opt, x))
+    memo = step._memo
+    assert memo is not None
+    whole_c = per_call_us(lambda: step(mt, opt, x), n=200)
+    step._memo = (memo[0], memo[1], None)
+    whole_py = per_call_us(lambda: step(mt, opt, x), n=200)
+    step._memo = memo
+    rows.append(("MemoCall (whole train step)", whole_c, whole_py))
+    return rows
+
+
+class _Repeat:
+    def __iter__(self):
+        while True:
+            yield "_raw_value"
+
+
+_repeat_raw = _Repeat()
+
+
+def _python_holds(g: Any, variables: list[Any]) -> bool:
+    state, g.compiled_state = g.compiled_state, None
+    try:
+        return g.holds(variables)
+    finally:
+        g.compiled_state = state
+
+
+def _python(fn: Callable[[], Any], g: Any) -> Callable[[], float]:
+    """``fn`` timed with the Python twins of the helpers it calls (``g``: the guard)."""
+
+    def timed() -> float:
+        saved = (_flatten._compiled_holds, _closure._reads_hold, g.compiled_state)
+        _flatten._compiled_holds = None
+        _closure._reads_hold = None
+        g.compiled_state = None
+        try:
+            return per_call_us(fn)
+        finally:
+            _flatten._compiled_holds, _closure._reads_hold, g.compiled_state = saved
+
+    return timed
+
+
+def main() -> None:
+    print("| piece | model | compiled µs | Python µs | saved µs per call |")
+    print("|---|---|---:|---:|---:|")
+    for depth in (2, 64):
+        for name, c, py in pieces(depth):
+            print(f"| {name} | {depth}-layer MLP | {c:.2f} | {py:.2f} | {py - c:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

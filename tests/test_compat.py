@@ -1,0 +1,144 @@
+"""The private Flax/JAX names treemode reads are checked once, at import (treemode._compat).
+
+A Flax or JAX whose layout differs must give one clear message at import: an
+ImportError naming the supported versions where the pure-Python path cannot
+work, one warning and the pure-Python path where only the compiled path
+relies on the difference. The checks run here on stand-ins for Flax's classes.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any
+
+import pytest
+from flax import nnx
+from flax.nnx import tracers
+
+from treemode import _compat, _compiled
+
+
+class _Ref:
+    pass
+
+
+REF = _Ref()
+
+
+class _Opaque:
+    _trace_ref = REF
+
+
+class FakeTracers:
+    """A stand-in for ``flax.nnx.tracers`` whose current trace is ``REF``."""
+
+    class TraceState:
+        __slots__ = ("_jax_trace",)
+
+    @staticmethod
+    def current_jax_trace() -> Any:
+        return _Opaque()
+
+
+class FakeTraceState:
+    """A stand-in for JAX's per-thread trace state."""
+
+    value = REF
+
+
+class SlotVariable:
+    __slots__ = ("_raw_value", "_trace_state", "_var_metadata")
+
+
+class DictVariable:  # the attributes exist, but as properties over an instance dict
+    _raw_value = property(lambda self: self.__dict__["v"])
+    _trace_state = property(lambda self: None)
+    _var_metadata = property(lambda self: {})
+
+
+class RenamedVariable:  # a Flax that renamed its value slot
+    __slots__ = ("_value", "_trace_state", "_var_metadata")
+
+
+@pytest.fixture
+def fake_flax():
+    """``check``'s arguments for a Flax/JAX laid out as the supported ones."""
+    return {"tracers_module": FakeTracers, "trace_state": FakeTraceState()}
+
+
+def test_the_installed_versions_pass():
+    assert _compat.REPORT == _compat.Report()
+    assert _compat.COMPILED_OK
+    assert _compat.check() == _compat.Report()
+
+
+def test_the_supported_layout_passes(fake_flax):
+    assert _compat.check(SlotVariable, **fake_flax) == _compat.Report()
+
+
+def test_a_missing_slot_is_an_import_error_naming_the_versions(fake_flax):
+    report = _compat.check(RenamedVariable, **fake_flax)
+    assert report.missing == ("RenamedVariable._raw_value",)
+    with pytest.raises(ImportError, match=r"RenamedVariable\._raw_value not found") as raised:
+        _compat.resolve(report)
+    assert _compat.SUPPORTED_VERSIONS in str(raised.value)
+
+
+def test_attributes_outside_slots_turn_the_compiled_path_off_with_one_warning(fake_flax):
+    report = _compat.check(DictVariable, **fake_flax)
+    assert not report.missing
+    assert report.layout == tuple(
+        f"DictVariable.{name} is not a __slots__ member" for name in _compat.VARIABLE_SLOTS
+    )
+    with pytest.warns(RuntimeWarning) as caught:
+        assert _compat.resolve(report) is False
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "pure-Python call path" in message and _compat.SUPPORTED_VERSIONS in message
+    # ... and the extension is then not loaded, whatever the environment says.
+    assert _compiled.load(environ={}, layout_ok=False) is None
+
+
+def test_another_jax_trace_state_turns_the_compiled_path_off(fake_flax):
+    class Elsewhere:
+        value = object()
+
+    report = _compat.check(SlotVariable, FakeTracers, Elsewhere())
+    assert report.layout == (
+        "jax._src.core.trace_state.value is not the trace reference Flax compares",
+    )
+
+
+def test_a_flax_without_the_trace_helpers_is_an_import_error():
+    report = _compat.check(SlotVariable, types.SimpleNamespace(), FakeTraceState())
+    assert report.missing == ("flax.nnx.tracers.TraceState / current_jax_trace",)
+    with pytest.raises(ImportError, match="Supported:"):
+        _compat.resolve(report)
+
+
+def test_the_installed_flax_is_checked_by_default():
+    # The defaults are the installed classes: a check of them alone agrees.
+    assert _compat.check(nnx.Variable, tracers) == _compat.REPORT
+
+
+def test_no_warning_for_the_supported_versions():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _compat.resolve(_compat.Report()) is True
+
+
+@pytest.mark.parametrize(("value", "off"), [("", False), ("0", False), ("1", True), ("yes", True)])
+def test_the_environment_variable_turns_the_extension_off(value, off):
+    assert _compiled.disabled_by({_compiled.ENV_VAR: value}) is off
+    if off:
+        assert _compiled.load(environ={_compiled.ENV_VAR: value}) is None
+
+
+def test_the_accessors_read_and_write_a_variable():
+    v = nnx.Param(1.0)
+    _compat.set_raw_value(v, 2.0)
+    assert _compat.raw_value_of(v) == 2.0 == v.get_raw_value()
+    _compat.set_metadata(v, {**_compat.metadata_of(v), "tag": "x"})
+    assert v.get_metadata()["tag"] == "x"
+    assert _compat.trace_ref_of(v) is _compat.current_trace_ref()

@@ -1,0 +1,218 @@
+"""The one place treemode reads private attributes of Flax and JAX, checked at import.
+
+Tree mode reads and writes a Variable without going through
+``Variable.__getattr__`` / ``__setattr__`` (which check the trace level, run
+hooks and cost a Python frame each), and compares traces the way Flax does.
+That needs a few names Flax and JAX do not document:
+
+- Flax's ``Variable.__slots__``: ``_raw_value`` (the value), ``_var_metadata``
+  (the metadata dict) and ``_trace_state`` (a ``flax.nnx.tracers.TraceState``);
+- ``TraceState._jax_trace`` (JAX's opaque trace state, as Flax keeps it) and its
+  ``_trace_ref``, the weak reference to the trace that Flax compares;
+- JAX's per-thread ``jax._src.core.trace_state``, whose ``value`` is that weak
+  reference for the current trace, read without building the opaque wrapper.
+
+Every other module reads them through the accessors below, never by name.
+`check` verifies them once, when treemode is imported:
+
+- a name the pure-Python path needs is missing: ``import treemode`` raises an
+  `ImportError` naming the supported versions (never an ``AttributeError`` at
+  the first call);
+- only the layout the compiled call path relies on differs (the Variable
+  attributes are not plain ``__slots__``, or JAX's per-thread trace state is
+  not the reference Flax compares): treemode warns once and runs its
+  pure-Python path (`COMPILED_OK` is False; see ``treemode._compiled``).
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from flax import nnx
+from flax.nnx import tracers
+
+from ._versions import REQUIRED
+
+# The supported ranges (one source: treemode/_versions.py), named in the messages.
+SUPPORTED_VERSIONS = ", ".join(
+    f"{name}>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+    for name, (low, high) in REQUIRED.items()
+)
+
+RAW_VALUE = "_raw_value"
+VAR_METADATA = "_var_metadata"
+TRACE_STATE = "_trace_state"
+VARIABLE_SLOTS = (RAW_VALUE, TRACE_STATE, VAR_METADATA)
+
+
+@dataclass(frozen=True)
+class Report:
+    """What `check` found: ``missing`` breaks treemode, ``layout`` only its compiled path."""
+
+    missing: tuple[str, ...] = ()
+    layout: tuple[str, ...] = ()
+
+
+def _jax_trace_state() -> Any:
+    """JAX's per-thread trace-state config value, or ``None`` where it has none."""
+    try:
+        from jax._src.core import trace_state
+    except ImportError:
+        return None
+    return trace_state
+
+
+def check(
+    variable_type: type = nnx.Variable,
+    tracers_module: Any = tracers,
+    trace_state: Any = None,
+) -> Report:
+    """Check the private names treemode reads (the installed ones by default).
+
+    **Arguments:**
+
+    - ``variable_type``: the Variable class (``flax.nnx.Variable``).
+    - ``tracers_module``: the module with ``TraceState`` and ``current_jax_trace``
+      (``flax.nnx.tracers``).
+    - ``trace_state``: JAX's per-thread trace state (``None``: the installed one).
+
+    **Returns:** a `Report`; empty where everything is as expected.
+
+    ```python
+    from treemode import _compat
+
+    assert _compat.check() == _compat.Report()
+    ```
+    """
+    missing: list[str] = []
+    layout: list[str] = []
+    slots = getattr(variable_type, "__slots__", ())
+    for name in VARIABLE_SLOTS:
+        where = next((c for c in variable_type.__mro__ if name in vars(c)), None)
+        if where is None:
+            missing.append(f"{variable_type.__qualname__}.{name}")
+        elif name not in slots or type(vars(where)[name]) is not types.MemberDescriptorType:
+            layout.append(f"{variable_type.__qualname__}.{name} is not a __slots__ member")
+    trace_state_type = getattr(tracers_module, "TraceState", None)
+    current_jax_trace = getattr(tracers_module, "current_jax_trace", None)
+    if trace_state_type is None or current_jax_trace is None:
+        missing.append("flax.nnx.tracers.TraceState / current_jax_trace")
+        return Report(tuple(missing), tuple(layout))
+    if "_jax_trace" not in getattr(trace_state_type, "__slots__", ()):
+        missing.append("flax.nnx.tracers.TraceState._jax_trace")
+    try:
+        ref = current_jax_trace()._trace_ref
+    except AttributeError:
+        missing.append("the _trace_ref of jax.extend.core.get_opaque_trace_state()")
+        return Report(tuple(missing), tuple(layout))
+    if trace_state is None:
+        trace_state = _jax_trace_state()
+    if trace_state is None:
+        layout.append("jax._src.core.trace_state is missing")
+    elif getattr(trace_state, "value", None) is not ref:
+        layout.append("jax._src.core.trace_state.value is not the trace reference Flax compares")
+    return Report(tuple(missing), tuple(layout))
+
+
+def resolve(report: Report) -> bool:
+    """Act on a `Report`: whether the compiled call path may run.
+
+    Raises `ImportError` (naming the supported versions) for a missing name;
+    warns once (a `RuntimeWarning`) and returns ``False`` for a layout problem.
+    """
+    if report.missing:
+        raise ImportError(
+            "treemode does not support the installed Flax/JAX: "
+            + ", ".join(report.missing)
+            + f" not found. Supported: {SUPPORTED_VERSIONS}."
+        )
+    if report.layout:
+        warnings.warn(
+            "treemode: the installed Flax/JAX differ from the supported ones ("
+            + "; ".join(report.layout)
+            + f"); running the pure-Python call path (slower). Supported: {SUPPORTED_VERSIONS}.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+REPORT = check()
+COMPILED_OK = resolve(REPORT)
+
+# -- Accessors ---------------------------------------------------------------------
+
+# The member descriptors of the Variable slots (what the compiled path writes
+# through; `None` where `check` found another layout).
+_slot_members: dict[str, Any] = {
+    name: vars(c)[name]
+    for name in VARIABLE_SLOTS
+    for c in nnx.Variable.__mro__
+    if name in vars(c) and type(vars(c)[name]) is types.MemberDescriptorType
+}
+raw_value_member: Any = _slot_members.get(RAW_VALUE)
+metadata_member: Any = _slot_members.get(VAR_METADATA)
+
+raw_value_of = operator.attrgetter(RAW_VALUE)
+metadata_of = operator.attrgetter(VAR_METADATA)
+trace_state_of = operator.attrgetter(TRACE_STATE)
+jax_trace_of = operator.attrgetter("_jax_trace")  # of a TraceState
+trace_ref_of = operator.attrgetter(f"{TRACE_STATE}._jax_trace._trace_ref")  # of a Variable
+
+TraceState: type = tracers.TraceState
+current_jax_trace = tracers.current_jax_trace
+
+_setattr = object.__setattr__
+
+
+def set_raw_value(var: Any, value: Any) -> None:
+    """``var._raw_value = value``, bypassing Variable's trace-level check."""
+    _setattr(var, RAW_VALUE, value)
+
+
+def set_metadata(var: Any, metadata: dict[str, Any]) -> None:
+    """``var._var_metadata = metadata``, bypassing Variable's hooks."""
+    _setattr(var, VAR_METADATA, metadata)
+
+
+def set_trace_state(var: Any, state: Any) -> None:
+    """``var._trace_state = state`` (a `TraceState`)."""
+    _setattr(var, TRACE_STATE, state)
+
+
+def _trace_ref_from_jax() -> Any:
+    """The weak reference identifying the current JAX trace (what NNX compares)."""
+    return getattr(current_jax_trace(), "_trace_ref", None)
+
+
+class _TraceRefFromFlax:
+    """Gives `_trace_ref_from_jax()` as ``value``, like JAX's per-thread ``trace_state``."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> Any:
+        return _trace_ref_from_jax()
+
+
+# ``CURRENT_TRACE.value``: the current trace's weak reference. JAX's own
+# per-thread value where `check` verified it, else read through Flax.
+_jax_current = _jax_trace_state()
+CURRENT_TRACE: Any = (
+    _jax_current
+    if _jax_current is not None and not any("trace_state" in p for p in REPORT.layout)
+    else _TraceRefFromFlax()
+)
+
+
+def current_trace_ref() -> Any:
+    """The weak reference identifying the current JAX trace."""
+    return CURRENT_TRACE.value
+
+
+__all__ = ["COMPILED_OK", "Report", "SUPPORTED_VERSIONS", "check", "resolve"]
