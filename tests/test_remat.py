@@ -47,13 +47,15 @@ def test_policy_is_applied(capsys):
     saved_h = saved_residuals(capsys, loss_with(names), X)
     saved_none = saved_residuals(capsys, loss_with(jax.checkpoint_policies.nothing_saveable), X)
     unrematted = saved_residuals(capsys, lambda x: block(model, x), X)
-    assert "named 'h'" in saved_h
-    assert "named 'h'" not in saved_none
+    # JAX 0.10 names the saved residual; older releases show checkpoint_name's
+    # primitive (reduce_precision) instead.
+    assert "named 'h'" in saved_h or "reduce_precision" in saved_h
+    assert "named 'h'" not in saved_none and "reduce_precision" not in saved_none
     assert "sin" in unrematted and "sin" not in saved_none  # recomputed, not saved
     # the jaxpr of the gradient holds the checkpoint with its policy
     jaxpr = str(jax.make_jaxpr(jax.grad(loss_with(names)))(X))
     assert "remat" in jaxpr
-    assert "SaveOnlyTheseNames" in jaxpr
+    assert "SaveOnlyTheseNames" in jaxpr or "save_only_these_names" in jaxpr
 
 
 def test_prevent_cse_is_forwarded():

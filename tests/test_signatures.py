@@ -98,6 +98,11 @@ JAX_DIFFERENCES: dict[tuple[str, str, str], str] = {
         "prefix, which cannot be inferred"
     ),
 }
+# JAX releases before 0.10 still take pmap's deprecated ``global_arg_shapes``.
+if "global_arg_shapes" in inspect.signature(jax.pmap).parameters:
+    JAX_DIFFERENCES[("pmap", "global_arg_shapes", "missing")] = (
+        "deprecated and removed from jax.pmap in JAX 0.10; treemode follows the newer signature"
+    )
 
 _GRAPH = (
     "graph=False always: treemode has no global graph-mode switch (Flax's None reads "

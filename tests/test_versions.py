@@ -79,8 +79,8 @@ def test_constraints_pin_versions_inside_the_ranges() -> None:
 
 
 def test_supported_versions_in_words() -> None:
-    assert _versions.specifier("jax") == ">=0.8.1,<0.11"
-    assert _versions.describe("flax") == "0.12.1 to 0.12.x"
+    assert _versions.specifier("jax") == ">=0.9.2,<0.11"
+    assert _versions.describe("flax") == "0.12.6 to 0.12.x"
     assert _versions.parse("0.10.2rc1") == (0, 10, 2)
     assert _versions.parse("0.11.0.dev20260101") == (0, 11, 0)
     assert _versions.parse("0.9.0.1") == (0, 9, 0, 1)
@@ -90,8 +90,8 @@ def test_supported_versions_pass_silently(installed) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _versions.check_installed(installed())
-        _versions.check_installed(installed(jax="0.8.1", jaxlib="0.8.1", flax="0.12.1"))
-        _versions.check_installed(installed(jax="0.9.0.1", jaxlib="0.9.0.1"))
+        _versions.check_installed(installed(jax="0.9.2", jaxlib="0.9.2", flax="0.12.6"))
+        _versions.check_installed(installed(jax="0.10.0", jaxlib="0.10.0"))
 
 
 @pytest.mark.parametrize("flax", ["0.12.0", "0.11.2", "0.10.7"])
@@ -100,9 +100,9 @@ def test_flax_known_to_break_raises_naming_installed_and_supported(installed, fl
         _versions.check_installed(installed(flax=flax))
     assert str(info.value) == (
         "treemode cannot run with the installed versions: "
-        f"flax {flax} is installed; treemode supports flax>=0.12.1,<0.13 "
+        f"flax {flax} is installed; treemode supports flax>=0.12.6,<0.13 "
         "(flax before 0.12.1 does not work with it). Install supported versions: "
-        "pip install 'jax>=0.8.1,<0.11' 'jaxlib>=0.8.1,<0.11' 'flax>=0.12.1,<0.13'"
+        "pip install 'jax>=0.9.2,<0.11' 'jaxlib>=0.9.2,<0.11' 'flax>=0.12.6,<0.13'"
     )
 
 
@@ -124,7 +124,7 @@ def test_untested_versions_warn_naming_installed_and_supported(installed, name, 
     assert message.startswith(
         "treemode was not tested with the installed versions: "
         f"{name} {version} is installed; treemode supports {name}{_versions.specifier(name)}. "
-        "It may work; if it fails, install supported versions: pip install 'jax>=0.8.1,<0.11'"
+        "It may work; if it fails, install supported versions: pip install 'jax>=0.9.2,<0.11'"
     ), message
     assert message.endswith("(set TREEMODE_SKIP_VERSION_CHECK=1 to silence this warning)")
 
@@ -132,12 +132,12 @@ def test_untested_versions_warn_naming_installed_and_supported(installed, name, 
 def test_every_problem_is_named_at_once(installed) -> None:
     errors, warns = _versions.problems(installed(jax="0.11.1", jaxlib="0.11.1", flax="0.12.0"))
     assert errors == [
-        "flax 0.12.0 is installed; treemode supports flax>=0.12.1,<0.13 "
+        "flax 0.12.0 is installed; treemode supports flax>=0.12.6,<0.13 "
         "(flax before 0.12.1 does not work with it)"
     ]
     assert warns == [
-        "jax 0.11.1 is installed; treemode supports jax>=0.8.1,<0.11",
-        "jaxlib 0.11.1 is installed; treemode supports jaxlib>=0.8.1,<0.11",
+        "jax 0.11.1 is installed; treemode supports jax>=0.9.2,<0.11",
+        "jaxlib 0.11.1 is installed; treemode supports jaxlib>=0.9.2,<0.11",
     ]
 
 
@@ -181,7 +181,7 @@ def test_import_treemode_with_flax_0_12_0_raises(tmp_path: Path) -> None:
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(
         "ImportError: treemode cannot run with the installed versions: flax 0.12.0 is installed; "
-        "treemode supports flax>=0.12.1,<0.13"
+        "treemode supports flax>=0.12.6,<0.13"
     ), proc.stderr
 
 
@@ -190,5 +190,5 @@ def test_import_treemode_with_an_untested_jax_warns_and_imports(tmp_path: Path) 
     assert proc.returncode == 0 and proc.stdout.strip() == "imported", proc.stderr
     assert (
         "VersionWarning: treemode was not tested with the installed versions: "
-        "jax 0.11.0 is installed; treemode supports jax>=0.8.1,<0.11" in proc.stderr
+        "jax 0.11.0 is installed; treemode supports jax>=0.9.2,<0.11" in proc.stderr
     ), proc.stderr

@@ -51,10 +51,13 @@ VARIABLE_SLOTS = (RAW_VALUE, TRACE_STATE, VAR_METADATA)
 
 @dataclass(frozen=True)
 class Report:
-    """What `check` found: ``missing`` breaks treemode, ``layout`` only its compiled path."""
+    """What `check` found: ``missing`` breaks treemode, ``layout`` only its compiled path;
+    ``fallbacks`` are reads that go through Flax instead of a faster JAX value
+    (the compiled path reads through them as well)."""
 
     missing: tuple[str, ...] = ()
     layout: tuple[str, ...] = ()
+    fallbacks: tuple[str, ...] = ()
 
 
 def _jax_trace_state() -> Any:
@@ -111,11 +114,12 @@ def check(
         return Report(tuple(missing), tuple(layout))
     if trace_state is None:
         trace_state = _jax_trace_state()
+    fallbacks: list[str] = []
     if trace_state is None:
-        layout.append("jax._src.core.trace_state is missing")
+        fallbacks.append("jax._src.core.trace_state is missing")
     elif getattr(trace_state, "value", None) is not ref:
-        layout.append("jax._src.core.trace_state.value is not the trace reference Flax compares")
-    return Report(tuple(missing), tuple(layout))
+        fallbacks.append("jax._src.core.trace_state.value is not the trace reference Flax compares")
+    return Report(tuple(missing), tuple(layout), tuple(fallbacks))
 
 
 def resolve(report: Report) -> bool:
@@ -204,9 +208,7 @@ class _TraceRefFromFlax:
 # per-thread value where `check` verified it, else read through Flax.
 _jax_current = _jax_trace_state()
 CURRENT_TRACE: Any = (
-    _jax_current
-    if _jax_current is not None and not any("trace_state" in p for p in REPORT.layout)
-    else _TraceRefFromFlax()
+    _jax_current if _jax_current is not None and not REPORT.fallbacks else _TraceRefFromFlax()
 )
 
 

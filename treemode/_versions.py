@@ -28,15 +28,15 @@ Version = tuple[int, ...]
 # next minor releases, not yet tested: treemode reads a few private attributes
 # of Flax and JAX (treemode/_compat.py) that a minor release may change.
 REQUIRED: dict[str, tuple[Version, Version]] = {
-    "jax": ((0, 8, 1), (0, 11)),
-    "jaxlib": ((0, 8, 1), (0, 11)),
-    "flax": ((0, 12, 1), (0, 13)),
+    "jax": ((0, 9, 2), (0, 11)),
+    "jaxlib": ((0, 9, 2), (0, 11)),
+    "flax": ((0, 12, 6), (0, 13)),
 }
 # The optional dependencies that the test suite and the examples use (the
 # ``test`` extra); treemode itself never imports them unless you do.
 OPTIONAL: dict[str, tuple[Version, Version]] = {
-    "equinox": ((0, 13, 0), (0, 14)),
-    "optax": ((0, 2, 5), (0, 3)),
+    "equinox": ((0, 13, 8), (0, 14)),
+    "optax": ((0, 2, 8), (0, 3)),
 }
 PYTHON: tuple[Version, Version] = ((3, 11), (3, 14))
 
@@ -57,7 +57,7 @@ def _fmt(version: Version) -> str:
 
 
 def specifier(name: str) -> str:
-    """The pip specifier of a supported range, e.g. ``">=0.8.1,<0.11"``."""
+    """The pip specifier of a supported range, e.g. ``">=0.9.2,<0.11"``."""
     low, high = {**REQUIRED, **OPTIONAL}[name]
     return f">={_fmt(low)},<{_fmt(high)}"
 
