@@ -17,6 +17,7 @@ satisfied by what the venv sees.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -39,9 +40,17 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.packaging
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: list[str], cwd: Path, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        args, cwd=cwd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        args,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        env=env,
     )
     assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
@@ -161,7 +170,10 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path, whe
         print(treemode.__version__)
         """
     )
-    proc = _run([str(python), "-I", "-c", check], cwd=tmp_path)
+    # The wheel's extension must load whatever mode this suite runs in
+    # (`make test-python` sets TREEMODE_NO_EXTENSION=1).
+    env = {k: v for k, v in os.environ.items() if k != "TREEMODE_NO_EXTENSION"}
+    proc = _run([str(python), "-I", "-c", check], cwd=tmp_path, env=env)
     import treemode
 
     assert proc.stdout.strip() == treemode.__version__
