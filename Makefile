@@ -55,8 +55,8 @@ conformance: $(STAMP)
 
 lint: $(STAMP)
 	$(PIP) install --quiet $(CONSTRAINTS) -e '.[dev]'
-	$(VENV)/bin/ruff check treemode tests benchmarks examples tools
-	$(VENV)/bin/ruff format --check treemode tests benchmarks examples tools
+	$(VENV)/bin/ruff check treemode tests benchmarks examples tools conformance
+	$(VENV)/bin/ruff format --check treemode tests benchmarks examples tools conformance
 	$(VENV)/bin/pyright --pythonpath $(PY)
 
 docs: $(STAMP)
