@@ -236,5 +236,13 @@ def test_a_closure_search_through_holders_is_redone_every_call():
     def reads_an_empty_list(x):
         return plain, x
 
+    # An empty list may be filled later (a registry): searched again every call.
     assert _closure.closure_objects(reads_an_empty_list) == []
-    assert _closure.closure_snapshot(reads_an_empty_list) is not None
+    assert _closure.closure_snapshot(reads_an_empty_list) is None
+    sizes = [64, 64]
+
+    def reads_a_list_of_numbers(x):
+        return sizes, x
+
+    assert _closure.closure_objects(reads_a_list_of_numbers) == []
+    assert _closure.closure_snapshot(reads_a_list_of_numbers) is not None

@@ -8,6 +8,7 @@ compiled-entry cache of each wrapper, the thread-local ``Call`` that
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -185,3 +186,97 @@ def test_concurrent_failures_do_not_leak_into_other_threads():
     assert results[0] == "failed"
     assert all(int(m.steps[...]) == 3 for m in models[1:])
     np.testing.assert_array_equal(bad.w[...], jnp.ones(4))
+
+
+# -- tracing never writes the caller's objects (closure lifting) ----------------------
+
+
+class Tally(nnx.Module):
+    def __init__(self):
+        self.count = nnx.BatchStat(jnp.array(0))
+        self.w = nnx.Param(jnp.ones(3))
+
+
+def test_tracing_a_closure_leaves_the_module_alone_for_other_threads():
+    """While one thread traces functions that close over ``tally`` (each a new
+    trace), another increments the module eagerly: it never sees a tracer and
+    none of its increments is lost."""
+    tally = Tally()
+    seen: list[Any] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    done = [0]
+
+    def writer() -> None:
+        try:
+            while not stop.is_set():
+                value = tally.count[...]
+                if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+                    seen.append(value)
+                tally.count[...] = value + 1
+                done[0] += 1
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for i in range(40):
+            scale = float(i)  # a new default each time: a new function, a new trace
+            out = treemode.jit(lambda x, s=scale: tally.w[...] * s + x)(jnp.zeros(3))
+            np.testing.assert_allclose(out, np.full(3, scale))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert not seen, f"the writer thread saw {seen[:3]}"
+    assert done[0] > 0 and int(tally.count[...]) == done[0]
+    assert isinstance(tally.w[...], jax.Array)
+    assert not isinstance(tally.w[...], jax.core.Tracer)
+
+
+def test_read_only_closures_traced_from_several_threads_leave_no_tracer():
+    tally = Tally()
+    errors: list[BaseException] = []
+
+    def trace_many(seed: int) -> None:
+        try:
+            for i in range(CALLS):
+                f = treemode.jit(lambda x, k=float(seed * 100 + i): tally.w[...] * k + x)
+                np.testing.assert_allclose(f(jnp.zeros(3)), np.full(3, seed * 100 + i))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=trace_many, args=(s,)) for s in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for value in (tally.w[...], tally.count[...]):
+        assert isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+
+
+def test_a_closure_write_is_written_back_and_the_module_never_holds_a_tracer():
+    """The function sees rebuilt objects while it is traced: during the trace the
+    caller's Variable still holds its concrete value."""
+    tally = Tally()
+    caller_tally = weakref.ref(tally)  # not searched: the caller's object itself
+    during: list[Any] = []
+
+    @treemode.jit
+    def step(x):
+        assert caller_tally() is not tally  # the function sees a rebuilt module
+        during.append(type(_raw(caller_tally().count)))
+        tally.count[...] += 1
+        return x + tally.w[...]
+
+    step(jnp.zeros(3))
+    step(jnp.zeros(3))
+    assert int(tally.count[...]) == 2
+    assert during and all(not issubclass(t, jax.core.Tracer) for t in during)
+
+
+def _raw(variable: Any) -> Any:
+    # What another thread would read from the caller's Variable at this moment.
+    return object.__getattribute__(variable, "_raw_value")

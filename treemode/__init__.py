@@ -20,6 +20,7 @@ from ._custom_vjp import custom_vjp as custom_vjp
 from ._errors import AliasError as AliasError
 from ._errors import AxisError as AxisError
 from ._errors import ClosureError as ClosureError
+from ._errors import ClosureWarning as ClosureWarning
 from ._errors import DonationError as DonationError
 from ._errors import MutationError as MutationError
 from ._errors import ProxyError as ProxyError

@@ -35,6 +35,7 @@ from ._hashed import HashedKey
 from ._leaves import is_abstract_traced, is_traced, is_variable
 from ._paths import paths_and_leaves
 from ._recursion import CycleError, recursion_error
+from ._specs import StructureKey
 
 
 class PreparedCall(Protocol):
@@ -67,8 +68,8 @@ class PreparedCall(Protocol):
 class CallKey(HashedKey):
     """Everything a trace depends on besides array shapes and dtypes."""
 
-    __slots__ = ("positional", "keywords", "lifted", "graph")
-    _fields = ("positional", "keywords", "lifted", "graph")
+    __slots__ = ("positional", "keywords", "lifted", "closure", "graph")
+    _fields = ("positional", "keywords", "lifted", "closure", "graph")
 
     def __init__(
         self,
@@ -76,10 +77,12 @@ class CallKey(HashedKey):
         keywords: tuple[tuple[str, Any], ...],
         lifted: tuple[VarSpec, ...],
         graph: bool,
+        closure: tuple[StructureKey, ...] = (),  # per lifted closure object, its structure
     ):
         self.positional = positional
         self.keywords = keywords
         self.lifted = lifted
+        self.closure = closure
         self.graph = graph
         self._hash_fields()
 
@@ -100,6 +103,7 @@ class Call:
         "lifted",
         "lifted_specs",
         "lifted_roots",
+        "lifted_objects",
         "dynamic",
         "variables",
         "sources",
@@ -118,6 +122,7 @@ class Call:
     lifted: list[Any]
     lifted_specs: tuple[VarSpec, ...]
     lifted_roots: list[tuple[str, Any]]
+    lifted_objects: list[tuple[str, Any, ArgFlat]]  # (root name, object, flattening)
     dynamic: list[Any]
     variables: list[Any]
     sources: list[ArgFlat]  # the flattenings ``variables`` come from, in order
@@ -319,16 +324,18 @@ def _finish_prepare(
     sources = [f for f in arg_flats if f.variables]
     dynamic = list(chain.from_iterable(map(_dynamic_of, arg_flats)))
     call.lifted_roots = []
+    call.lifted_objects = []
     lifted_flats: list[ArgFlat] = []
     if lift_closure:
-        found = closure_objects(call.fn)
+        found = closure_objects(call.fn, call.transform)
         if found and any(name.startswith("default ") for name, _ in found):
             found = _without_passed_defaults(call, found)
         call.lifted_roots = [(f"closure {name}", obj) for name, obj in found]
-        for _, obj in call.lifted_roots:
+        for root, obj in call.lifted_roots:
             flat = flatten_arg(obj, is_dynamic)
             if flat.variables:
                 lifted_flats.append(flat)
+                call.lifted_objects.append((root, obj, flat))
     if lifted_flats:
         call.lifted = list(chain.from_iterable(f.variables for f in lifted_flats))
         call.lifted_specs = tuple(chain.from_iterable(map(variable_specs, lifted_flats)))
@@ -345,7 +352,13 @@ def _finish_prepare(
     call.sources = sources
     call.variables = variables_of(sources)
     call.dynamic = dynamic
-    call.key = CallKey(positional, keywords, call.lifted_specs, call.graph)
+    call.key = CallKey(
+        positional,
+        keywords,
+        call.lifted_specs,
+        call.graph,
+        tuple(f.key for f in lifted_flats),
+    )
 
     # Each ArgFlat is alias-free on its own (checked once when it was built);
     # only Variables shared between sources remain to be found.

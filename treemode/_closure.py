@@ -46,6 +46,7 @@ import site
 import sys
 import sysconfig
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +54,7 @@ from typing import Any
 from flax import nnx
 
 from . import _compiled
+from ._errors import ClosureWarning
 from ._leaves import is_variable_or_graph_node
 
 # The compiled checks (treemode._compiled); None where it is off: the same checks below.
@@ -157,7 +159,7 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     return tuple(names)
 
 
-def closure_objects(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+def closure_objects(fn: Callable[..., Any], transform: str = "jit") -> list[tuple[str, Any]]:
     """``(name, object)`` for each NNX object or Variable bound to ``fn``.
 
     Includes the ones bound to the helper functions ``fn`` reaches through its
@@ -182,24 +184,38 @@ def closure_objects(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
             walk.visit_function(fn, plan, 0)
         else:
             walk.visit(fn, 0)
-        return walk.found
+        return _answer(walk, transform)
     try:
         ref = _Ref(fn, _forget)
     except TypeError:  # not weakly referenceable: no cache
         walk = _Walk(None, None)
         walk.visit(fn, 0)
-        return walk.found
+        return _answer(walk, transform)
     ref.key = key
     walk = _Walk(fn, ref)
     walk.visit(fn, 0)
-    if walk.volatile:  # held in a list, dict, object or default: search every call
+    if walk.volatile or walk.cut:  # held in a list, dict, object or default: search every call
         _snapshots.pop(key, None)
-        return walk.found
+        return _answer(walk, transform)
     if plan is not None:
         plan.snapshots += 1
     if len(_snapshots) >= 4096:
         _snapshots.clear()  # functions made per call: bound the cache
     _snapshots[key] = _Snapshot(ref, walk)
+    return walk.found
+
+
+def _answer(walk: _Walk, transform: str) -> list[tuple[str, Any]]:
+    for name in walk.cut:
+        warnings.warn(
+            f"treemode.{transform}: the function reaches NNX objects in {name}, a holder "
+            f"the closure search does not enter (over {MAX_HOLDER_ITEMS} entries, over "
+            f"{MAX_HOLDER_ENTRIES} entries in all, or over {MAX_DEPTH} levels deep). They "
+            "are not lifted: the compiled code keeps their values as constants, and "
+            "writing them raises. Pass them as arguments instead.",
+            ClosureWarning,
+            stacklevel=4,
+        )
     return walk.found
 
 
@@ -287,6 +303,7 @@ class _Walk:
 
     __slots__ = (
         "found",
+        "cut",
         "seen",
         "volatile",
         "budget",
@@ -303,6 +320,7 @@ class _Walk:
 
     def __init__(self, top: Any, top_ref: Any) -> None:
         self.found: list[tuple[str, Any]] = []
+        self.cut: list[str] = []  # holders with NNX objects that the limits left out
         self.seen: set[int] = set()
         self.volatile = False  # found an NNX object in a holder: do not cache
         self.budget = MAX_HOLDER_ENTRIES  # entries of holders still to look at
@@ -448,25 +466,54 @@ class _Walk:
             if not default:
                 self.consider(name, obj, kind, depth)
             return
-        if kind != _HOLDER or depth > MAX_DEPTH or id(obj) in self.seen:
+        if kind != _HOLDER or id(obj) in self.seen:
             return
         self.seen.add(id(obj))
-        if isinstance(obj, dict):
-            items = list(obj.items()) if len(obj) <= MAX_HOLDER_ITEMS else []
-            children = [(f"{name}[{k!r}]", v) for k, v in items]
-        elif isinstance(obj, (list, tuple)):
-            items = list(obj) if len(obj) <= MAX_HOLDER_ITEMS else []
-            children = [(f"{name}[{i}]", v) for i, v in enumerate(items)]
+        if isinstance(obj, (dict, list, tuple)):
+            size = len(obj)
+            if not size and not isinstance(obj, tuple):
+                # An empty list or dict, a registry filled later: a module added to
+                # it changes no read of the snapshot, so it is searched every call.
+                self.volatile = True
         else:
             attrs = getattr(obj, "__dict__", None)
-            if not isinstance(attrs, dict) or len(attrs) > MAX_HOLDER_ITEMS:
+            if not isinstance(attrs, dict):
                 return
-            children = [(f"{name}.{k}", v) for k, v in list(attrs.items())]
-        self.budget -= len(children)
-        if self.budget < 0:
+            size = len(attrs)
+        self.budget -= size
+        if depth > MAX_DEPTH or size > MAX_HOLDER_ITEMS or self.budget < 0:
+            if _holds_nnx_object(obj):
+                self.cut.append(name)
             return
+        if isinstance(obj, dict):
+            children = [(f"{name}[{k!r}]", v) for k, v in list(obj.items())]
+        elif isinstance(obj, (list, tuple)):
+            children = [(f"{name}[{i}]", v) for i, v in enumerate(list(obj))]
+        else:
+            children = [(f"{name}.{k}", v) for k, v in list(obj.__dict__.items())]
         for child_name, child in children:
             self.search(child_name, child, depth + 1)
+
+
+def _holds_nnx_object(holder: Any) -> bool:
+    """Whether an NNX object is among the first or last `MAX_HOLDER_ITEMS` entries
+    of a holder the search does not enter (checked for `ClosureWarning` only)."""
+    if isinstance(holder, dict):
+        values: Any = holder.values()
+    elif isinstance(holder, (list, tuple)):
+        values = holder
+    else:
+        values = holder.__dict__.values()
+    values = list(values) if not isinstance(values, (list, tuple)) else values
+    n = MAX_HOLDER_ITEMS
+    sample = values if len(values) <= 2 * n else [*values[:n], *values[-n:]]
+    for v in sample:
+        kind = _kinds.get(type(v))
+        if kind is None:
+            kind = _classify(type(v))
+        if kind == _STATE:
+            return True
+    return False
 
 
 # Every read a closure search made: (globals dicts, names, values) read with
@@ -548,3 +595,22 @@ _snapshots: dict[int, _Snapshot] = {}
 # call (a lambda in a loop) or their reads change on every call: the entry would
 # never be hit, so it is no longer made.
 _MAX_SNAPSHOTS = 16
+
+
+def holder_kind(obj: Any) -> int | None:
+    """How the closure search goes through ``obj``: ``_FUNCTION``, ``_WRAPPER`` or
+    ``_HOLDER``; ``None`` for anything it does not enter (NNX objects included)."""
+    kind = _kinds.get(type(obj))
+    if kind is None:
+        kind = _classify(type(obj))
+    return kind if kind in (_FUNCTION, _WRAPPER, _HOLDER) else None
+
+
+def user_function_kinds() -> tuple[int, int, int]:
+    """The values of ``_FUNCTION``, ``_WRAPPER`` and ``_HOLDER`` (see `holder_kind`)."""
+    return _FUNCTION, _WRAPPER, _HOLDER
+
+
+def plan_of(f: Any) -> _Plan:
+    """What the code of function ``f`` reads (cached per code object)."""
+    return _plan(f.__code__)

@@ -2,10 +2,12 @@
 
 `PureFunction` is the user function as a function of the dynamic arrays only:
 it rebuilds the arguments with fresh Variables holding the traced values,
-points the lifted closure Variables at traced values, calls the user
-function, checks that it changed no structure and returned no input Variable,
-and returns ``(output, updates)`` where ``updates`` has one entry per input
-Variable: its new value if the function changed it, ``None`` otherwise.
+rebuilds the closure objects the same way and hands the user function a copy
+of itself that reaches them (``_substitute``: the caller's objects are never
+written while tracing), calls it, checks that it changed no structure and
+returned no input Variable, and returns ``(output, updates)`` where ``updates``
+has one entry per input Variable: its new value if the function changed it,
+``None`` otherwise.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax
 
 from . import _compat, _graph, _pytree
 from ._call import Call, PreparedCall
-from ._errors import AliasError, StructureError
+from ._errors import AliasError, ClosureError, StructureError
 from ._leaves import (
     frozen_metadata,
     is_array,
@@ -32,6 +34,7 @@ from ._paths import format_path
 from ._recursion import recursion_headroom
 from ._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild
 from ._stale import mark_trace_time
+from ._substitute import Substitution
 
 
 @dataclasses.dataclass
@@ -44,6 +47,50 @@ class Inputs:
     variables: list[Any]  # the fresh Variables, in ``Call.variables`` order
     leaves: list[list[Any]]  # per traced argument, its leaves as rebuilt
     consumed: int  # how many dynamic arrays the arguments used (closure ones follow)
+
+
+@dataclasses.dataclass
+class _Closure:
+    """The lifted closure objects, rebuilt inside a trace."""
+
+    replacements: dict[int, Any]  # id(caller's object) -> rebuilt object
+    variables: list[Any]  # the rebuilt Variables, in ``Call.lifted`` order
+    # (root name, caller's object, rebuilt object, structure key, rebuilt leaves)
+    roots: list[tuple[str, Any, Any, StructureKey, list[Any]]]
+
+
+def _rebuild_closure(
+    call: Call, keys: tuple[StructureKey, ...], dynamic: Sequence[Any]
+) -> _Closure:
+    """Each lifted closure object rebuilt from its key, its Variables holding the
+    traced values in ``dynamic`` (its other arrays are the caller's, as constants)."""
+    closure = _Closure({}, [], [])
+    offset = 0
+    for (root, obj, flat), key in zip(call.lifted_objects, keys, strict=True):
+        leaves_dynamic: list[Any] = []
+        for spec, leaf in zip(key.specs, flat.leaves, strict=True):
+            if type(spec) is VarSpec:
+                n = spec.num_dynamic
+                leaves_dynamic.extend(dynamic[offset : offset + n])
+                offset += n
+            elif spec is DYNAMIC:
+                leaves_dynamic.append(leaf)
+        tree, variables, leaves = rebuild(key, leaves_dynamic)
+        closure.replacements[id(obj)] = tree
+        closure.variables.extend(variables)
+        closure.roots.append((root, obj, tree, key, leaves))
+    return closure
+
+
+def _check_reached(transform: str, closure: _Closure, substitution: Substitution) -> None:
+    missed = [root for root, obj, *_ in closure.roots if id(obj) not in substitution.used]
+    if missed:
+        raise ClosureError(
+            f"treemode.{transform}: the function reaches {', '.join(missed)} through its "
+            "closure, but treemode could not hand it a traced copy by the same route "
+            "(a subclass of tuple, or a class whose instances object.__new__ cannot "
+            "make, on the way).\nPass the module as an argument instead."
+        )
 
 
 @dataclasses.dataclass
@@ -90,6 +137,13 @@ class PureFunction:
         self.binding.call = call
 
     @property
+    def user_fn(self) -> Any:
+        """The user function as this trace runs it: a copy reaching the rebuilt
+        closure objects while one is being traced (see ``_substitute``)."""
+        fn = getattr(self.binding, "fn", None)
+        return self.call.fn if fn is None else fn
+
+    @property
     def call(self) -> Call:
         call = getattr(self.binding, "call", None)
         assert call is not None, "PureFunction traced outside of a treemode call"
@@ -132,17 +186,28 @@ class PureFunction:
     def _run(self, dynamic: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:
         call = self.call
         inputs = self.rebuild_inputs(dynamic)
-        mark_trace_time(self, inputs.variables)  # writes from another trace: MutationError
-        swapped = _swap_in(call.lifted, self.key.lifted, dynamic[inputs.consumed :])
+        closure = _rebuild_closure(call, self.key.closure, dynamic[inputs.consumed :])
+        all_vars = inputs.variables + closure.variables
+        mark_trace_time(self, all_vars)  # writes from another trace: MutationError
+        fn = self.fn
+        substitution = None
+        if closure.replacements:
+            substitution = Substitution(closure.replacements)
+            user_fn = substitution.callable(call.fn)
+            fn = user_fn if fn is call.fn else substitution.callable(fn)
+            _check_reached(self.transform, closure, substitution)
+            self.binding.fn = user_fn  # what `user_fn` gives wrappers of the user function
         try:
-            out = self.fn(*inputs.args, **inputs.kwargs)
-            self._check_structure(call, inputs, out)
-            out_tree = _graph.to_tree(out) if self.graph else out
-            all_vars = inputs.variables + call.lifted
-            self._check_outputs(call, out_tree, all_vars)
-            updates = self._collect_updates(call, all_vars, dynamic)
+            out = fn(*inputs.args, **inputs.kwargs)
         finally:
-            _swap_out(swapped)
+            if substitution is not None:
+                self.binding.fn = None
+                substitution.finish()
+        self._check_structure(call, inputs, out)
+        self._check_closure_structure(closure)
+        out_tree = _graph.to_tree(out) if self.graph else out
+        self._check_outputs(call, out_tree, all_vars)
+        updates = self._collect_updates(call, all_vars, dynamic)
         return out_tree, updates
 
     # -- checks ---------------------------------------------------------------
@@ -162,52 +227,71 @@ class PureFunction:
         for (root, before), after, key, leaves_in in zip(
             roots, trees_after, [f.key for f in call.arg_flats], inputs.leaves, strict=True
         ):
-            leaves, treedef = jax.tree_util.tree_flatten(after, is_leaf=is_variable)
-            problem = None
-            owners = returned = None  # treemode.Pytree proxies; computed on a change only
-            if not same_treedef(treedef, key.treedef):
-                problem = describe_structure_change(before, after)
-            else:
-                for j, (leaf, spec) in enumerate(zip(leaves, key.specs, strict=True)):
-                    if type(spec) is VarSpec:
-                        if leaf is not next(var_iter):
-                            problem = (_leaf_path(after, j), _replaced(leaf, spec.var_type))
-                            break
-                    elif spec is DYNAMIC and leaf is not leaves_in[j]:
-                        if owners is None:
-                            owners = _pytree.proxy_leaf_owners(after)
-                            returned = _pytree.returned_proxies(out)
-                        owner = owners[j]
-                        if owner is not None and returned and id(owner[1]) in returned:
-                            continue  # a returned proxy carries its new state itself
-                        if owner is not None:
-                            raise StructureError(
-                                _pytree.unreturned_proxy_message(
-                                    self.transform,
-                                    format_path(owner[0], root),
-                                    format_path(_leaf_path(after, j), root),
-                                )
+            self._check_root(root, before, after, key, var_iter, leaves_in, out)
+
+    def _check_closure_structure(self, closure: _Closure) -> None:
+        var_iter = iter(closure.variables)
+        for root, before, after, key, leaves_in in closure.roots:
+            self._check_root(root, before, after, key, var_iter, leaves_in, None)
+
+    def _check_root(
+        self,
+        root: str,
+        before: Any,
+        after: Any,
+        key: StructureKey,
+        var_iter: Any,
+        leaves_in: list[Any],
+        out: Any,
+    ) -> None:
+        """Raise `StructureError` if the function changed ``after``'s structure
+        (``after`` was rebuilt from ``key``; ``before`` is the caller's object)."""
+        leaves, treedef = jax.tree_util.tree_flatten(after, is_leaf=is_variable)
+        problem = None
+        owners = returned = None  # treemode.Pytree proxies; computed on a change only
+        if not same_treedef(treedef, key.treedef):
+            problem = describe_structure_change(before, after)
+        else:
+            for j, (leaf, spec) in enumerate(zip(leaves, key.specs, strict=True)):
+                if type(spec) is VarSpec:
+                    if leaf is not next(var_iter):
+                        problem = (_leaf_path(after, j), _replaced(leaf, spec.var_type))
+                        break
+                elif spec is DYNAMIC and leaf is not leaves_in[j]:
+                    if owners is None:
+                        owners = _pytree.proxy_leaf_owners(after)
+                        returned = _pytree.returned_proxies(out)
+                    owner = owners[j]
+                    if owner is not None and returned and id(owner[1]) in returned:
+                        continue  # a returned proxy carries its new state itself
+                    if owner is not None:
+                        raise StructureError(
+                            _pytree.unreturned_proxy_message(
+                                self.transform,
+                                format_path(owner[0], root),
+                                format_path(_leaf_path(after, j), root),
                             )
-                        what = (
-                            "a plain array attribute (not an nnx.Variable) was reassigned; "
-                            "wrap it in an nnx.Variable so that its updates are written back"
                         )
-                        problem = (_leaf_path(after, j), what)
-                        break
-                    elif isinstance(spec, StaticLeaf) and not same_static(leaf, spec.value):
-                        what = f"the static value {spec.value!r} was changed to {leaf!r}"
-                        problem = (_leaf_path(after, j), what)
-                        break
-            if problem is not None:
-                path, what = problem
-                raise StructureError(
-                    f"treemode.{self.transform}: the function changed the structure of "
-                    f"its input at {format_path(path, root)}: {what}.\n"
-                    "A tree-mode transform only writes back new values of existing "
-                    "Variables. Make structural changes (new attributes, new or replaced "
-                    "Variables, changed static fields) outside the transform, or return "
-                    "the new object as an output.\nSee docs/migration.md#structural-changes."
-                )
+                    what = (
+                        "a plain array attribute (not an nnx.Variable) was reassigned; "
+                        "wrap it in an nnx.Variable so that its updates are written back"
+                    )
+                    problem = (_leaf_path(after, j), what)
+                    break
+                elif isinstance(spec, StaticLeaf) and not same_static(leaf, spec.value):
+                    what = f"the static value {spec.value!r} was changed to {leaf!r}"
+                    problem = (_leaf_path(after, j), what)
+                    break
+        if problem is not None:
+            path, what = problem
+            raise StructureError(
+                f"treemode.{self.transform}: the function changed the structure of "
+                f"its input at {format_path(path, root)}: {what}.\n"
+                "A tree-mode transform only writes back new values of existing "
+                "Variables. Make structural changes (new attributes, new or replaced "
+                "Variables, changed static fields) outside the transform, or return "
+                "the new object as an output.\nSee docs/migration.md#structural-changes."
+            )
 
     def _check_outputs(self, call: Call, out_tree: Any, all_vars: list[Any]) -> None:
         input_ids = {id(v): i for i, v in enumerate(all_vars)}
@@ -292,32 +376,6 @@ def _value_changed(after: Any, before: Any) -> bool:
     if a_def != b_def or len(a_leaves) != len(b_leaves):
         return True
     return any(x is not y for x, y in zip(a_leaves, b_leaves, strict=True))
-
-
-def _swap_in(
-    lifted: list[Any], specs: tuple[VarSpec, ...], dynamic: Sequence[Any]
-) -> list[tuple[Any, Any, Any]]:
-    """Point closure Variables at traced values; return what to restore."""
-    swapped: list[tuple[Any, Any, Any]] = []
-    offset = 0
-    try:
-        for var, spec in zip(lifted, specs, strict=True):
-            n = spec.num_dynamic
-            value = spec.build(dynamic[offset : offset + n])
-            offset += n
-            swapped.append((var, _compat.raw_value_of(var), _compat.trace_state_of(var)))
-            _compat.set_raw_value(var, value)
-            _compat.set_trace_state(var, _compat.TraceState())
-    except BaseException:
-        _swap_out(swapped)
-        raise
-    return swapped
-
-
-def _swap_out(swapped: list[tuple[Any, Any, Any]]) -> None:
-    for var, value, trace_state in swapped:
-        _compat.set_raw_value(var, value)
-        _compat.set_trace_state(var, trace_state)
 
 
 def describe_structure_change(before: Any, after: Any) -> tuple[tuple[Any, ...], str]:

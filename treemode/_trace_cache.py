@@ -79,7 +79,7 @@ def call_current_fn(pure: _core.PureFunction) -> Callable[..., Any]:
     """
 
     def current_fn(*args: Any, **kwargs: Any) -> Any:
-        return pure.call.fn(*args, **kwargs)
+        return pure.user_fn(*args, **kwargs)
 
     return current_fn
 

@@ -1,0 +1,253 @@
+"""Give a traced function its closure objects rebuilt, without touching the caller's.
+
+The closure search (``_closure``) finds the NNX objects a function reaches through
+its closure cells, globals, the ``self`` of a bound method, ``functools.partial``
+arguments, default arguments and plain holders (lists, tuples, dicts, instances
+of the user's classes). Inside a trace, the pure function (``_pure``) rebuilds
+each of them from its structure key, with new Variables holding the traced
+values. `Substitution.callable` then makes a version of the function that reaches the
+rebuilt objects instead of the originals, by the same routes: a new function
+object over the same code with new closure cells, a copy of the globals dict, new
+defaults; a new bound method or ``functools.partial``; copies of the holders on
+the way. Only what leads to a rebuilt object is copied; everything else is shared.
+
+Nothing the caller can see is written while the function runs: another thread
+reading or writing the module during the trace sees its own values, never a
+tracer. What the function itself assigns while it is traced to a global, or to
+an attribute of a plain object it was reached through, is copied back to the
+original when the function returns (`Substitution.finish`), as if it had run on
+the originals; an attribute or global that held a lifted module keeps the
+original module.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+from ._closure import MAX_DEPTH, MAX_HOLDER_ITEMS, holder_kind, plan_of, user_function_kinds
+
+_FUNCTION, _WRAPPER, _HOLDER = user_function_kinds()
+_MISSING = object()
+
+
+class Substitution:
+    """One function's copy reaching ``replacements`` (``id(original) -> rebuilt``)."""
+
+    def __init__(self, replacements: dict[int, Any]):
+        self.replacements = replacements
+        self.used: set[int] = set()  # ids of the originals a route led to
+        self._reaches: dict[int, bool] = {}
+        self._followed: set[int] = set()
+        self._built: dict[int, Any] = {}
+        self._keep: list[Any] = []  # the originals looked at, so their ids stay theirs
+        # (original dict, copy, the names whose value was substituted)
+        self._dicts: list[tuple[dict[str, Any], dict[str, Any], frozenset[str]]] = []
+
+    # -- does a value lead to a replaced object? ----------------------------------
+
+    def analyze(self, root: Any) -> bool:
+        """Find every value reachable from ``root`` (by the closure search's routes)
+        that leads to a replaced object. Returns whether ``root`` does."""
+        parents: dict[int, list[int]] = {}
+        seen: set[int] = set()
+        # A function found directly (the root, or the function of a bound method or
+        # partial) is entered even where it is library code, as the search does.
+        stack = [(root, 0, True)]
+        while stack:
+            obj, depth, direct = stack.pop()
+            key = id(obj)
+            if key in seen or key in self.replacements:
+                continue
+            seen.add(key)
+            kind = holder_kind(obj)
+            if kind is None or depth > MAX_DEPTH + 1:
+                continue
+            self._keep.append(obj)
+            if kind == _FUNCTION and not (direct or plan_of(obj).user_code):
+                continue
+            self._followed.add(key)
+            for child in self._children(obj, kind):
+                parents.setdefault(id(child), []).append(key)
+                stack.append((child, depth + 1, kind == _WRAPPER))
+        frontier = [k for k in self.replacements if k in parents]
+        while frontier:
+            key = frontier.pop()
+            for parent in parents.get(key, ()):
+                if not self._reaches.get(parent, False):
+                    self._reaches[parent] = True
+                    frontier.append(parent)
+        return id(root) in self.replacements or self._reaches.get(id(root), False)
+
+    def reaches(self, obj: Any) -> bool:
+        key = id(obj)
+        return key in self.replacements or self._reaches.get(key, False)
+
+    def _children(self, obj: Any, kind: int) -> list[Any]:
+        if kind == _FUNCTION:
+            plan = plan_of(obj)
+            children = [_cell_contents(c) for c in obj.__closure__ or ()]
+            children += list(obj.__defaults__ or ())
+            children += list((obj.__kwdefaults__ or {}).values())
+            module_globals = obj.__globals__
+            children += [module_globals.get(name) for name in plan.global_names]
+            return children
+        if kind == _WRAPPER:
+            if isinstance(obj, functools.partial):
+                return [obj.func, *obj.args, *obj.keywords.values()]
+            return [obj.__func__, obj.__self__]
+        items = _holder_items(obj)
+        return [] if items is None else [v for _, v in items]
+
+    # -- copies -------------------------------------------------------------------
+
+    def callable(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A version of ``fn`` that reaches the rebuilt objects instead of the originals
+        (``fn`` itself where it reaches none): a function, bound method, partial, or
+        an NNX module called as a function."""
+        if id(fn) in self.replacements:  # a module called as the function
+            module = self.replacements[id(fn)]
+            self.used.add(id(fn))
+            call = type(fn).__call__
+            if self.analyze(call):
+                return functools.partial(self.value(call), module)
+            return module
+        if self.analyze(fn):
+            return self.value(fn)
+        return fn
+
+    def value(self, obj: Any) -> Any:
+        """``obj``, or a copy of it that reaches the rebuilt objects."""
+        key = id(obj)
+        replacement = self.replacements.get(key)
+        if replacement is not None:
+            self.used.add(key)
+            return replacement
+        built = self._built.get(key, _MISSING)
+        if built is not _MISSING:
+            return built
+        if not self._reaches.get(key, False):
+            return obj
+        kind = holder_kind(obj)
+        if kind == _FUNCTION:
+            return self._function(obj)
+        if kind == _WRAPPER:
+            if isinstance(obj, functools.partial):
+                new = functools.partial(
+                    self.value(obj.func),
+                    *map(self.value, obj.args),
+                    **{k: self.value(v) for k, v in obj.keywords.items()},
+                )
+            else:
+                new = types.MethodType(self.value(obj.__func__), self.value(obj.__self__))
+            self._built[key] = new
+            return new
+        return self._holder(obj)
+
+    def _function(self, f: types.FunctionType) -> types.FunctionType:
+        plan = plan_of(f)
+        module_globals = f.__globals__
+        names = [n for n in plan.global_names if self.reaches(module_globals.get(n))]
+        new_globals = module_globals
+        if names:
+            new_globals = dict(module_globals)
+            self._dicts.append((module_globals, new_globals, frozenset(names)))
+        cells = f.__closure__
+        if cells and any(self.reaches(_cell_contents(c)) for c in cells):
+            new_cells = tuple(types.CellType() for _ in cells)
+        else:
+            new_cells = cells
+        new = types.FunctionType(f.__code__, new_globals, f.__name__, None, new_cells)
+        self._built[id(f)] = new  # before the contents: a recursive helper reaches itself
+        new.__qualname__ = f.__qualname__
+        new.__module__ = f.__module__
+        new.__dict__ = f.__dict__
+        new.__annotations__ = f.__annotations__
+        if f.__defaults__:
+            new.__defaults__ = tuple(map(self.value, f.__defaults__))
+        if f.__kwdefaults__:
+            new.__kwdefaults__ = {k: self.value(v) for k, v in f.__kwdefaults__.items()}
+        for name in names:
+            new_globals[name] = self.value(module_globals[name])
+        if new_cells is not cells:
+            assert cells is not None and new_cells is not None
+            for old, cell in zip(cells, new_cells, strict=True):
+                contents = _cell_contents(old)
+                if contents is not _MISSING:
+                    cell.cell_contents = self.value(contents)
+        return new
+
+    def _holder(self, obj: Any) -> Any:
+        key = id(obj)
+        cls = type(obj)
+        if cls is tuple:
+            new = tuple(map(self.value, obj))
+            self._built[key] = new
+            return new
+        if cls is list:
+            new_list: list[Any] = []
+            self._built[key] = new_list
+            new_list.extend(map(self.value, obj))
+            return new_list
+        if cls is dict:
+            new_dict: dict[Any, Any] = {}
+            self._built[key] = new_dict
+            new_dict.update({k: self.value(v) for k, v in obj.items()})
+            return new_dict
+        if isinstance(obj, (list, dict)):  # a subclass: a copy with the items replaced
+            new_items = copy.copy(obj)
+            self._built[key] = new_items
+            for k, v in list(obj.items()) if isinstance(obj, dict) else enumerate(obj):
+                if self.reaches(v):
+                    new_items[k] = self.value(v)
+            return new_items
+        if isinstance(obj, tuple):
+            return obj  # a subclass of tuple: left as it is (`_check_reached` tells)
+        attrs = obj.__dict__
+        try:
+            new = object.__new__(type(obj))
+        except TypeError:
+            return obj  # a class object.__new__ cannot make: left as it is
+        self._built[key] = new
+        names = frozenset(k for k, v in attrs.items() if self.reaches(v))
+        new_attrs = {k: (self.value(v) if k in names else v) for k, v in attrs.items()}
+        new.__dict__.update(new_attrs)
+        self._dicts.append((attrs, new.__dict__, names))
+        return new
+
+    def finish(self) -> None:
+        """Copy what the function assigned to the copied globals and attributes back."""
+        for original, copied, substituted in self._dicts:
+            for name, value in list(copied.items()):
+                if name in substituted:
+                    continue
+                if original.get(name, _MISSING) is not value:
+                    original[name] = value
+            for name in [n for n in original if n not in copied and n not in substituted]:
+                del original[name]
+
+
+def _cell_contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _MISSING
+
+
+def _holder_items(obj: Any) -> list[tuple[Any, Any]] | None:
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = list(enumerate(obj))
+    else:
+        attrs = getattr(obj, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return None
+        items = list(attrs.items())
+    return items if len(items) <= MAX_HOLDER_ITEMS else None
+
+
+__all__ = ["Substitution"]
