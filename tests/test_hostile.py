@@ -181,12 +181,13 @@ def test_module_leaked_from_a_finished_trace():
         treemode.jit(lambda m: m.w[...] * 2)(leaked[0])
 
 
-def test_variable_written_from_a_debug_callback_is_lost_not_leaked():
+def test_closure_module_written_from_a_debug_callback_raises_and_is_left_alone():
     """A host callback that writes a closed-over module during a call.
 
-    The callback runs while the compiled function executes, outside any trace;
-    treemode writes back only what the function itself changed, so the write
-    is kept, no tracer escapes, and the module stays usable.
+    The callback runs while the compiled function executes, after tracing; the
+    function (and so the callback it made) saw the trace-time copy of the module,
+    as for an argument (tests/test_callback.py): the write is a MutationError,
+    no tracer escapes, and the module stays usable.
     """
     m = Counter()
 
@@ -194,12 +195,14 @@ def test_variable_written_from_a_debug_callback_is_lost_not_leaked():
         jax.debug.callback(lambda v: m.count.set_value(v), jnp.array(5))
         return x * 2
 
-    treemode.jit(f)(jnp.ones(2))
-    jax.effects_barrier()
-    assert int(m.count[...]) == 5
+    with jax.check_tracer_leaks(False):
+        with pytest.raises(treemode.MutationError, match=r"treemode\.jit: .*closure m\.count"):
+            treemode.jit(f)(jnp.ones(2))
+            jax.effects_barrier()
+    assert int(m.count[...]) == 0
     assert not isinstance(m.count.get_raw_value(), jax.core.Tracer)
     treemode.jit(lambda m: m.bump(1.0))(m)
-    assert int(m.count[...]) == 6
+    assert int(m.count[...]) == 1
 
 
 # -- donation ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ _check_installed()
 from ._capture import capture as capture
 from ._checkify import checkify as checkify
 from ._clone import clone as clone
+from ._closure import ClosureWarning as ClosureWarning
 from ._control_flow import cond as cond
 from ._control_flow import fori_loop as fori_loop
 from ._control_flow import switch as switch
@@ -20,7 +21,6 @@ from ._custom_vjp import custom_vjp as custom_vjp
 from ._errors import AliasError as AliasError
 from ._errors import AxisError as AxisError
 from ._errors import ClosureError as ClosureError
-from ._errors import ClosureWarning as ClosureWarning
 from ._errors import DonationError as DonationError
 from ._errors import MutationError as MutationError
 from ._errors import ProxyError as ProxyError

@@ -54,11 +54,17 @@ from typing import Any
 from flax import nnx
 
 from . import _compiled
-from ._errors import ClosureWarning
 from ._leaves import is_variable_or_graph_node
 
 # The compiled checks (treemode._compiled); None where it is off: the same checks below.
 _reads_hold = _compiled.reads_hold
+
+
+class ClosureWarning(UserWarning):
+    """A module the function reaches through its closure is not lifted: it sits
+    beyond the closure search's limits (see docs/concepts.md#closures-are-lifted).
+    Its values are constants of the compiled code; pass it as an argument."""
+
 
 MAX_DEPTH = 4  # function hops followed from the transformed function
 

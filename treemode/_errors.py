@@ -32,11 +32,6 @@ class ClosureError(TreemodeError, ValueError):
     """A Variable reached through the function's closure cannot be used."""
 
 
-class ClosureWarning(UserWarning):
-    """A module reached through the function's closure is not lifted: it sits
-    beyond the closure search's limits (see docs/concepts.md#closures-are-lifted)."""
-
-
 class DonationError(TreemodeError, ValueError):
     """Donated arguments share a buffer, or a donated argument is static."""
 
@@ -80,7 +75,6 @@ __all__ = [
     "AliasError",
     "AxisError",
     "ClosureError",
-    "ClosureWarning",
     "DonationError",
     "MutationError",
     "ProxyError",

@@ -188,7 +188,8 @@ class PureFunction:
         inputs = self.rebuild_inputs(dynamic)
         closure = _rebuild_closure(call, self.key.closure, dynamic[inputs.consumed :])
         all_vars = inputs.variables + closure.variables
-        mark_trace_time(self, all_vars)  # writes from another trace: MutationError
+        # Writes from another trace: MutationError.
+        mark_trace_time(self, all_vars, [root for root, *_ in closure.roots])
         fn = self.fn
         substitution = None
         if closure.replacements:

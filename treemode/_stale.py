@@ -37,7 +37,7 @@ class _Origin:
 
     __slots__ = ("transform", "names", "keys")
 
-    def __init__(self, pure: Any):
+    def __init__(self, pure: Any, closure_names: Sequence[str] = ()):
         self.transform: str = pure.transform
         key = pure.key
         static = pure.static_positional
@@ -46,6 +46,8 @@ class _Origin:
         self.names = names
         keys = [k for k in key.positional if isinstance(k, StructureKey)]
         keys += [k for _, k in key.keywords if isinstance(k, StructureKey)]
+        names += closure_names  # the lifted closure objects come last
+        keys += key.closure
         self.keys = keys
 
     def describe(self, index: int) -> str:
@@ -115,11 +117,12 @@ def _message(origin: _Origin, index: int) -> str:
     )
 
 
-def mark_trace_time(pure: Any, variables: Sequence[Any]) -> None:
-    """Give the Variables a `PureFunction` rebuilt for the current trace their state."""
+def mark_trace_time(pure: Any, variables: Sequence[Any], closure_names: Sequence[str] = ()) -> None:
+    """Give the Variables a `PureFunction` rebuilt for the current trace their state
+    (those of the arguments, then those of the closure objects ``closure_names``)."""
     if not variables:
         return
-    origin = _Origin(pure)
+    origin = _Origin(pure, closure_names)
     for i, var in enumerate(variables):
         state = _compat.jax_trace_of(_compat.trace_state_of(var))
         _compat.set_trace_state(var, TraceTimeState(state, origin, i))
