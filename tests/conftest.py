@@ -133,6 +133,16 @@ class Hooks:
         """Replace the writability check made before any write."""
         self._patch.setattr(self._writeback, "check_writable", fn)
 
+    def before_write(self, fn) -> None:
+        """Run ``fn()`` when a call's updates are about to be written back (Python path)."""
+        real = self._core.write_back
+
+        def write_back(*args, **kwargs):
+            fn()
+            return real(*args, **kwargs)
+
+        self._patch.setattr(self._core, "write_back", write_back)
+
     def pure_check(self, name: str, fn) -> None:
         """Replace one check of the pure function (a method of `PureFunction`)."""
         self._patch.setattr(self._core.PureFunction, name, fn)

@@ -13,6 +13,9 @@ again gives the state the eager program gives.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -658,3 +661,45 @@ def test_interrupted_donated_write_back_leaves_the_new_values(hooks):
         twice = Model()
         _eager_twice(step, twice, jnp.ones(2))
         _assert_states_equal(model, twice)
+
+
+def _ctrl_c() -> None:
+    """Deliver SIGINT to this process and run bytecode: an unheld handler fires here."""
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):
+        pass
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(),
+    reason="signal handlers run in the main thread only",
+)
+def test_ctrl_c_as_a_donated_write_back_starts_arrives_after_the_write(hooks):
+    """A Ctrl-C landing between a donated executable's return and the write: the
+    interrupt is held until the new values are written, then raised."""
+    f = treemode.jit(step, donate_argnums=0)
+    model = Model()
+    old = [v.get_raw_value() for v in _variables(model)]
+    hooks.before_write(_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        f(model, jnp.ones(2))
+    hooks.undo()
+    assert any(x.is_deleted() for x in old if isinstance(x, jax.Array))  # donated
+    for v in _variables(model):
+        assert not v.get_raw_value().is_deleted()
+    _assert_states_equal(model, _reference("jit"))  # the step happened, once
+    f(model, jnp.ones(2))  # still usable
+
+
+def test_held_interrupts_defers_the_handler_to_the_end_of_the_block():
+    from treemode._interrupts import held_interrupts
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers run in the main thread only")
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with held_interrupts():
+            _ctrl_c()
+            reached.append("end of block")
+    assert reached == ["end of block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

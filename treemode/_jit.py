@@ -15,6 +15,7 @@ from ._callsite import CallSite
 from ._errors import DonationError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
 from ._graph import check_one_spec_per_variable, original_roots
+from ._interrupts import held_interrupts
 from ._leaves import is_variable
 from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
 from ._signature import UNSPECIFIED, as_tuple, resolve_argnums
@@ -132,7 +133,11 @@ class _Entry:
 
         The compiled call path calls it for updates it does not write itself.
         """
-        _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
+        if self.donated:
+            with held_interrupts():
+                _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
+        else:
+            _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
 
 
 class _EntryRecord:
@@ -433,6 +438,11 @@ class JitWrapped(_MemoCall, Generic[P, R]):
                 return out, None
             return out, _core.WriteBack(call, updates, entry.metadata_for(call.dynamic))
 
+        if entry.donated:
+            # From the executable's start to the end of the write, the new values are
+            # the only whole state: a Ctrl-C waits for the write (docs/guides/jit.md).
+            with held_interrupts():
+                return _core.run(call, entry.pure, jax_call)
         return _core.run(call, entry.pure, jax_call)
 
     # -- AOT ---------------------------------------------------------------------
