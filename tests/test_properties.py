@@ -380,3 +380,87 @@ def test_variable_metadata_of_any_kind_changing_between_calls_matches_eager(meta
         np.testing.assert_array_equal(jitted(jitted_var), program(eager))
         assert jitted_var.tags is tags  # the user's object is kept
     np.testing.assert_array_equal(jitted_var[...], eager[...])
+
+
+# -- mutations between calls: metadata updates across input shapes, donation with faults
+
+
+@examples(1.0)
+@given(lengths=st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=6))
+def test_metadata_updates_across_input_shapes_match_eager(lengths):
+    """A trace's metadata updates belong to its executable: calls alternating between
+    input shapes (each shape its own trace) write what their own trace recorded."""
+    from flax import nnx
+
+    def program(v, x):
+        v[...] += x.sum()
+        if x.shape[0] % 2 == 0:  # only the even-length traces update the metadata
+            v.set_metadata(last_even=x.shape[0])
+        return v[...] * 2
+
+    eager = nnx.Param(jnp.zeros(()), last_even=0)
+    jitted_var = nnx.Param(jnp.zeros(()), last_even=0)
+    jitted = treemode.jit(program)
+    for n in lengths:
+        x = jnp.ones(n)
+        np.testing.assert_array_equal(jitted(jitted_var, x), program(eager, x))
+        assert jitted_var.last_even == eager.last_even
+    np.testing.assert_array_equal(jitted_var[...], eager[...])
+
+
+class _Fault(BaseException):
+    """Like KeyboardInterrupt: not an Exception."""
+
+
+@settings(
+    max_examples=BASE,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    faults=st.lists(st.one_of(st.none(), st.integers(1, 3)), min_size=1, max_size=4),
+    donate=st.booleans(),
+)
+def test_calls_with_faults_in_the_write_match_eager(hooks, faults, donate):
+    """A write that fails at its k-th Variable (or not at all), call after call: the
+    module always holds the state of the eager program after the steps that ran,
+    never deleted buffers (a donated call's step counts as run)."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(jnp.zeros(2))
+            self.b = nnx.BatchStat(jnp.zeros(2))
+            self.c = nnx.Param(jnp.ones(2))
+
+    def program(m, x):
+        m.a[...] += x
+        m.b[...] += 2 * x
+        m.c[...] *= 2.0
+        return m.a[...].sum()
+
+    real = hooks.real_store
+    eager, model = Model(), Model()
+    f = treemode.jit(program, donate_argnums=0 if donate else ())
+    for k in faults:
+        seen: list[Any] = []
+
+        def store(var, value, metadata=None, k=k, seen=seen):
+            seen.append(var)
+            if k is not None and len(seen) == k:
+                raise _Fault(f"write {k}")
+            real(var, value, metadata)
+
+        hooks.store(store)
+        try:
+            f(model, jnp.ones(2))
+            ran = True
+        except _Fault:
+            ran = donate  # a donated step's inputs are gone: it counts as done
+        hooks.undo()
+        if ran:
+            program(eager, jnp.ones(2))
+        for name in ("a", "b", "c"):
+            value = getattr(model, name).get_raw_value()
+            assert not value.is_deleted()
+            np.testing.assert_array_equal(value, getattr(eager, name)[...])
