@@ -59,14 +59,14 @@ class _Closure:
     roots: list[tuple[str, Any, Any, StructureKey, list[Any]]]
 
 
-def _rebuild_closure(
-    call: Call, keys: tuple[StructureKey, ...], dynamic: Sequence[Any]
-) -> _Closure:
-    """Each lifted closure object rebuilt from its key, its Variables holding the
-    traced values in ``dynamic`` (its other arrays are the caller's, as constants)."""
+def _rebuild_closure(call: Call, dynamic: Sequence[Any]) -> _Closure:
+    """Each lifted closure object rebuilt from its structure key (part of the call's
+    `CallKey`), its Variables holding the traced values in ``dynamic`` (its other
+    arrays are the caller's, as constants)."""
     closure = _Closure({}, [], [])
     offset = 0
-    for (root, obj, flat), key in zip(call.lifted_objects, keys, strict=True):
+    for root, obj, flat in call.lifted_objects:
+        key = flat.key
         leaves_dynamic: list[Any] = []
         for spec, leaf in zip(key.specs, flat.leaves, strict=True):
             if type(spec) is VarSpec:
@@ -186,7 +186,7 @@ class PureFunction:
     def _run(self, dynamic: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:
         call = self.call
         inputs = self.rebuild_inputs(dynamic)
-        closure = _rebuild_closure(call, self.key.closure, dynamic[inputs.consumed :])
+        closure = _rebuild_closure(call, dynamic[inputs.consumed :])
         all_vars = inputs.variables + closure.variables
         # Writes from another trace: MutationError.
         mark_trace_time(self, all_vars, [root for root, *_ in closure.roots])
