@@ -418,3 +418,40 @@ def test_pickling_a_jitted_function_is_a_clear_error_as_in_jax():
 
 def _module_level_double(x):
     return x * 2
+
+
+def test_nnx_cached_partial_is_refused_before_anything_runs():
+    """nnx.cached_partial leaves a cache that only Flax's graph-mode transforms
+    consume; treemode refuses the call up front, with the model untouched."""
+    import optax
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @treemode.jit
+    def step(model, optimizer, x):
+        grads = treemode.grad(lambda m: (m(x) ** 2).sum())(model)
+        optimizer.update(model, grads)
+
+    before = _raw(model)
+    cached = nnx.cached_partial(step, model, optimizer)
+    with pytest.raises(
+        treemode.TraceContextError, match=r"(?s)treemode\.jit: .*cached_partial.*jit_partial"
+    ):
+        cached(jnp.ones((1, 2)))
+    after = _raw(model)
+    assert all(a is b for a, b in zip(before, after, strict=True))
+    treemode.jit_partial(step, model, optimizer)(jnp.ones((1, 2)))  # the replacement works
+    assert not all(
+        a is b
+        for a, b in zip(
+            before,
+            _raw(model),
+            strict=True,
+        )
+    )
+
+
+def _raw(model):
+    variables = jax.tree_util.tree_leaves(model, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return [v.get_raw_value() for v in variables]

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 from . import _graph
 from ._closure import closure_objects
-from ._errors import ClosureError, StaticArgumentError, StructureError
+from ._compat import take_flax_static_cache
+from ._errors import ClosureError, StaticArgumentError, StructureError, TraceContextError
 from ._flatten import (
     DYNAMIC,
     ArgFlat,
@@ -229,6 +230,14 @@ def prepare(
     lift_closure: bool = True,
 ) -> Call:
     """Flatten the inputs of one transform call and check them for aliases."""
+    if take_flax_static_cache():
+        raise TraceContextError(
+            f"treemode.{transform}: called through nnx.cached_partial, a graph-mode API "
+            "whose cache only Flax's own transforms consume (Flax would raise once the "
+            "call had already updated your modules). Nothing ran.\nUse "
+            f"treemode.jit_partial(fn, *args) to bind and cache arguments with treemode, "
+            "or call the treemode transform directly."
+        )
     is_dynamic = is_abstract_traced if abstract else is_traced
     call = Call()
     call.transform = transform

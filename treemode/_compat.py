@@ -10,7 +10,11 @@ That needs a few names Flax and JAX do not document:
 - ``TraceState._jax_trace`` (JAX's opaque trace state, as Flax keeps it) and its
   ``_trace_ref``, the weak reference to the trace that Flax compares;
 - JAX's per-thread ``jax._src.core.trace_state``, whose ``value`` is that weak
-  reference for the current trace, read without building the opaque wrapper.
+  reference for the current trace, read without building the opaque wrapper;
+- ``flax.nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache``, set by
+  ``nnx.cached_partial`` for the Flax transform it calls to consume (read only to
+  refuse such a call before it runs, and cleared so that treemode's error is the one
+  raised; where it is missing, nothing is checked).
 
 Every other module reads them through the accessors below, never by name.
 `check` verifies them once, when treemode is imported:
@@ -210,6 +214,26 @@ _jax_current = _jax_trace_state()
 CURRENT_TRACE: Any = (
     _jax_current if _jax_current is not None and not REPORT.fallbacks else _TraceRefFromFlax()
 )
+
+
+def _graph_context() -> Any:
+    try:
+        from flax.nnx import graphlib
+    except ImportError:  # pragma: no cover - another Flax layout
+        return None
+    return getattr(graphlib, "GRAPH_CONTEXT", None)
+
+
+_GRAPH_CONTEXT = _graph_context()
+
+
+def take_flax_static_cache() -> bool:
+    """Whether ``nnx.cached_partial`` left a cache for a Flax transform to consume;
+    if so, it is taken (cleared), so that the error treemode raises is the one seen."""
+    if getattr(_GRAPH_CONTEXT, "tmp_static_cache", None) is None:
+        return False
+    _GRAPH_CONTEXT.tmp_static_cache = None
+    return True
 
 
 def current_trace_ref() -> Any:
