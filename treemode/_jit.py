@@ -16,7 +16,12 @@ from ._errors import DonationError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
 from ._graph import check_one_spec_per_variable, original_roots
 from ._leaves import is_variable
-from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
+from ._prefix import (
+    broadcast_to_dynamic,
+    broadcast_to_leaves,
+    decode_flax_prefixes,
+    graph_output_prefix,
+)
 from ._signature import UNSPECIFIED, as_tuple, resolve_argnums
 
 P = ParamSpec("P")
@@ -208,8 +213,15 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
         self.fn = fn
         self.graph = graph
-        self.in_shardings = in_shardings
-        self.out_shardings = out_shardings
+        # Flax's graph-mode prefixes (nnx.prefix(..., graph=True)) made module-shaped.
+        self.in_shardings = decode_flax_prefixes(in_shardings, transform="jit", what="in_shardings")
+        self.out_shardings = decode_flax_prefixes(
+            out_shardings, transform="jit", what="out_shardings"
+        )
+        # What JAX matches against the outputs: with graph=True they are `to_tree`'s form.
+        self._jax_out_shardings = (
+            graph_output_prefix(self.out_shardings) if graph else self.out_shardings
+        )
         self.keep_unused = keep_unused
         self.device = device
         self.backend = backend
@@ -327,7 +339,7 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             jit_kwargs["in_shardings"] = layout.split(self._flat_in_shardings(call))
         if self.out_shardings is not _UNSET or self.in_shardings is not _UNSET:
             var_shardings = self._variable_shardings(call)
-            out = None if self.out_shardings is _UNSET else self.out_shardings
+            out = None if self.out_shardings is _UNSET else self._jax_out_shardings
             jit_kwargs["out_shardings"] = (out, tuple(var_shardings))
         return _Entry(pure, jit_kwargs, donate_flat, len(call.dynamic))
 
