@@ -11,17 +11,12 @@ import jax
 from jax.core import Tracer
 
 from . import _callsite, _compiled, _core, _explain, _retrace, _writeback
+from ._axes import graph_prefix_values
 from ._callsite import CallSite
 from ._errors import DonationError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
-from ._graph import check_one_spec_per_variable, original_roots
 from ._leaves import is_variable
-from ._prefix import (
-    broadcast_to_dynamic,
-    broadcast_to_leaves,
-    decode_flax_prefixes,
-    graph_output_prefix,
-)
+from ._prefix import broadcast_to_dynamic, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED, as_tuple, resolve_argnums
 
 P = ParamSpec("P")
@@ -360,7 +355,12 @@ class JitWrapped(_MemoCall, Generic[P, R]):
                 "sharding for all."
             )
         if call.graph:
-            _check_shared_shardings(call, spec, n_traced_pos)
+            # Broadcast over the objects as passed (a module-shaped prefix matches
+            # them, not their to_tree form); one sharding per shared Variable.
+            flat_shardings = graph_prefix_values(
+                call, list(spec), _is_sharding, None, "in_shardings"
+            )
+            return flat_shardings + [None] * (len(call.dynamic) - len(flat_shardings))
         flat_shardings: list[Any] = []
         roots = self._positional_roots(call)
         for k, (flat, tree) in enumerate(roots):
@@ -477,20 +477,6 @@ class JitWrapped(_MemoCall, Generic[P, R]):
 
 def _is_sharding(x: Any) -> bool:
     return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
-
-
-def _check_shared_shardings(call: _core.Call, spec: Sequence[Any], n_traced_pos: int) -> None:
-    """``graph=True``: one Variable passed in two arguments takes one sharding."""
-    per_root: list[tuple[str, Any, list[Any]]] = []
-    for k, (name, original) in enumerate(original_roots(call)[:n_traced_pos]):
-        try:
-            values = broadcast_to_leaves(
-                spec[k], original, is_prefix_leaf=_is_sharding, where=name, what="in_shardings"
-            )
-        except ValueError:
-            return  # not a prefix of the argument: reported with the per-array shardings
-        per_root.append((name, original, values))
-    check_one_spec_per_variable("jit", "in_shardings", per_root)
 
 
 def _check_donation(call: _core.PreparedCall, entry: _Entry) -> None:

@@ -88,9 +88,7 @@ class PmapWrapped(MappedWrapper):
         )
 
     def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
-        translate_axis_error(
-            error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size
-        )
+        translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
 
 
 def pmap(

@@ -313,9 +313,7 @@ class VmapWrapped(MappedWrapper):
             )
 
     def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
-        translate_axis_error(
-            error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size
-        )
+        translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
 
 
 def translate_axis_error(
