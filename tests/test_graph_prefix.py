@@ -4,6 +4,8 @@ transform, and module-shaped prefixes of the outputs (`out_axes`, `out_specs`,
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,7 +146,10 @@ def test_jit_module_shaped_out_shardings_graph_true():
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
     kernel, bias = NamedSharding(mesh, P("a", "b")), NamedSharding(mesh, P("b"))
     abstract = nnx.eval_shape(lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0)))
-    filters = {nnx.PathContains("kernel"): kernel, nnx.PathContains("bias"): bias}
+    filters: dict[Any, Any] = {
+        nnx.PathContains("kernel"): kernel,
+        nnx.PathContains("bias"): bias,
+    }
     for shardings in (
         nnx.prefix(abstract, filters, graph=True),
         treemode.prefix(abstract, filters),
@@ -153,6 +158,7 @@ def test_jit_module_shaped_out_shardings_graph_true():
         g = treemode.jit(
             lambda: nnx.Linear(16, 32, rngs=nnx.Rngs(0)), out_shardings=shardings, graph=True
         )()
+        assert g.bias is not None
         assert g.kernel[...].sharding == kernel and g.bias[...].sharding == bias
         assert_same_arrays(g, m)
 
