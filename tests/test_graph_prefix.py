@@ -284,3 +284,38 @@ def test_prefix_keeps_a_shared_submodule_shared():
     assert shardings.a is shardings.b
     specs = treemode.partition_specs(tied)
     assert specs.a is specs.b
+
+
+def test_prefixes_computed_together_giving_a_shared_variable_two_values_is_an_error():
+    class Foo(nnx.Module):
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+
+    class Bar(nnx.Module):
+        def __init__(self, c, d):
+            self.c, self.d = c, d
+
+    v = nnx.Param(jnp.ones((4, 2, 3)))
+    foo = Foo(nnx.Param(jnp.ones((4, 2, 3))), v)
+    bar = Bar(v, nnx.Param(jnp.ones((2, 4, 3))))
+    from_foo = lambda path, x: path[-1] in ("a", "b")  # noqa: E731
+    from_bar = lambda path, x: path[-1] in ("c", "d")  # noqa: E731
+    ma1, ma2 = nnx.prefix((foo, bar), {from_foo: 0, from_bar: 1}, graph=True)
+    forward = lambda foo, bar, x: x @ foo.b + x @ bar.c  # noqa: E731
+    with pytest.raises(ValueError, match="Inconsistent aliasing"):
+        nnx.vmap(forward, in_axes=(ma1, ma2, None), graph=True, graph_updates=False)(
+            foo, bar, jnp.ones(2)
+        )
+    expected = (
+        r"treemode\.vmap: the Param at in_axes\[0\]\.b is also reachable at in_axes\[1\]\.c "
+        r".*two different in_axes: 0 at in_axes\[0\]\.b and 1 at in_axes\[1\]\.c"
+    )
+    with pytest.raises(treemode.AliasError, match=expected):
+        treemode.vmap(forward, in_axes=(ma1, ma2, None), graph=True)
+    # One value for the shared Variable: accepted, and it is mapped as in Flax.
+    ma1, ma2 = nnx.prefix((foo, bar), {from_foo: 0, nnx.PathContains("d"): 1, ...: 0}, graph=True)
+    y = treemode.vmap(forward, in_axes=(ma1, ma2, None), graph=True)(foo, bar, jnp.ones(2))
+    ref = nnx.vmap(forward, in_axes=(ma1, ma2, None), graph=True, graph_updates=False)(
+        foo, bar, jnp.ones(2)
+    )
+    np.testing.assert_allclose(y, ref)

@@ -26,10 +26,12 @@ from typing import Any
 import jax
 
 from . import _compat
-from ._errors import AxisError
+from ._errors import AliasError, AxisError
 from ._flatten import ArgFlat
 from ._graph import GraphNode
 from ._leaves import is_graph_node, is_variable, is_variable_or_graph_node
+from ._paths import format_path, nnx_path
+from ._prefix_helpers import replace_variables
 from ._recursion import below
 
 
@@ -106,32 +108,113 @@ def decode_flax_prefixes(spec: Any, *, transform: str, what: str) -> Any:
     def stop(x: Any) -> bool:
         return x is None or isinstance(x, tree_state) or is_variable_or_graph_node(x)
 
-    leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=stop)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(spec, is_leaf=stop)
+    leaves = [leaf for _, leaf in flat]
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, tree_state)]
     if not positions:
         return spec
     decoded: list[Any] = []
-    group: list[Any] = []
+    group: list[int] = []
     group_decoded: tuple[Any, ...] = ()
     for i in positions:
         try:
-            group_decoded = tuple(decode((*group, leaves[i])))
-            group.append(leaves[i])
+            group_decoded = tuple(decode((*(leaves[j] for j in group), leaves[i])))
+            group.append(i)
             continue
         except Exception as e:  # Flax's decoder raises several types
             if not group:
                 raise _undecodable(transform, what, e) from None
+        _check_consistent(group, group_decoded, leaves, flat, transform, what)
         decoded += group_decoded
         try:
             group_decoded = tuple(decode((leaves[i],)))
         except Exception as e:
             raise _undecodable(transform, what, e) from None
-        group = [leaves[i]]
+        group = [i]
+    _check_consistent(group, group_decoded, leaves, flat, transform, what)
     decoded += group_decoded
-    stripped = strip_variables(decoded)
+    stripped = replace_variables(decoded, lambda _, var: var.get_raw_value())
     for i, value in zip(positions, stripped, strict=True):
         leaves[i] = value
     return treedef.unflatten(leaves)
+
+
+def _check_consistent(
+    group: list[int],
+    decoded: tuple[Any, ...],
+    leaves: list[Any],
+    flat: list[tuple[Any, Any]],
+    transform: str,
+    what: str,
+) -> None:
+    """Raise if prefixes computed together give one shared Variable two values.
+
+    Each prefix of one ``nnx.prefix`` call stores a Variable already seen in an
+    earlier one as a reference, so decoding alone would silently give it the
+    earlier value. As Flax does, the prefix function is asked again for the
+    Variable at its path in each prefix (once per Variable and prefix), and two
+    different answers are an error.
+    """
+    if len(group) < 2:
+        return
+    first: dict[int, tuple[str, Any]] = {}
+    for i, root in zip(group, decoded, strict=True):
+        fn = getattr(getattr(leaves[i], "prefix_fn", None), "value", None)
+        if not callable(fn):
+            continue
+        root_name = f"{what}{jax.tree_util.keystr(flat[i][0])}"
+        for path, var in _variables_once(root):
+            try:
+                value = fn(nnx_path(path), var)
+            except Exception:  # a filter that reads the (replaced) value: not checked
+                continue
+            where = format_path(path, root_name)
+            seen = first.setdefault(id(var), (where, value))
+            if seen[0] != where and not _same_value(seen[1], value):
+                raise AliasError(
+                    f"treemode.{transform}: the {type(var).__name__} at {seen[0]} is also "
+                    f"reachable at {where} (the prefixes come from one nnx.prefix(..., "
+                    f"graph=True) call, so it is one shared Variable), with two different "
+                    f"{what}: {seen[1]!r} at {seen[0]} and {value!r} at {where}. A shared "
+                    "Variable is one input of the transform, so it takes one specification.\n"
+                    "Fix: make the filters give both paths the same value."
+                )
+
+
+def _variables_once(root: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``(key path, Variable)`` of each Variable of ``root``, at its first path."""
+    out: list[tuple[tuple[Any, ...], Any]] = []
+    seen: set[int] = set()
+    keep: list[Any] = []
+
+    def walk(path: tuple[Any, ...], x: Any) -> None:
+        if id(x) in seen:
+            return
+        seen.add(id(x))
+        keep.append(x)
+        if is_variable(x):
+            out.append((path, x))
+            return
+        for k, child in jax.tree_util.tree_flatten_with_path(x, is_leaf=below(x))[0]:
+            for p, c in jax.tree_util.tree_flatten_with_path(
+                child, is_leaf=is_variable_or_graph_node
+            )[0]:
+                if is_variable_or_graph_node(c):
+                    walk((*path, *k, *p), c)
+
+    for p, c in jax.tree_util.tree_flatten_with_path(root, is_leaf=is_variable_or_graph_node)[0]:
+        if is_variable_or_graph_node(c):
+            walk(p, c)
+    return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
 
 
 def _undecodable(transform: str, what: str, error: Exception) -> AxisError:
@@ -142,40 +225,6 @@ def _undecodable(transform: str, what: str, error: Exception) -> AxisError:
         "objects of one call together, in argument order, e.g. px1, px2 = "
         "nnx.prefix((m1, m2), filters, graph=True), and pass all of them."
     )
-
-
-def strip_variables(tree: Any) -> Any:
-    """``tree`` with each Variable replaced by its value; shared NNX objects stay shared.
-
-    A Variable holding a prefix value (``nnx.Param(0)``) means that value; JAX's
-    own prefix matching wants the plain value.
-    """
-    memo: dict[int, Any] = {}
-    active: set[int] = set()
-
-    def walk(x: Any) -> Any:
-        if is_variable(x):
-            return x.get_raw_value()
-        if not is_graph_node(x):
-            return x
-        done = memo.get(id(x))
-        if done is not None:
-            return done
-        if id(x) in active:
-            raise AxisError(
-                f"treemode: a prefix contains a reference cycle (a {type(x).__name__} "
-                "that contains itself); a prefix must be acyclic."
-            )
-        active.add(id(x))
-        children, node_def = jax.tree_util.tree_flatten(x, is_leaf=below(x))
-        new = node_def.unflatten(
-            [jax.tree_util.tree_map(walk, c, is_leaf=is_variable_or_graph_node) for c in children]
-        )
-        active.discard(id(x))
-        memo[id(x)] = new
-        return new
-
-    return jax.tree_util.tree_map(walk, tree, is_leaf=is_variable_or_graph_node)
 
 
 def graph_output_prefix(spec: Any) -> Any:
