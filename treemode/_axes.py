@@ -152,7 +152,7 @@ def call_axes(
     roots = call.arg_roots()
     dynamic: list[Any] = []
     if call.graph:
-        dynamic = _graph_axes(call, traced_entries, is_leaf, kwargs_axis, what)
+        dynamic = graph_prefix_values(call, traced_entries, is_leaf, kwargs_axis, what)
     for k, (flat, (name, tree)) in enumerate(zip(call.arg_flats, roots, strict=True)):
         if call.graph:
             break
@@ -187,17 +187,22 @@ def call_axes(
     return CallAxes(tuple(dynamic), variables)
 
 
-def _graph_axes(
+def graph_prefix_values(
     call: Call,
-    traced_entries: list[Any],
+    traced_entries: Sequence[Any],
     is_leaf: Callable[[Any], bool],
     kwargs_axis: Any,
     what: str,
 ) -> list[Any]:
-    """``graph=True``: broadcast over the object graph, then read off per dynamic leaf.
+    """``graph=True``: one value per entry of the arguments' dynamic arrays.
 
-    A Variable reachable from two arguments (or twice from one) is one input,
-    so all its places must give it the same value.
+    ``traced_entries`` holds one prefix per traced positional argument (the
+    other traced arguments get ``kwargs_axis``). Each prefix is broadcast over
+    its argument as passed (the objects, so a module-shaped prefix matches),
+    then the values are read off per dynamic array of the `to_tree` form.
+    Closure Variables are not included. A Variable reachable from two
+    arguments (or twice from one) is one input, so all its places must give it
+    the same value (`AliasError` otherwise).
     """
     per_root: list[tuple[str, Any, list[Any]]] = []
     for k, (name, original) in enumerate(original_roots(call)):
@@ -336,6 +341,7 @@ __all__ = [
     "check_axes_spec",
     "check_mapped",
     "dynamic_paths",
+    "graph_prefix_values",
     "is_axis",
     "is_int_axis",
     "positional_entries",

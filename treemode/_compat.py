@@ -14,7 +14,10 @@ That needs a few names Flax and JAX do not document:
 - ``flax.nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache``, set by
   ``nnx.cached_partial`` for the Flax transform it calls to consume (read only to
   refuse such a call before it runs, and cleared so that treemode's error is the one
-  raised; where it is missing, nothing is checked).
+  raised; where it is missing, nothing is checked);
+- ``flax.nnx.extract.TreeState`` and ``from_tree2``: what ``nnx.prefix(...,
+  graph=True)`` returns and how Flax decodes it (optional: where they are
+  missing, such prefixes are not recognized; see ``treemode._prefix``).
 
 Every other module reads them through the accessors below, never by name.
 `check` verifies them once, when treemode is imported:
@@ -239,6 +242,25 @@ def take_flax_static_cache() -> bool:
 def current_trace_ref() -> Any:
     """The weak reference identifying the current JAX trace."""
     return CURRENT_TRACE.value
+
+
+def _flax_graph_prefix() -> tuple[type | None, Any]:
+    """``(TreeState, from_tree2)`` of ``flax.nnx.extract``, or ``(None, None)``."""
+    try:
+        from flax.nnx import extract
+    except ImportError:  # pragma: no cover - every supported Flax has it
+        return None, None
+    tree_state = getattr(extract, "TreeState", None)
+    decode = getattr(extract, "from_tree2", None)
+    if not isinstance(tree_state, type) or not callable(decode):
+        return None, None
+    return tree_state, decode
+
+
+# The node type of ``nnx.prefix(..., graph=True)`` output (one per graph node of
+# the prefixed tree: its GraphDef and a State holding the prefix values) and
+# Flax's decoder of such trees (objects rebuilt, shared references restored).
+FLAX_TREE_STATE, flax_from_tree = _flax_graph_prefix()
 
 
 __all__ = ["COMPILED_OK", "Report", "SUPPORTED_VERSIONS", "check", "resolve"]

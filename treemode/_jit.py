@@ -11,13 +11,13 @@ import jax
 from jax.core import Tracer
 
 from . import _callsite, _compiled, _core, _explain, _retrace, _writeback
+from ._axes import graph_prefix_values
 from ._callsite import CallSite
 from ._errors import DonationError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
-from ._graph import check_one_spec_per_variable, original_roots
 from ._interrupts import held_interrupts
 from ._leaves import is_variable
-from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
+from ._prefix import broadcast_to_dynamic, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED, as_tuple, resolve_argnums
 
 P = ParamSpec("P")
@@ -213,8 +213,15 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
         self.fn = fn
         self.graph = graph
-        self.in_shardings = in_shardings
-        self.out_shardings = out_shardings
+        # Flax's graph-mode prefixes (nnx.prefix(..., graph=True)) made module-shaped.
+        self.in_shardings = decode_flax_prefixes(in_shardings, transform="jit", what="in_shardings")
+        self.out_shardings = decode_flax_prefixes(
+            out_shardings, transform="jit", what="out_shardings"
+        )
+        # What JAX matches against the outputs: with graph=True they are `to_tree`'s form.
+        self._jax_out_shardings = (
+            graph_output_prefix(self.out_shardings) if graph else self.out_shardings
+        )
         self.keep_unused = keep_unused
         self.device = device
         self.backend = backend
@@ -332,7 +339,7 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             jit_kwargs["in_shardings"] = layout.split(self._flat_in_shardings(call))
         if self.out_shardings is not _UNSET or self.in_shardings is not _UNSET:
             var_shardings = self._variable_shardings(call)
-            out = None if self.out_shardings is _UNSET else self.out_shardings
+            out = None if self.out_shardings is _UNSET else self._jax_out_shardings
             jit_kwargs["out_shardings"] = (out, tuple(var_shardings))
         return _Entry(pure, jit_kwargs, donate_flat, len(call.dynamic))
 
@@ -353,7 +360,12 @@ class JitWrapped(_MemoCall, Generic[P, R]):
                 "sharding for all."
             )
         if call.graph:
-            _check_shared_shardings(call, spec, n_traced_pos)
+            # Broadcast over the objects as passed (a module-shaped prefix matches
+            # them, not their to_tree form); one sharding per shared Variable.
+            flat_shardings = graph_prefix_values(
+                call, list(spec), _is_sharding, None, "in_shardings"
+            )
+            return flat_shardings + [None] * (len(call.dynamic) - len(flat_shardings))
         flat_shardings: list[Any] = []
         roots = self._positional_roots(call)
         for k, (flat, tree) in enumerate(roots):
@@ -475,20 +487,6 @@ class JitWrapped(_MemoCall, Generic[P, R]):
 
 def _is_sharding(x: Any) -> bool:
     return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
-
-
-def _check_shared_shardings(call: _core.Call, spec: Sequence[Any], n_traced_pos: int) -> None:
-    """``graph=True``: one Variable passed in two arguments takes one sharding."""
-    per_root: list[tuple[str, Any, list[Any]]] = []
-    for k, (name, original) in enumerate(original_roots(call)[:n_traced_pos]):
-        try:
-            values = broadcast_to_leaves(
-                spec[k], original, is_prefix_leaf=_is_sharding, where=name, what="in_shardings"
-            )
-        except ValueError:
-            return  # not a prefix of the argument: reported with the per-array shardings
-        per_root.append((name, original, values))
-    check_one_spec_per_variable("jit", "in_shardings", per_root)
 
 
 def _check_donation(call: _core.PreparedCall, entry: _Entry) -> None:

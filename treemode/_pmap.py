@@ -50,7 +50,7 @@ class PmapWrapped(MappedWrapper):
             donate_argnums=_as_set(donate_argnums),
             transform_metadata=transform_metadata,
         )
-        check_axes_spec(out_axes, transform=self.transform, what="out_axes")
+        check_axes_spec(self.out_axes, transform=self.transform, what="out_axes")
         self.axis_name = axis_name
         self.devices = devices
         self.backend = backend
@@ -67,7 +67,7 @@ class PmapWrapped(MappedWrapper):
             pure,
             axis_name=self.axis_name,
             in_axes=axes.dynamic,
-            out_axes=(self.out_axes, axes.variables),
+            out_axes=(self.jax_out_axes, axes.variables),
             devices=self.devices,
             backend=self.backend,
             axis_size=self.axis_size,
@@ -81,14 +81,14 @@ class PmapWrapped(MappedWrapper):
             entry.pure,
             call,
             entry.axes,
-            self.out_axes,
+            self.jax_out_axes,
             axis_name=self.axis_name,
             axis_size=self.axis_size,
             check_first=True,
         )
 
     def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
-        translate_axis_error(error, call, entry, self.out_axes, self.axis_name, self.axis_size)
+        translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
 
 
 def pmap(

@@ -16,8 +16,9 @@ from flax.nnx import filterlib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
-from ._leaves import is_variable
+from ._leaves import is_graph_node, is_variable, is_variable_or_graph_node
 from ._paths import format_path, nnx_path
+from ._recursion import below, recursion_headroom
 
 
 def prefix(
@@ -36,9 +37,12 @@ def prefix(
     **Returns:**
 
     A copy of `node` with the chosen value in place of each Variable: a
-    module-shaped prefix for `in_axes`, `out_axes`, `in_shardings` or `in_specs`.
-    Arrays outside Variables are left in place (they act as prefix leaves only
-    if the transform accepts arrays, so give their container a value instead).
+    module-shaped prefix for `in_axes`, `out_axes`, `in_shardings`, `out_shardings`,
+    `in_specs` or `out_specs`. An object reachable twice in `node` (a shared
+    submodule or Variable) is one object in the copy, its value chosen at its
+    first path, so the prefix fits `graph=True` transforms. Arrays outside
+    Variables are left in place (they act as prefix leaves only if the
+    transform accepts arrays, so give their container a value instead).
 
     **Raises:**
 
@@ -72,12 +76,56 @@ def prefix(
         def choose(path: tuple[Any, ...], var: Any, where: str) -> Any:
             return fn(path, var)
 
-    def replace(path: tuple[Any, ...], leaf: Any) -> Any:
-        if not is_variable(leaf):
-            return leaf
-        return choose(nnx_path(path), leaf, format_path(path, "node"))
+    return replace_variables(
+        node, lambda path, var: choose(nnx_path(path), var, format_path(path, "node"))
+    )
 
-    return jax.tree_util.tree_map_with_path(replace, node, is_leaf=is_variable)
+
+def replace_variables(node: Any, replace: Callable[[tuple[Any, ...], Any], Any]) -> Any:
+    """A copy of ``node`` with ``replace(key_path, variable)`` in place of each Variable.
+
+    Walked object by object, so that an NNX object reachable twice (a shared
+    submodule, with ``graph=True``) is one object of the copy too, built at
+    its first path: `treemode.to_tree` encodes the outputs of a ``graph=True``
+    transform the same way, so a module-shaped prefix of them keeps their
+    sharing. A Variable reachable twice is replaced at each of its paths, so
+    that a transform can report two different values for it.
+    """
+    done: dict[int, Any] = {}
+    active: set[int] = set()
+    keep: list[Any] = []  # the objects whose ids are keys of ``done`` stay alive
+
+    def walk(path: tuple[Any, ...], x: Any) -> Any:
+        if is_variable(x):
+            return replace(path, x)
+        if not is_graph_node(x):
+            return x
+        key = id(x)
+        if key in done:
+            return done[key]
+        if key in active:
+            raise ValueError(
+                f"treemode: reference cycle at {format_path(path, 'node')}: a "
+                f"{type(x).__name__} contains itself."
+            )
+        active.add(key)
+        flat, node_def = jax.tree_util.tree_flatten_with_path(x, is_leaf=below(x))
+        children = [
+            jax.tree_util.tree_map_with_path(
+                lambda p, c, k=k: walk((*path, *k, *p), c),
+                child,
+                is_leaf=is_variable_or_graph_node,
+            )
+            for k, child in flat
+        ]
+        active.discard(key)
+        new = node_def.unflatten(children)
+        done[key] = new
+        keep.append(x)
+        return new
+
+    with recursion_headroom():
+        return jax.tree_util.tree_map_with_path(walk, node, is_leaf=is_variable_or_graph_node)
 
 
 def partition_spec_of(var: Any) -> PartitionSpec:
@@ -127,11 +175,7 @@ def sharding_of(node: Any, mesh: Mesh) -> Any:
     assert shardings.bias.spec == jax.sharding.PartitionSpec()
     ```
     """
-    return jax.tree_util.tree_map(
-        lambda x: NamedSharding(mesh, partition_spec_of(x)) if is_variable(x) else x,
-        node,
-        is_leaf=is_variable,
-    )
+    return replace_variables(node, lambda _, x: NamedSharding(mesh, partition_spec_of(x)))
 
 
 def partition_specs(node: Any) -> Any:
@@ -149,9 +193,7 @@ def partition_specs(node: Any) -> Any:
     assert specs.kernel == specs.bias == jax.sharding.PartitionSpec()
     ```
     """
-    return jax.tree_util.tree_map(
-        lambda x: partition_spec_of(x) if is_variable(x) else x, node, is_leaf=is_variable
-    )
+    return replace_variables(node, lambda _, x: partition_spec_of(x))
 
 
-__all__ = ["partition_spec_of", "partition_specs", "prefix", "sharding_of"]
+__all__ = ["partition_spec_of", "partition_specs", "prefix", "replace_variables", "sharding_of"]

@@ -25,7 +25,7 @@ from ._loop import (
     scalars_to_arrays,
 )
 from ._metadata import _split_metadata, with_axis_metadata
-from ._prefix import broadcast_to_leaves
+from ._prefix import broadcast_to_leaves, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED
 from ._trace_cache import TraceCache, avals, cache_for, call_current_fn
 
@@ -202,6 +202,9 @@ class ScanWrapped:
         self.length = length
         self.reverse = reverse
         self.unroll = unroll
+        # Flax's graph-mode prefixes (nnx.prefix(..., graph=True)) made module-shaped.
+        in_axes = decode_flax_prefixes(in_axes, transform="scan", what="in_axes")
+        out_axes = decode_flax_prefixes(out_axes, transform="scan", what="out_axes")
         self.in_axes = in_axes
         self.out_axes = out_axes
         self.graph = graph
@@ -233,6 +236,9 @@ class ScanWrapped:
             _nested_carry(out_axes, "out_axes")
             self.out_kind, self.out_carry = "ys", None
         self.out = _OutSpec(self.out_kind, self.out_carry, out_axes)
+        # The prefix of the stacked outputs; with graph=True they are `to_tree`'s form.
+        ys_axes = self.out.ys_axes()
+        self._ys_axes = graph_output_prefix(ys_axes) if graph else ys_axes
         if (self.in_carry is None) != (self.out_carry is None):
             where, other = (
                 ("in_axes", "out_axes") if self.in_carry is not None else ("out_axes", "in_axes")
@@ -278,10 +284,9 @@ class ScanWrapped:
     def _move_out_axes(self, ys: Any) -> Any:
         if ys is None:
             return None
-        axes_prefix = self.out.ys_axes()
         try:
             axes = broadcast_to_leaves(
-                axes_prefix,
+                self._ys_axes,
                 ys,
                 is_prefix_leaf=is_int_axis,
                 where="the outputs",

@@ -47,6 +47,7 @@ class ShardMapWrapped(MappedWrapper):
     """A function wrapped with `treemode.shard_map`."""
 
     transform = "shard_map"
+    spec_names = ("in_specs", "out_specs")
 
     def __init__(
         self,
@@ -120,7 +121,7 @@ class ShardMapWrapped(MappedWrapper):
             body,
             mesh=self.mesh,
             in_specs=axes.dynamic,
-            out_specs=(self.out_axes, var_specs),
+            out_specs=(self.jax_out_axes, var_specs),
             axis_names=self.axis_names,
             check_vma=self.check_vma,
         )

@@ -26,6 +26,7 @@ from ._axes import (
 )
 from ._errors import AxisError
 from ._metadata import check_metadata, with_axis_metadata
+from ._prefix import decode_flax_prefixes, graph_output_prefix
 from ._rng_hints import warn_broadcast_draws
 from ._trace_cache import TraceCache, cache_for, call_current_fn
 
@@ -49,6 +50,8 @@ class MappedWrapper:
     """Base of the wrappers returned by ``vmap``, ``pmap`` and ``shard_map``."""
 
     transform = "vmap"
+    # The names of the input and output specifications (for error messages).
+    spec_names = ("in_axes", "out_axes")
     # Warn once per trace when a broadcast nnx.Rngs is drawn from (see `_rng_hints`).
     warn_broadcast_rngs = False
 
@@ -65,8 +68,12 @@ class MappedWrapper:
     ):
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
         self.fn = fn
-        self.in_axes = in_axes
-        self.out_axes = out_axes
+        in_what, out_what = self.spec_names
+        # Flax's graph-mode prefixes (nnx.prefix(..., graph=True)) made module-shaped.
+        self.in_axes = decode_flax_prefixes(in_axes, transform=self.transform, what=in_what)
+        self.out_axes = decode_flax_prefixes(out_axes, transform=self.transform, what=out_what)
+        # What JAX matches against the outputs: with graph=True they are `to_tree`'s form.
+        self.jax_out_axes = graph_output_prefix(self.out_axes) if graph else self.out_axes
         self.graph = graph
         self.static_argnums = static_argnums
         self.donate_argnums = donate_argnums
@@ -258,15 +265,15 @@ class VmapWrapped(MappedWrapper):
         self.axis_size = axis_size
         self.spmd_axis_name = spmd_axis_name
         self.sum_match = sum_match
-        check_axes_spec(out_axes, transform=self.transform, what="out_axes")
+        check_axes_spec(self.out_axes, transform=self.transform, what="out_axes")
         # Wrappers of one function with the same options (e.g. `treemode.vmap(f)(x)`
         # written inside a loop) share their entries.
         self._cache = cache_for(
             [fn],
             (
                 "vmap",
-                in_axes,
-                out_axes,
+                self.in_axes,
+                self.out_axes,
                 axis_name,
                 axis_size,
                 spmd_axis_name,
@@ -283,7 +290,7 @@ class VmapWrapped(MappedWrapper):
         return jax.vmap(
             pure,
             in_axes=axes.dynamic,
-            out_axes=(self.out_axes, axes.variables),
+            out_axes=(self.jax_out_axes, axes.variables),
             axis_name=self.axis_name,
             axis_size=self.axis_size,
             spmd_axis_name=self.spmd_axis_name,
@@ -306,7 +313,7 @@ class VmapWrapped(MappedWrapper):
             )
 
     def translate(self, error: Exception, call: _core.Call, entry: _Entry) -> None:
-        translate_axis_error(error, call, entry, self.out_axes, self.axis_name, self.axis_size)
+        translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
 
 
 def translate_axis_error(
