@@ -204,3 +204,71 @@ def test_unchanged_objects_still_reuse_the_cached_flattening(implementation):
     object.__setattr__(m.inner, "__class__", Inner5)
     f(m, jnp.ones(2))
     assert _flatten._cache[id(m)] is not entry
+
+
+# -- modules read through the closure ------------------------------------------------
+
+
+class Scaled(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(2))
+        self.scale = 2
+
+    def __call__(self, x):
+        return self.w[...] * x * self.scale
+
+
+class Counting(Scaled):
+    def __call__(self, x):
+        self.w[...] += 1.0
+        return self.w[...] * x * 10.0
+
+
+def test_closure_module_class_replaced_between_calls(implementation):
+    m, twin = Scaled(), Scaled()
+    f = treemode.jit(lambda x: m(x))
+    for call in range(3):
+        if call == 1:
+            object.__setattr__(m, "__class__", Counting)
+            object.__setattr__(twin, "__class__", Counting)
+        np.testing.assert_array_equal(f(2.0), twin(2.0))
+        np.testing.assert_array_equal(m.w[...], twin.w[...])
+
+
+def test_module_jitted_as_the_function_class_replaced(implementation):
+    m = Scaled()
+    f = treemode.jit(m)
+    f(2.0)
+    f(2.0)
+    object.__setattr__(m, "__class__", Counting)
+    np.testing.assert_array_equal(f(2.0), jnp.full(2, 40.0))  # Counting.__call__
+    np.testing.assert_array_equal(m.w[...], jnp.full(2, 2.0))
+
+
+@pytest.mark.parametrize("new", [3, 2.0])
+def test_closure_module_static_attribute_replaced_between_calls(implementation, new):
+    # The trace reads a closure module's static attributes from the live object:
+    # a new value (or an equal one of another type) traces again.
+    m = Scaled()
+    f = treemode.jit(lambda x: m(x))
+    f(jnp.ones((), jnp.int32))
+    f(jnp.ones((), jnp.int32))
+    m.scale = new
+    out = f(jnp.ones((), jnp.int32))
+    expected = m(jnp.ones((), jnp.int32))
+    assert out.dtype == expected.dtype
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_closure_submodule_dict_replaced_between_calls(implementation):
+    outer = Outer()
+    f = treemode.jit(lambda x: step(outer, x))
+    f(jnp.ones(2))
+    f(jnp.ones(2))
+    old_w = outer.inner.w
+    _replace_dict(outer.inner, w=3.0)
+    f(jnp.ones(2))
+    np.testing.assert_array_equal(outer.b[...], jnp.full(2, 5.0))
+    np.testing.assert_array_equal(outer.inner.count[...], 3.0)
+    assert outer.inner.w is not old_w
+    np.testing.assert_array_equal(f(jnp.zeros(2)), 3.0 * 5.0 + 4.0)

@@ -23,6 +23,7 @@ from ._flatten import (
     DYNAMIC,
     ArgFlat,
     StaticLeaf,
+    StructureKey,
     VarSpec,
     alias_error,
     first_duplicate,
@@ -67,8 +68,8 @@ class PreparedCall(Protocol):
 class CallKey(HashedKey):
     """Everything a trace depends on besides array shapes and dtypes."""
 
-    __slots__ = ("positional", "keywords", "lifted", "graph")
-    _fields = ("positional", "keywords", "lifted", "graph")
+    __slots__ = ("positional", "keywords", "lifted", "closure", "graph")
+    _fields = ("positional", "keywords", "lifted", "closure", "graph")
 
     def __init__(
         self,
@@ -76,10 +77,14 @@ class CallKey(HashedKey):
         keywords: tuple[tuple[str, Any], ...],
         lifted: tuple[VarSpec, ...],
         graph: bool,
+        closure: tuple[StructureKey, ...] = (),
     ):
         self.positional = positional
         self.keywords = keywords
         self.lifted = lifted
+        # The structure of each object found in the closure (its classes and static
+        # attributes, which the trace reads from the live object).
+        self.closure = closure
         self.graph = graph
         self._hash_fields()
 
@@ -320,15 +325,20 @@ def _finish_prepare(
     dynamic = list(chain.from_iterable(map(_dynamic_of, arg_flats)))
     call.lifted_roots = []
     lifted_flats: list[ArgFlat] = []
+    closure_keys: tuple[StructureKey, ...] = ()
     if lift_closure:
         found = closure_objects(call.fn)
         if found and any(name.startswith("default ") for name, _ in found):
             found = _without_passed_defaults(call, found)
         call.lifted_roots = [(f"closure {name}", obj) for name, obj in found]
-        for _, obj in call.lifted_roots:
-            flat = flatten_arg(obj, is_dynamic)
-            if flat.variables:
-                lifted_flats.append(flat)
+        if found:
+            keys = []
+            for _, obj in call.lifted_roots:
+                flat = flatten_arg(obj, is_dynamic)
+                keys.append(flat.key)
+                if flat.variables:
+                    lifted_flats.append(flat)
+            closure_keys = tuple(keys)
     if lifted_flats:
         call.lifted = list(chain.from_iterable(f.variables for f in lifted_flats))
         call.lifted_specs = tuple(chain.from_iterable(map(variable_specs, lifted_flats)))
@@ -345,7 +355,7 @@ def _finish_prepare(
     call.sources = sources
     call.variables = variables_of(sources)
     call.dynamic = dynamic
-    call.key = CallKey(positional, keywords, call.lifted_specs, call.graph)
+    call.key = CallKey(positional, keywords, call.lifted_specs, call.graph, closure_keys)
 
     # Each ArgFlat is alias-free on its own (checked once when it was built);
     # only Variables shared between sources remain to be found.
