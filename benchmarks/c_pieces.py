@@ -66,8 +66,8 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     rows.append(
         (
             "holds (flattening guard)",
-            per_call_us(lambda: guard.holds(state, variables)),
-            per_call_us(lambda: _python_holds(g, variables)),
+            per_call_us(lambda: guard.holds(state, variables, m)),
+            per_call_us(lambda: _python_holds(g, variables, m)),
         )
     )
 
@@ -133,10 +133,10 @@ class _Repeat:
 _repeat_raw = _Repeat()
 
 
-def _python_holds(g: Any, variables: list[Any]) -> bool:
+def _python_holds(g: Any, variables: list[Any], top: Any) -> bool:
     state, g.compiled_state = g.compiled_state, None
     try:
-        return g.holds(variables)
+        return g.holds(variables, top)
     finally:
         g.compiled_state = state
 

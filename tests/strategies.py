@@ -43,9 +43,13 @@ class Count(nnx.Variable):
 class Node(nnx.Module):
     """A module whose attributes are set by the builder."""
 
+    code = 1.0  # what the "module" op reads: which class the module has
+
 
 class Block(nnx.Module):
     """A second module class (so module types vary too)."""
+
+    code = 2.0
 
 
 class Box(eqx.Module):
@@ -118,7 +122,9 @@ Path = tuple[tuple[str, Any], ...]
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    kind: str  # "read", "add", "double", "mix", "draw", "draw_into", "static", "array"
+    # "read", "add", "double", "mix", "draw", "draw_into", "static", "array",
+    # "type" (which type a Variable has), "module" (which class a module has)
+    kind: str
     a: int = 0  # index into Handles.variables / rngs / statics / arrays
     a_path: int = 0  # which of the object's paths to use
     b: int = 0
@@ -134,6 +140,8 @@ class Handles:
     rngs: tuple[tuple[Path, ...], ...]
     statics: tuple[Path, ...]
     arrays: tuple[Path, ...]
+    modules: tuple[Path, ...] = ()  # the nnx.Modules (the "module" op)
+    objects: tuple[Path, ...] = ()  # every NNX object (Modules, nnx.List/Dict, Rngs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +241,8 @@ def handles(tree: Desc) -> Handles:
     rngs_paths: dict[int, list[Path]] = {}
     statics: list[Path] = []
     arrays: list[Path] = []
+    modules: list[Path] = []
+    objects: list[Path] = []
     by_uid: dict[int, Desc] = {}
 
     def walk(d: Desc, path: Path, via_ref: bool) -> None:
@@ -241,6 +251,13 @@ def handles(tree: Desc) -> Handles:
             return
         if isinstance(d, (Var, Rngs, Module, Container)):
             by_uid.setdefault(d.uid, d)
+        if not via_ref and (
+            isinstance(d, (Rngs, Module))
+            or (isinstance(d, Container) and d.kind in ("nlist", "ndict"))
+        ):
+            objects.append(path)
+            if isinstance(d, Module):
+                modules.append(path)
         if isinstance(d, Var):
             var_kinds[d.uid] = d.kind
             var_paths.setdefault(d.uid, []).append(path)
@@ -266,6 +283,8 @@ def handles(tree: Desc) -> Handles:
         rngs=tuple(tuple(p) for p in rngs_paths.values()),
         statics=tuple(statics),
         arrays=tuple(arrays),
+        modules=tuple(modules),
+        objects=tuple(objects),
     )
 
 
@@ -306,6 +325,11 @@ def run(program: tuple[Op, ...], h: Handles, root: Any) -> list[jax.Array]:
             outs.append(jnp.asarray(resolve(root, h.statics[op.a]), jnp.float32))
         elif op.kind == "array":
             outs.append(resolve(root, h.arrays[op.a]) * 2.0)
+        elif op.kind == "type":
+            kind = list(VAR_TYPES.values()).index(type(var(op.a, op.a_path)))
+            outs.append(jnp.asarray(kind, jnp.float32))
+        elif op.kind == "module":
+            outs.append(jnp.asarray(type(resolve(root, h.modules[op.a])).code, jnp.float32))
         else:  # pragma: no cover
             raise AssertionError(op.kind)
     return outs
@@ -439,11 +463,17 @@ def _add_ref(root: Desc, ref: Ref) -> Desc:
 
 
 @st.composite
-def ops(draw: Any, h: Handles, max_ops: int = 6) -> tuple[Op, ...]:
-    """A random program over the handles of a tree."""
+def ops(draw: Any, h: Handles, max_ops: int = 6, *, types: bool = False) -> tuple[Op, ...]:
+    """A random program over the handles of a tree.
+
+    ``types``: the program may also read which type a Variable has and which
+    class a module has (outputs that change when ``__class__`` is replaced).
+    """
     choices = []
     if h.variables:
-        choices += ["read", "add", "double", "mix"]
+        choices += ["read", "add", "double", "mix"] + (["type"] if types else [])
+    if types and h.modules:
+        choices += ["module"]
     if h.rngs:
         choices += ["draw"]
         if h.variables:
@@ -457,7 +487,7 @@ def ops(draw: Any, h: Handles, max_ops: int = 6) -> tuple[Op, ...]:
     program = []
     for _ in range(draw(st.integers(1, max_ops))):
         kind = draw(st.sampled_from(choices))
-        if kind in ("read", "add", "double", "mix"):
+        if kind in ("read", "add", "double", "mix", "type"):
             a = draw(st.integers(0, len(h.variables) - 1))
             b = draw(st.integers(0, len(h.variables) - 1))
             op = Op(
@@ -480,6 +510,8 @@ def ops(draw: Any, h: Handles, max_ops: int = 6) -> tuple[Op, ...]:
             )
         elif kind == "static":
             op = Op(kind, draw(st.integers(0, len(h.statics) - 1)))
+        elif kind == "module":
+            op = Op(kind, draw(st.integers(0, len(h.modules) - 1)))
         else:
             op = Op(kind, draw(st.integers(0, len(h.arrays) - 1)))
         program.append(op)
@@ -499,11 +531,13 @@ def scenarios(
     shared: bool | None = False,
     max_depth: int = 3,
     var_kinds: tuple[str, ...] = tuple(VAR_TYPES),
+    types: bool = False,
 ) -> Scenario:
     """A tree and a program.
 
     ``shared``: ``True`` always adds a second reference to some object,
-    ``False`` never does, ``None`` lets hypothesis choose.
+    ``False`` never does, ``None`` lets hypothesis choose. ``types``: the
+    program may read Variable types and module classes (see `ops`).
     """
     uids = [0]
     root_kind = draw(st.sampled_from(["module", "dict", "list", "tuple", "nlist", "eqx"]))
@@ -533,7 +567,7 @@ def scenarios(
             tree = _add_ref(tree, Ref(target))
             is_shared = True
     h = handles(tree)
-    return Scenario(tree, h, draw(ops(h)), is_shared)
+    return Scenario(tree, h, draw(ops(h, types=types)), is_shared)
 
 
 # -- mutations between calls -----------------------------------------------------------
@@ -578,3 +612,64 @@ def metadata_value() -> st.SearchStrategy[Any]:
         ),
         max_leaves=4,
     )
+
+
+# Replaced ``__dict__`` and ``__class__``: the same objects, other contents or types.
+
+
+@dataclasses.dataclass(frozen=True)
+class Replace:
+    """One replacement made between two calls (on the eager and the transformed copy)."""
+
+    kind: str  # "dict" (an NNX object's __dict__), "variable_class", "module_class"
+    target: int  # index into Handles.objects / Handles.variables / Handles.modules
+    var_kind: str = "param"  # the new Variable type (a key of VAR_TYPES)
+
+
+@st.composite
+def replacements(draw: Any, h: Handles, max_size: int = 3) -> tuple[Replace, ...]:
+    """Replacements of ``__dict__`` and ``__class__`` to make between two calls."""
+    choices = []
+    if h.objects:
+        choices.append("dict")
+    if h.variables:
+        choices.append("variable_class")
+    if h.modules:
+        choices.append("module_class")
+    if not choices:
+        return ()
+    out = []
+    for _ in range(draw(st.integers(1, max_size))):
+        kind = draw(st.sampled_from(choices))
+        if kind == "dict":
+            out.append(Replace(kind, draw(st.integers(0, len(h.objects) - 1))))
+        elif kind == "variable_class":
+            target = draw(st.integers(0, len(h.variables) - 1))
+            out.append(Replace(kind, target, draw(st.sampled_from(sorted(VAR_TYPES)))))
+        else:
+            out.append(Replace(kind, draw(st.integers(0, len(h.modules) - 1))))
+    return tuple(out)
+
+
+def _renewed(v: Any) -> Any:
+    """A new Variable of ``v``'s type and metadata, its value changed (keys: kept)."""
+    value = v.get_raw_value()
+    if not jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+        value = value + jnp.asarray(1, value.dtype)
+    return v.replace(value)
+
+
+def replace(root: Any, h: Handles, r: Replace) -> None:
+    """Make the replacement ``r`` in the tree ``root`` (built from ``h``'s tree)."""
+    if r.kind == "dict":
+        obj = resolve(root, h.objects[r.target])
+        # The same attributes in a new dict, each Variable a new one: a call that
+        # kept reading the old dict would read (and write) the old Variables.
+        attrs = {k: _renewed(v) if isinstance(v, nnx.Variable) else v for k, v in vars(obj).items()}
+        object.__setattr__(obj, "__dict__", attrs)
+    elif r.kind == "variable_class":
+        paths = h.variables[r.target][1]
+        resolve(root, paths[0]).__class__ = VAR_TYPES[r.var_kind]
+    else:
+        module = resolve(root, h.modules[r.target])
+        object.__setattr__(module, "__class__", Block if type(module) is Node else Node)

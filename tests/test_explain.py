@@ -101,6 +101,16 @@ def test_variable_type_and_metadata_change(explain):
     assert "args[0]: the Variable's metadata 'tag' changed from '(absent)' to 'x'" in second
 
 
+def test_closure_module_static_attribute_change(explain):
+    m = Scaled(1)
+    f = treemode.jit(lambda: m.w[...] * m.factor)
+    f()
+    m.factor = 2
+    f()
+    (message,) = _treemode_messages(explain)
+    assert "a module read through the function's closure changed its class" in message
+
+
 def test_nothing_is_logged_with_the_switch_off(caplog):
     caplog.set_level(logging.WARNING)
     f = treemode.jit(lambda m: m.w[...] * m.factor)

@@ -25,27 +25,32 @@ class Plain:
 
 def _malformed_states() -> list[Any]:
     d, lst = {"a": 1}, [1]
-    good = ((d,), (1,), (d,), (1,), (lst,), (1,), (), ())
+    # the 8 container tuples, the 5 type/__dict__ tuples, the top's type and __dict__
+    tail = ((), (), (), (), (), None, None)
+    good = ((d,), (1,), (d,), (1,), (lst,), (1,), (), (), *tail)
     states: list[Any] = [
         None,
         "abc",
         (),
-        ("a",) * 8,
-        (None,) * 8,
-        ((),) * 7,
-        good[:7],
-        (*good, None, None),  # 10 items
+        ("a",) * 15,
+        (None,) * 15,
+        ((),) * 14,
+        good[:14],
+        (*good, None, None),  # 17 items
     ]
-    for i in range(8):  # each tuple replaced by a non-tuple
+    for i in range(13):  # each tuple replaced by a non-tuple
         states.append(good[:i] + ("x",) + good[i + 1 :])
     states += [
-        (("x",), (1,), (), (), (), (), (), ()),  # a sized container that is a str
-        ((d,), ("1",), (), (), (), (), (), ()),  # a length that is not an int
-        ((d,), (), (), (), (), (), (), ()),  # lengths do not align
-        ((), (), (lst,), (1,), (), (), (), ()),  # a value-checked list
-        ((), (), (), (), ("ab",), ("a",), (), ()),  # an ordered str
-        ((), (), (), (), (), (), ({},), ("entries",)),  # metadata entries not a tuple
-        ((), (), (), (), (), (), ({},), ()),  # metadata without entries
+        (("x",), (1,), (), (), (), (), (), (), *tail),  # a sized container that is a str
+        ((d,), ("1",), (), (), (), (), (), (), *tail),  # a length that is not an int
+        ((d,), (), (), (), (), (), (), (), *tail),  # lengths do not align
+        ((), (), (lst,), (1,), (), (), (), (), *tail),  # a value-checked list
+        ((), (), (), (), ("ab",), ("a",), (), (), *tail),  # an ordered str
+        ((), (), (), (), (), (), ({},), ("entries",), (), (), (), (), (Plain,), None, None),
+        ((), (), (), (), (), (), ({},), (), (), (), (), (), (Plain,), None, None),  # no entries
+        ((), (), (), (), (), (), (), (), (d,), (), (), (), (), None, None),  # a node without type
+        ((), (), (), (), (), (), (), (), (), (), (d,), (), (), None, None),  # an owner without dict
+        ((), (), (), (), (), (), ({},), ((),), (), (), (), (), (), None, None),  # no Variable type
     ]
     return states
 
@@ -53,14 +58,16 @@ def _malformed_states() -> list[Any]:
 @pytest.mark.parametrize("state", _malformed_states())
 def test_holds(extension, state):
     with pytest.raises(ERRORS):
-        extension.holds(state, [Plain()] * len(state[6]) if _sized(state) else [])
+        extension.holds(state, [Plain()] * len(state[6]) if _sized(state) else [], Plain())
 
 
 def _sized(state: Any) -> bool:
     return isinstance(state, tuple) and len(state) > 6 and isinstance(state[6], tuple)
 
 
-@pytest.mark.parametrize("args", [(), ((),), (None, None), ((), 3), ((), [], [])])
+@pytest.mark.parametrize(
+    "args", [(), ((),), (None, None), ((), 3), ((), [], []), ((), [], [], None)]
+)
 def test_holds_arguments(extension, args):
     with pytest.raises(ERRORS):
         extension.holds(*args)
@@ -107,7 +114,7 @@ def test_match_into_arguments(extension, args):
     [
         ("x", (), ()),  # no weak reference to the argument
         (None, (), "variables"),
-        (weakref.ref(Plain), ("a",) * 8, ()),  # a malformed guard state
+        (weakref.ref(Plain), ("a",) * 15, ()),  # a malformed guard state
     ],
 )
 def test_match_into_malformed_fast_state(extension, fast):

@@ -197,16 +197,23 @@ def test_compiled_guard_reads_metadata_kept_outside_slots(extension):
         ("v",),
         (v._var_metadata,),  # type: ignore[attr-defined]
         (("tag", "a"),),
+        (),  # no node whose type is checked but the top-level argument's
+        (),
+        (),
+        (),
+        (Holder,),  # the Variable's type
+        dict,  # the top-level argument's type, and no __dict__ to check
+        None,
     )
-    assert guard.holds(state, [v])
+    assert guard.holds(state, [v], owner)
     v._var_metadata["tag"] = "b"  # type: ignore[attr-defined]
-    assert not guard.holds(state, [v])
+    assert not guard.holds(state, [v], owner)
     v._var_metadata = {"tag": "a"}  # type: ignore[attr-defined]  # equal, another dict
-    assert not guard.holds(state, [v])
+    assert not guard.holds(state, [v], owner)
     del v._var_metadata  # type: ignore[attr-defined]
-    assert not guard.holds(state, [v])  # no metadata: False, and no exception leaks
-    with pytest.raises(TypeError, match="8-tuple"):
-        guard.holds(state[:3], [v])
+    assert not guard.holds(state, [v], owner)  # no metadata: False, and no exception leaks
+    with pytest.raises(TypeError, match="15-tuple"):
+        guard.holds(state[:3], [v], owner)
 
 
 def test_version_tags_skip_unmodified_dicts_and_never_hide_a_change(extension):
@@ -225,11 +232,11 @@ def test_version_tags_skip_unmodified_dicts_and_never_hide_a_change(extension):
         assert _flatten._compiled_holds is None
         return
     tags_built = guard.version_tags([{}]) is not None
-    assert len(state) == (11 if tags_built else 8)
-    assert guard.holds(state, [v])
+    assert len(state) == (18 if tags_built else 15)
+    assert guard.holds(state, [v], m)
     m.label = "b"
     m.label = "a"  # modified, then restored: compared in full, still the same objects
-    assert guard.holds(state, [v])
+    assert guard.holds(state, [v], m)
     assert _flatten.flatten_arg(m, treemode._leaves.is_array).origin is entry
     v.set_metadata("note", "x")  # in place, in the metadata dict
-    assert not guard.holds(state, [v])
+    assert not guard.holds(state, [v], m)

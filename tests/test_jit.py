@@ -339,7 +339,7 @@ def test_optimizer_state_is_cached_and_revalidated():
     step(opt, jnp.ones(1))
     assert id(opt) in _flatten._cache  # nnx.State in opt_state is guarded, not re-walked
     entry = _flatten._cache[id(opt)]
-    assert entry._guard is not None and entry._guard.holds(entry.variables)
+    assert entry._guard is not None and entry._guard.holds(entry.variables, opt)
     # Replacing an entry inside the State's plain mapping invalidates the cache.
     opt.step = nnx.OptState(jnp.array(5, jnp.uint32))
     np.testing.assert_allclose(step(opt, jnp.ones(1)), [5.0])

@@ -464,3 +464,33 @@ def test_calls_with_faults_in_the_write_match_eager(hooks, faults, donate):
             value = getattr(model, name).get_raw_value()
             assert not value.is_deleted()
             np.testing.assert_array_equal(value, getattr(eager, name)[...])
+
+
+# -- mutations between calls: replaced __dict__ and __class__ ----------------------
+
+
+@pytest.mark.parametrize("how", ["jit", "jit graph=True", "jit_partial"])
+@examples(0.75)
+@given(data=st.data())
+def test_replaced_dict_or_class_between_calls_matches_eager(how, data):
+    """A cached call sees a replaced ``__dict__`` (read and written: the Variables
+    the object holds now) and a replaced ``__class__`` (of a Variable or a module)."""
+    scenario = data.draw(S.scenarios(shared=False, types=True))
+    replacements = data.draw(S.replacements(scenario.handles))
+    program = S.make_program(scenario)
+    eager_root, root = S.build(scenario.tree), S.build(scenario.tree)
+    if how == "jit_partial":
+        bound = treemode.jit_partial(program, root)
+        f = lambda r: bound()  # noqa: E731
+    else:
+        f = treemode.jit(program, graph=how == "jit graph=True")
+    for step in range(3):
+        if step == 1:
+            for r in replacements:
+                S.replace(eager_root, scenario.handles, r)
+                S.replace(root, scenario.handles, r)
+        assert_same_outputs(program(eager_root), f(root))
+        assert_same_state(S.state_of(eager_root), S.state_of(root))
+        assert [type(v) for v in S.variables_of(root)] == [
+            type(v) for v in S.variables_of(eager_root)
+        ]

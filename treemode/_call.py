@@ -24,6 +24,7 @@ from ._flatten import (
     DYNAMIC,
     ArgFlat,
     StaticLeaf,
+    StructureKey,
     VarSpec,
     alias_error,
     first_duplicate,
@@ -78,11 +79,13 @@ class CallKey(HashedKey):
         keywords: tuple[tuple[str, Any], ...],
         lifted: tuple[VarSpec, ...],
         graph: bool,
-        closure: tuple[StructureKey, ...] = (),  # per lifted closure object, its structure
+        closure: tuple[StructureKey, ...] = (),
     ):
         self.positional = positional
         self.keywords = keywords
         self.lifted = lifted
+        # The structure of each object found in the closure (its classes and static
+        # attributes): the trace reads them from a copy rebuilt with this structure.
         self.closure = closure
         self.graph = graph
         self._hash_fields()
@@ -335,16 +338,21 @@ def _finish_prepare(
     call.lifted_roots = []
     call.lifted_objects = []
     lifted_flats: list[ArgFlat] = []
+    closure_keys: tuple[StructureKey, ...] = ()
     if lift_closure:
         found = closure_objects(call.fn, call.transform)
         if found and any(name.startswith("default ") for name, _ in found):
             found = _without_passed_defaults(call, found)
         call.lifted_roots = [(f"closure {name}", obj) for name, obj in found]
-        for root, obj in call.lifted_roots:
-            flat = flatten_arg(obj, is_dynamic)
-            if flat.variables:
-                lifted_flats.append(flat)
-                call.lifted_objects.append((root, obj, flat))
+        if found:
+            keys = []
+            for root, obj in call.lifted_roots:
+                flat = flatten_arg(obj, is_dynamic)
+                keys.append(flat.key)
+                if flat.variables:
+                    lifted_flats.append(flat)
+                    call.lifted_objects.append((root, obj, flat))
+            closure_keys = tuple(keys)
     if lifted_flats:
         call.lifted = list(chain.from_iterable(f.variables for f in lifted_flats))
         call.lifted_specs = tuple(chain.from_iterable(map(variable_specs, lifted_flats)))
@@ -361,13 +369,7 @@ def _finish_prepare(
     call.sources = sources
     call.variables = variables_of(sources)
     call.dynamic = dynamic
-    call.key = CallKey(
-        positional,
-        keywords,
-        call.lifted_specs,
-        call.graph,
-        tuple(f.key for f in lifted_flats),
-    )
+    call.key = CallKey(positional, keywords, call.lifted_specs, call.graph, closure_keys)
 
     # Each ArgFlat is alias-free on its own (checked once when it was built);
     # only Variables shared between sources remain to be found.

@@ -134,16 +134,25 @@ class ArgFlat:
 
 
 class _Guard:
-    """Identity snapshot of every mutable container a flattening walked through.
+    """Identity snapshot of every mutable object a flattening walked through.
 
     Validation compares, with ``is`` only and in bulk (each check is one C-level
-    pass over all containers), the current state of those containers against the
-    snapshot: their lengths, the values of every dict (NNX objects' ``__dict__``
-    and plain dicts), the keys of plain dicts, the items of lists, and each
-    Variable's metadata: the very same dict, holding the very same keys and
-    values. NNX objects replace their ``_pytree__nodes`` mapping (one of the
-    values checked) whenever an attribute is added or deleted, so their keys
-    need no separate check; the length check covers the rest.
+    pass), the current state of those objects against the snapshot:
+
+    - the type of every NNX object, ``nnx.State``, dict or list walked (an exact
+      ``dict`` or ``list`` needs no check: its class cannot be reassigned) and of
+      every Variable, so that ``v.__class__ = nnx.BatchStat`` is seen;
+    - the ``__dict__`` of every NNX object and State: the very same dict object,
+      so that ``object.__setattr__(m, "__dict__", d)`` is seen;
+    - their lengths, the values of every dict (NNX objects' ``__dict__`` and
+      plain dicts), the keys of plain dicts, the items of lists, and each
+      Variable's metadata: the very same dict, holding the very same keys and
+      values. NNX objects replace their ``_pytree__nodes`` mapping (one of the
+      values checked) whenever an attribute is added or deleted, so their keys
+      need no separate check; the length check covers the rest.
+
+    The top-level argument is not held (the cache entry holds it weakly): its
+    type and ``__dict__`` are checked on the object passed to `holds`.
 
     Where the compiled guard (``treemode/_guard.c``) is on, the same checks run
     there in one pass (`compiled_state`); it needs exact ``dict``/``list``
@@ -162,21 +171,46 @@ class _Guard:
         "metadata_lens",
         "metadata_keys",
         "metadata_values",
+        "nodes",
+        "node_types",
+        "owners",
+        "owner_dicts",
+        "variable_types",
+        "top_type",
+        "top_dict",
         "compiled_state",
     )
 
-    def __init__(self, containers: list[Any], variables: list[Any]):
+    def __init__(self, containers: list[Any], variables: list[Any], top: Any):
         self.dicts: list[dict[Any, Any]] = []
         self.ordered: list[Any] = []  # plain dicts (iterated: keys) and lists (items)
+        # The top-level argument's type and __dict__ (None: not checked), then the
+        # other objects walked whose type is checked, and those whose __dict__ is.
+        self.top_type: type | None = None
+        self.top_dict: dict[str, Any] | None = None
+        nodes: list[Any] = []
+        owners: list[Any] = []
         for obj in containers:
             if isinstance(obj, list):
                 self.ordered.append(obj)
-                continue
-            if isinstance(obj, dict):
+            elif isinstance(obj, dict):
                 self.ordered.append(obj)
                 self.dicts.append(obj)
             else:
                 self.dicts.append(obj.__dict__)
+                if obj is not top:
+                    owners.append(obj)
+            if obj is top:
+                self.top_type = type(obj)
+                if not isinstance(obj, (dict, list)):
+                    self.top_dict = obj.__dict__
+            elif type(obj) not in _FIXED_CLASS:
+                nodes.append(obj)
+        self.nodes = tuple(nodes)
+        self.node_types = tuple(map(type, nodes))
+        self.owners = tuple(owners)
+        self.owner_dicts = tuple(map(_dict_of, owners))
+        self.variable_types = tuple(map(type, variables))
         exact = (dict, list)
         compiled = _compiled_holds is not None and all(type(c) in exact for c in self.ordered)
         self.metadata = tuple(map(_metadata_of, variables))
@@ -207,20 +241,46 @@ class _Guard:
                 self.items,
                 self.metadata,
                 entries,
+                self.nodes,
+                self.node_types,
+                self.owners,
+                self.owner_dicts,
+                self.variable_types,
+                self.top_type,
+                self.top_dict,
                 *(tags if tags and None not in tags else ()),
             )
 
-    def holds(self, variables: list[Any]) -> bool:
+    def holds(self, variables: list[Any], top: Any) -> bool:
+        """Whether the snapshot still describes the objects walked from ``top``.
+
+        ``variables`` are the flattening's Variables and ``top`` the top-level
+        argument (the object the cache entry's weak reference points to).
+        """
         if self.compiled_state is not None:
-            return _compiled_holds(self.compiled_state, variables)  # type: ignore[misc]
+            return _compiled_holds(self.compiled_state, variables, top)  # type: ignore[misc]
+        # Types and __dict__ objects first: the checks below read the saved dicts.
+        if (self.top_type is not None and type(top) is not self.top_type) or (
+            self.top_dict is not None and _dict_of(top) is not self.top_dict
+        ):
+            return False
+        if not (
+            all(map(_is, map(type, self.nodes), self.node_types))
+            and all(map(_is, map(_dict_of, self.owners), self.owner_dicts))
+            and len(variables) == len(self.variable_types)
+            and all(map(_is, map(type, variables), self.variable_types))
+        ):
+            return False
         # The lengths first: they keep the element-wise checks below aligned (and
         # keep empty plain dicts and lists empty, so no keys/items pass is needed).
-        metadata = list(map(_metadata_of, variables))
+        try:
+            metadata = list(map(_metadata_of, variables))
+        except AttributeError:  # no metadata any more: not the flattening's Variable
+            return False
         return (
             list(map(len, self.sized)) == self.lens
             and all(map(_is, chain.from_iterable(map(dict.values, self.dicts)), self.values))
             and (not self.items or all(map(_is, chain.from_iterable(self.ordered), self.items)))
-            and len(metadata) == len(self.metadata)
             and all(map(_is, metadata, self.metadata))
             and list(map(len, metadata)) == self.metadata_lens
             and all(map(_is, chain.from_iterable(metadata), self.metadata_keys))
@@ -228,6 +288,10 @@ class _Guard:
         )
 
 
+# Containers whose class cannot be reassigned (``__class__`` assignment needs a
+# class defined in Python): their type needs no check.
+_FIXED_CLASS = frozenset((dict, list))
+_dict_of = operator.attrgetter("__dict__")
 _is = operator.is_
 
 
@@ -285,7 +349,7 @@ def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgF
             specs.append(StaticLeaf(leaf))
     flat = ArgFlat(treedef, tuple(specs), leaves)
     if cacheable and all(s.value_def is None for s in specs if type(s) is VarSpec):
-        flat._guard = _Guard(containers, flat.variables)
+        flat._guard = _Guard(containers, flat.variables, arg)
     else:
         cacheable = False  # pytree-valued Variables are re-flattened every call
     return flat, cacheable
@@ -465,7 +529,7 @@ def still_flattens(entry: ArgFlat | None, obj: Any) -> TypeGuard[ArgFlat]:
     if entry is None or entry._ref is None or entry._ref() is not obj:
         return False
     guard = entry._guard
-    return guard is not None and guard.holds(entry.variables)
+    return guard is not None and guard.holds(entry.variables, obj)
 
 
 def variables_of(flats: Sequence[ArgFlat]) -> list[Any]:

@@ -33,6 +33,8 @@ static PyObject *slow_call_name; /* interned "_call" */
 static PyObject *metadata_updates_name; /* interned "metadata_updates" */
 static PyObject *writable_in_name; /* interned "writable_in" */
 static PyObject *variables_name; /* interned "variables" */
+static PyObject *dict_name;      /* interned "__dict__" */
+static PyObject *getattribute_name; /* interned "__getattribute__" */
 
 /* The configuration (see `configure`): the two records, held, and their
  * fields (borrowed from them). */
@@ -310,6 +312,72 @@ slot_get(PyObject *obj, PyObject *name, SlotCache *cache)
     return PyObject_GetAttr(obj, name); /* unset: raises AttributeError as usual */
 }
 
+/* `obj.__dict__` without an attribute lookup, where that gives the same object.
+ *
+ * For a class defined in Python whose `__dict__` attribute is the one every
+ * such class gets (and that neither overrides `__getattribute__` nor derives
+ * from a built-in type with its own dict), `obj.__dict__` is exactly
+ * `PyObject_GenericGetDict(obj)`. Decided once per type (`dict_access`); any
+ * other type is read with getattr, so the answer is always `obj.__dict__`. */
+static getter plain_dict_getter;          /* the `__dict__` getter of Python classes */
+static PyObject *object_getattribute;     /* object.__getattribute__ (borrowed: static type) */
+static SlotCache dict_access;             /* "offsets": 1 generic, 0 getattr */
+
+static int
+init_dict_access(void)
+{
+    PyObject *cls = PyObject_CallFunction((PyObject *)&PyType_Type, "s(O){}", "_Plain",
+                                          (PyObject *)&PyBaseObject_Type);
+    if (cls == NULL)
+        return -1;
+    PyObject *descr = _PyType_Lookup((PyTypeObject *)cls, dict_name); /* borrowed */
+    if (descr != NULL && Py_IS_TYPE(descr, &PyGetSetDescr_Type))
+        plain_dict_getter = ((PyGetSetDescrObject *)descr)->d_getset->get; /* a static function */
+    Py_DECREF(cls);
+    object_getattribute = _PyType_Lookup(&PyBaseObject_Type, getattribute_name);
+    return 0;
+}
+
+static int
+generic_dict_type(PyTypeObject *type)
+{
+    for (int i = 0; i < dict_access.n; i++) {
+        if (dict_access.types[i] == type)
+            return (int)dict_access.offsets[i];
+    }
+    int generic = 0;
+    PyObject *descr = _PyType_Lookup(type, dict_name); /* borrowed; no exception set */
+    if (plain_dict_getter != NULL && object_getattribute != NULL && descr != NULL &&
+        Py_IS_TYPE(descr, &PyGetSetDescr_Type) &&
+        ((PyGetSetDescrObject *)descr)->d_getset->get == plain_dict_getter &&
+        _PyType_Lookup(type, getattribute_name) == object_getattribute) {
+        generic = 1;
+        for (PyTypeObject *base = type; base != NULL; base = base->tp_base) {
+            if (!(base->tp_flags & Py_TPFLAGS_HEAPTYPE) && base->tp_dictoffset != 0)
+                generic = 0; /* a built-in base keeps the dict: its own getter runs */
+        }
+    }
+    if (dict_access.n < SLOT_CACHE_SIZE) {
+        Py_INCREF(type);
+        dict_access.types[dict_access.n] = type;
+        dict_access.offsets[dict_access.n] = generic;
+        dict_access.n++;
+    }
+    return generic;
+}
+
+/* Whether `obj.__dict__` is `expected`: 1, 0, or -1 with the exception raised. */
+static int
+dict_is(PyObject *obj, PyObject *expected)
+{
+    PyObject *current = generic_dict_type(Py_TYPE(obj)) ? PyObject_GenericGetDict(obj, NULL)
+                                                        : PyObject_GetAttr(obj, dict_name);
+    if (current == NULL)
+        return -1;
+    Py_DECREF(current); /* only compared; `expected` keeps the saved dict alive */
+    return current == expected;
+}
+
 /* Whether `var`'s `_var_metadata` is `expected`, holding exactly `entries`. */
 static int
 same_metadata(PyObject *var, PyObject *expected, PyObject *entries, const uint64_t *tags,
@@ -335,43 +403,90 @@ same_metadata(PyObject *var, PyObject *expected, PyObject *entries, const uint64
     return same;
 }
 
+/* The fields of a guard state (built by treemode._flatten._Guard), then,
+ * where the interpreter has dict version tags, three tags. */
+enum {
+    ST_SIZED, ST_LENS, ST_DICTS, ST_VALUES, ST_ORDERED, ST_ITEMS, ST_METADATA,
+    ST_METADATA_ENTRIES, ST_NODES, ST_NODE_TYPES, ST_OWNERS, ST_OWNER_DICTS,
+    ST_VARIABLE_TYPES, ST_TOP_TYPE, ST_TOP_DICT, ST_FIELDS,
+    ST_DICT_TAGS = ST_FIELDS, ST_ORDERED_TAGS, ST_METADATA_TAGS, ST_TAGGED_FIELDS
+};
+#define ST_TUPLES ST_TOP_TYPE /* the fields before it are tuples */
+
 /* Whether the snapshot `state` (see `holds` below) still describes its
- * containers and the Variables in `variables` (a list or tuple): 1, 0, or -1
- * with an exception set. */
+ * containers, the Variables in `variables` (a list or tuple) and the top-level
+ * argument `top`: 1, 0, or -1 with an exception set. */
 static int
-state_holds(PyObject *state, PyObject *variables)
+state_holds(PyObject *state, PyObject *variables, PyObject *top)
 {
     if (!configured())
         return -1;
-    if (!PyTuple_Check(state) || (PyTuple_GET_SIZE(state) != 8 && PyTuple_GET_SIZE(state) != 11))
-        return malformed("a guard state is an 8-tuple, or 11 with version tags");
-    for (Py_ssize_t i = 0; i < 8; i++) {
+    if (!PyTuple_Check(state) ||
+        (PyTuple_GET_SIZE(state) != ST_FIELDS && PyTuple_GET_SIZE(state) != ST_TAGGED_FIELDS))
+        return malformed("a guard state is a 15-tuple, or 18 with version tags");
+    for (Py_ssize_t i = 0; i < ST_TUPLES; i++) {
         if (!PyTuple_Check(PyTuple_GET_ITEM(state, i)))
-            return malformed("the first 8 items of a guard state are tuples");
+            return malformed("the first 13 items of a guard state are tuples");
     }
-    if (PyTuple_GET_SIZE(PyTuple_GET_ITEM(state, 0)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(state, 1)) ||
-        PyTuple_GET_SIZE(PyTuple_GET_ITEM(state, 6)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(state, 7)))
-        return malformed("a guard state has one length per sized container and one entries "
-                         "tuple per metadata dict");
-    PyObject *sized = PyTuple_GET_ITEM(state, 0);
-    PyObject *lens = PyTuple_GET_ITEM(state, 1);
-    PyObject *dicts = PyTuple_GET_ITEM(state, 2);
-    PyObject *values = PyTuple_GET_ITEM(state, 3);
-    PyObject *ordered = PyTuple_GET_ITEM(state, 4);
-    PyObject *items = PyTuple_GET_ITEM(state, 5);
-    PyObject *metadata = PyTuple_GET_ITEM(state, 6);
-    PyObject *metadata_entries = PyTuple_GET_ITEM(state, 7);
-    int tagged = PyTuple_GET_SIZE(state) == 11;
+#define ST_LEN(i) PyTuple_GET_SIZE(PyTuple_GET_ITEM(state, (i)))
+    if (ST_LEN(ST_SIZED) != ST_LEN(ST_LENS) || ST_LEN(ST_METADATA) != ST_LEN(ST_METADATA_ENTRIES) ||
+        ST_LEN(ST_NODES) != ST_LEN(ST_NODE_TYPES) || ST_LEN(ST_OWNERS) != ST_LEN(ST_OWNER_DICTS) ||
+        ST_LEN(ST_VARIABLE_TYPES) != ST_LEN(ST_METADATA))
+        return malformed("a guard state has one length per sized container, one entries "
+                         "tuple per metadata dict, one type per node and per Variable, and "
+                         "one dict per owner");
+#undef ST_LEN
+    PyObject *sized = PyTuple_GET_ITEM(state, ST_SIZED);
+    PyObject *lens = PyTuple_GET_ITEM(state, ST_LENS);
+    PyObject *dicts = PyTuple_GET_ITEM(state, ST_DICTS);
+    PyObject *values = PyTuple_GET_ITEM(state, ST_VALUES);
+    PyObject *ordered = PyTuple_GET_ITEM(state, ST_ORDERED);
+    PyObject *items = PyTuple_GET_ITEM(state, ST_ITEMS);
+    PyObject *metadata = PyTuple_GET_ITEM(state, ST_METADATA);
+    PyObject *metadata_entries = PyTuple_GET_ITEM(state, ST_METADATA_ENTRIES);
+    PyObject *nodes = PyTuple_GET_ITEM(state, ST_NODES);
+    PyObject *node_types = PyTuple_GET_ITEM(state, ST_NODE_TYPES);
+    PyObject *owners = PyTuple_GET_ITEM(state, ST_OWNERS);
+    PyObject *owner_dicts = PyTuple_GET_ITEM(state, ST_OWNER_DICTS);
+    PyObject *variable_types = PyTuple_GET_ITEM(state, ST_VARIABLE_TYPES);
+    PyObject *top_type = PyTuple_GET_ITEM(state, ST_TOP_TYPE);
+    PyObject *top_dict = PyTuple_GET_ITEM(state, ST_TOP_DICT);
+    int tagged = PyTuple_GET_SIZE(state) == ST_TAGGED_FIELDS;
     const uint64_t *dict_tags =
-        tagged ? saved_tags(PyTuple_GET_ITEM(state, 8), PyTuple_GET_SIZE(dicts)) : NULL;
+        tagged ? saved_tags(PyTuple_GET_ITEM(state, ST_DICT_TAGS), PyTuple_GET_SIZE(dicts)) : NULL;
     const uint64_t *ordered_tags =
-        tagged ? saved_tags(PyTuple_GET_ITEM(state, 9), PyTuple_GET_SIZE(ordered)) : NULL;
+        tagged ? saved_tags(PyTuple_GET_ITEM(state, ST_ORDERED_TAGS), PyTuple_GET_SIZE(ordered))
+               : NULL;
     const uint64_t *metadata_tags =
-        tagged ? saved_tags(PyTuple_GET_ITEM(state, 10), PyTuple_GET_SIZE(metadata)) : NULL;
+        tagged ? saved_tags(PyTuple_GET_ITEM(state, ST_METADATA_TAGS), PyTuple_GET_SIZE(metadata))
+               : NULL;
     Py_ssize_t k;
+    int same;
+
+    /* Types and __dict__ objects first (as _Guard.holds): the passes below read
+     * the saved dicts. The top-level argument is not held by the state. */
+    if (top_type != Py_None && (PyObject *)Py_TYPE(top) != top_type)
+        return 0;
+    if (top_dict != Py_None && (same = dict_is(top, top_dict)) != 1)
+        return same;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(nodes); i++) {
+        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(nodes, i)) != PyTuple_GET_ITEM(node_types, i))
+            return 0;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(owners); i++) {
+        if ((same = dict_is(PyTuple_GET_ITEM(owners, i), PyTuple_GET_ITEM(owner_dicts, i))) != 1)
+            return same;
+    }
+    Py_ssize_t n_vars = PySequence_Fast_GET_SIZE(variables);
+    if (n_vars != PyTuple_GET_SIZE(variable_types))
+        return 0;
+    for (Py_ssize_t i = 0; i < n_vars; i++) {
+        if ((PyObject *)Py_TYPE(PySequence_Fast_GET_ITEM(variables, i)) !=
+            PyTuple_GET_ITEM(variable_types, i))
+            return 0;
+    }
 
     /* Lengths first: they keep the element-wise passes below aligned. */
-    int same;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sized); i++) {
         if ((same = same_length(PyTuple_GET_ITEM(sized, i), PyTuple_GET_ITEM(lens, i))) != 1)
             return same;
@@ -400,9 +515,6 @@ state_holds(PyObject *state, PyObject *variables)
     }
     if (k != PyTuple_GET_SIZE(items))
         return 0;
-    Py_ssize_t n_vars = PySequence_Fast_GET_SIZE(variables);
-    if (n_vars != PyTuple_GET_SIZE(metadata))
-        return 0;
     for (Py_ssize_t i = 0; i < n_vars; i++) {
         same = same_metadata(PySequence_Fast_GET_ITEM(variables, i), PyTuple_GET_ITEM(metadata, i),
                              PyTuple_GET_ITEM(metadata_entries, i), metadata_tags, i);
@@ -413,26 +525,30 @@ state_holds(PyObject *state, PyObject *variables)
 }
 
 PyDoc_STRVAR(holds_doc,
-"holds(state, variables) -> bool\n\n"
-"Whether the containers and Variables of a flattening snapshot are unchanged.\n\n"
-"state: (sized, lens, dicts, values, ordered, items, metadata, metadata_entries),\n"
-"tuples built by treemode._flatten._Guard: the dicts/lists whose lengths are\n"
-"checked and those lengths; the dicts whose values are checked and all those\n"
-"values; the plain dicts/lists whose iteration is checked and all those items;\n"
-"per Variable its metadata dict and that dict's entries (k0, v0, k1, v1, ...).\n"
-"Every comparison is by identity.");
+"holds(state, variables, top) -> bool\n\n"
+"Whether the objects and Variables of a flattening snapshot are unchanged.\n\n"
+"state: (sized, lens, dicts, values, ordered, items, metadata, metadata_entries,\n"
+"nodes, node_types, owners, owner_dicts, variable_types, top_type, top_dict),\n"
+"built by treemode._flatten._Guard (then, where the interpreter has them, three\n"
+"version tags): the dicts/lists whose lengths are checked and those lengths;\n"
+"the dicts whose values are checked and all those values; the plain dicts/lists\n"
+"whose iteration is checked and all those items; per Variable its metadata dict\n"
+"and that dict's entries (k0, v0, k1, v1, ...); the objects whose type is\n"
+"checked and those types; the objects whose __dict__ is checked and those\n"
+"dicts; the Variables' types; the type and __dict__ of `top`, the top-level\n"
+"argument (None: not checked). Every comparison is by identity.");
 
 static PyObject *
 holds(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "holds(state, variables) takes 2 arguments");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "holds(state, variables, top) takes 3 arguments");
         return NULL;
     }
     PyObject *variables = PySequence_Fast(args[1], "variables must be a sequence");
     if (variables == NULL)
         return NULL;
-    int ok = state_holds(args[0], variables);
+    int ok = state_holds(args[0], variables, args[2]);
     Py_DECREF(variables);
     if (ok < 0)
         return NULL;
@@ -593,7 +709,7 @@ match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *sources,
         if (arg != obj)
             goto done;
         PyObject *variables = PyTuple_GET_ITEM(fast, 2);
-        result = state_holds(PyTuple_GET_ITEM(fast, 1), variables);
+        result = state_holds(PyTuple_GET_ITEM(fast, 1), variables, obj);
         if (result != 1)
             goto done;
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(variables); i++) {
@@ -1671,7 +1787,9 @@ module_exec(PyObject *module)
         intern_once(&slow_call_name, "_call") == NULL ||
         intern_once(&metadata_updates_name, "metadata_updates") == NULL ||
         intern_once(&writable_in_name, "writable_in") == NULL ||
-        intern_once(&variables_name, "variables") == NULL)
+        intern_once(&variables_name, "variables") == NULL ||
+        intern_once(&dict_name, "__dict__") == NULL ||
+        intern_once(&getattribute_name, "__getattribute__") == NULL || init_dict_access() < 0)
         return -1;
     if (add_type(module, "SiteCallFields", &SiteCallFields_Type) < 0 ||
         add_type(module, "MemoCall", &MemoCall_Type) < 0)

@@ -199,6 +199,10 @@ def _key_changes(before: Any, after: Any) -> list[str]:
             changes.append(f"{name}{what}" if what.startswith((".", "[")) else f"{name}: {what}")
     if before.lifted != after.lifted:
         changes.append("the Variables read through the function's closure changed")
+    elif before.closure != after.closure:
+        changes.append(
+            "a module read through the function's closure changed its class or a static attribute"
+        )
     if before.graph != after.graph:
         changes.append(f"graph {before.graph} -> {after.graph}")
     return changes
