@@ -37,7 +37,6 @@ from ._hashed import HashedKey
 from ._leaves import is_abstract_traced, is_traced, is_variable
 from ._paths import paths_and_leaves
 from ._recursion import CycleError, recursion_error
-from ._specs import StructureKey
 
 
 class PreparedCall(Protocol):
