@@ -132,3 +132,21 @@ def test_other_metadata_fields_are_extended():
     add_axis(v, 0, {nnx.PARTITION_NAME: "layers", "tags": "stacked"})
     assert v.out_sharding == ("layers", "x")
     assert v.get_metadata()["tags"] == ("stacked", "t")
+
+
+def test_transform_metadata_partition_none_is_an_unnamed_axis():
+    """As in Flax: ``partition=None`` removes/inserts an axis with no mesh name;
+    leaving ``partition`` out (with no ``metadata``) is an error."""
+    v = nnx.Param(jnp.array(1), out_sharding=(None, "dout"), eager_sharding=False)
+
+    @treemode.transform_metadata(in_axes=0, out_axes=1, partition=None)
+    def f(v):
+        v[...] += 1
+        assert v.out_sharding == ("dout",)
+        return nnx.Param(jnp.array(10), out_sharding=("dmid", "dout"), eager_sharding=False)
+
+    v2 = f(v)
+    assert v.out_sharding == (None, "dout") and int(v[...]) == 2
+    assert v2.out_sharding == ("dmid", None, "dout") and int(v2[...]) == 10
+    with pytest.raises(treemode.AxisError, match=r"treemode\.transform_metadata: pass partition"):
+        treemode.transform_metadata(lambda v: v, in_axes=0, out_axes=0)

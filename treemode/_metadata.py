@@ -278,13 +278,23 @@ def with_axis_metadata(
     return wrapper
 
 
+class _Unset:
+    """The default of `transform_metadata`'s ``partition``: not given (``None`` is a value)."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_UNSET: Any = _Unset()
+
+
 @overload
 def transform_metadata(
     f: None = None,
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    partition: str | None = None,
+    partition: Any = _UNSET,
     metadata: Mapping[str, Any] | None = None,
     graph: bool = False,
 ) -> Callable[[F], F]: ...
@@ -296,7 +306,7 @@ def transform_metadata(
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    partition: str | None = None,
+    partition: Any = _UNSET,
     metadata: Mapping[str, Any] | None = None,
     graph: bool = False,
 ) -> F: ...
@@ -307,7 +317,7 @@ def transform_metadata(
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    partition: str | None = None,
+    partition: Any = _UNSET,
     metadata: Mapping[str, Any] | None = None,
     graph: bool = False,
 ) -> Any:
@@ -325,7 +335,8 @@ def transform_metadata(
     - `f`: the function; omit it to use `transform_metadata(...)` as a decorator.
     - `in_axes`, `out_axes`: the axes of the enclosing transform (prefixes, may
       be module-shaped). Keyword arguments use axis 0.
-    - `partition`: the mesh axis name recorded for the mapped axis.
+    - `partition`: the mesh axis name recorded for the mapped axis; `None` records
+      an axis with no mesh name (as in Flax's `nnx.transform_metadata`).
     - `metadata`: instead of `partition`, the full mapping
       `{nnx.PARTITION_NAME: name, ...}`; other tuple-valued metadata fields it
       names get their entry inserted too.
@@ -355,13 +366,14 @@ def transform_metadata(
     ```
     """
     if metadata is None:
-        if partition is None:
+        if partition is _UNSET:
             raise AxisError(
                 "treemode.transform_metadata: pass partition='name' (the mesh axis "
-                "name of the mapped axis) or metadata={nnx.PARTITION_NAME: 'name'}."
+                "name of the mapped axis; None for an axis with no name) or "
+                "metadata={nnx.PARTITION_NAME: 'name'}."
             )
         metadata = {PARTITION_NAME: partition}
-    elif partition is not None:
+    elif partition is not _UNSET:
         metadata = {**metadata, PARTITION_NAME: partition}
     _split_metadata(metadata, "transform_metadata")
     if f is None:
