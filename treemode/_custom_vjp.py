@@ -39,6 +39,7 @@ from . import _core, _graph
 from ._errors import ClosureError, MutationError
 from ._grad import DiffSplit, dynamic_like, float0_zeros, is_differentiable
 from ._leaves import ARRAY_TYPES
+from ._lifts import refuse_lifts
 from ._signature import as_tuple, resolve_argnums
 
 P = ParamSpec("P")
@@ -374,6 +375,8 @@ def custom_vjp(
     assert jnp.allclose(grads.y[...], jnp.sin(1.0))
     ```
     """
+
+    refuse_lifts(nondiff_argnums, transform="custom_vjp", what="nondiff_argnums", graph=graph)
 
     def make(f: Callable[P, R]) -> CustomVjp[P, R]:
         nums, _ = resolve_argnums(

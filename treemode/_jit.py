@@ -16,6 +16,7 @@ from ._errors import DonationError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec
 from ._graph import check_one_spec_per_variable, original_roots
 from ._leaves import is_variable
+from ._lifts import refuse_lifts
 from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
 from ._signature import UNSPECIFIED, as_tuple, resolve_argnums
 
@@ -688,6 +689,8 @@ def jit(
     assert counter.count[...] == 1
     ```
     """
+    refuse_lifts(in_shardings, transform="jit", what="in_shardings", graph=graph)
+    refuse_lifts(out_shardings, transform="jit", what="out_shardings", graph=graph)
     options: dict[str, Any] = dict(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
@@ -750,6 +753,8 @@ def jit_partial(
     assert forward(jnp.ones((1, 2))).shape == (1, 2)
     ```
     """
+    refuse_lifts(in_shardings, transform="jit_partial", what="in_shardings", graph=graph)
+    refuse_lifts(out_shardings, transform="jit_partial", what="out_shardings", graph=graph)
     return JitWrapped(
         fun,
         in_shardings=in_shardings,

@@ -14,6 +14,7 @@ from . import _core
 from ._axes import call_axes, check_mapped, is_axis, is_int_axis
 from ._errors import AxisError
 from ._leaves import is_variable
+from ._lifts import refuse_lifts
 from ._loop import (
     CarryLayout,
     LoopState,
@@ -536,6 +537,8 @@ def scan(
     assert total == 6.0 and cumsum.tolist() == [0.0, 1.0, 3.0, 6.0]
     ```
     """
+    refuse_lifts(in_axes, transform="scan", what="in_axes", graph=graph, variables=True)
+    refuse_lifts(out_axes, transform="scan", what="out_axes", graph=graph, variables=True)
     options: dict[str, Any] = dict(
         length=length,
         reverse=reverse,
