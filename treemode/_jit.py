@@ -13,7 +13,7 @@ from jax.core import Tracer
 from . import _callsite, _compiled, _core, _explain, _retrace, _writeback
 from ._callsite import CallSite
 from ._errors import DonationError, StructureError
-from ._flatten import DYNAMIC, ArgFlat, VarSpec
+from ._flatten import DYNAMIC, ArgFlat, VarSpec, check_no_aliases
 from ._graph import check_one_spec_per_variable, original_roots
 from ._leaves import is_variable
 from ._lifts import refuse_lifts
@@ -743,6 +743,11 @@ def jit_partial(
 
     A `treemode.jit` wrapper taking the remaining arguments.
 
+    **Raises:**
+
+    `AliasError` at once (not at the first call) when, with `graph=False`, the
+    bound arguments reach one Variable twice.
+
     ```python
     import jax.numpy as jnp
     import treemode
@@ -755,6 +760,8 @@ def jit_partial(
     """
     refuse_lifts(in_shardings, transform="jit_partial", what="in_shardings", graph=graph)
     refuse_lifts(out_shardings, transform="jit_partial", what="out_shardings", graph=graph)
+    if not graph:  # the bound arguments are fixed: check them for aliases now
+        check_no_aliases("jit_partial", args=tuple(partial_args))
     return JitWrapped(
         fun,
         in_shardings=in_shardings,

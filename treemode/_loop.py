@@ -214,9 +214,9 @@ def _raise_replaced(transform: str, where: str, before: Any, after: Any) -> None
     raise StructureError(
         f"treemode.{transform}: the carry at {where} must stay the same {kind}, but the "
         f"function returned a different {type(after).__name__} in its place.\n"
-        "Carry modules and Variables keep their identity across iterations: change "
-        "them in place (e.g. `m.w[...] = new` or `m.count[...] += 1`) and return the "
-        "same object."
+        f"{transform} Variable identity must be preserved across iterations: carry "
+        "modules and Variables keep their identity, so change them in place (e.g. "
+        "`m.w[...] = new` or `m.count[...] += 1`) and return the same object."
     )
 
 

@@ -77,9 +77,10 @@ def _top_carry(spec: Any, what: str) -> int | None:
         if is_carry(entry):
             if found is not None:
                 raise AxisError(
-                    f"treemode.scan: treemode.Carry appears twice in {what}, at {what}[{found}]"
-                    f" and {what}[{i}]. A scan has one carry: put everything that is carried "
-                    "in one argument (a tuple or a module)."
+                    f"treemode.scan: Found multiple Carry definitions: treemode.Carry appears "
+                    f"twice in {what}, at {what}[{found}] and {what}[{i}]. A scan has one "
+                    "carry: put everything that is carried in one argument (a tuple or a "
+                    "module)."
                 )
             found = i
         else:
@@ -95,9 +96,10 @@ def _check_no_none(spec: Any) -> None:
         value = leaf.get_raw_value() if is_variable(leaf) else leaf
         if value is None:
             raise AxisError(
-                f"treemode.scan: out_axes{jax.tree_util.keystr(path)} is None, but scan "
-                "stacks every output along an axis (one slice per step). Give an int axis; "
-                "to get a value out of the last step, return it in the carry."
+                f"treemode.scan: out_axes{jax.tree_util.keystr(path)} is None. Cannot "
+                "broadcast output state: scan stacks every output along an axis (one slice "
+                "per step). Give an int axis; to get a value out of the last step, return "
+                "it in the carry."
             )
         if not (is_int_axis(value) or is_carry(value)):
             raise AxisError(
@@ -240,8 +242,9 @@ class ScanWrapped:
             )
             raise AxisError(
                 f"treemode.scan: {where} has a treemode.Carry but {other} does not "
-                f"(in_axes={in_axes!r}, out_axes={out_axes!r}). The function receives the "
-                "carry and must return its new value: mark it in both, e.g. "
+                f"(in_axes={in_axes!r}, out_axes={out_axes!r}). If one of in_axes or "
+                "out_axes has Carry, the other must also have Carry: the function receives "
+                "the carry and returns its new value. Mark it in both, e.g. "
                 "in_axes=(Carry, 0), out_axes=(Carry, 0)."
             )
         self._cache: TraceCache[_Entry] = cache_for(
