@@ -21,6 +21,7 @@ from ._loop import (
     abstract,
     carry_layout,
     check_carry_out,
+    inner_arrays,
     probe_changed,
     rebuild_carry,
     scalars_to_arrays,
@@ -417,10 +418,13 @@ class ScanWrapped:
         out = self.out
 
         def body(*args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
+            inner = (
+                inner_arrays(layout, args[carry_pos]) if layout and carry_pos is not None else []
+            )
             carry_out, ys = out.split(fn(*args, **kwargs))
             if layout is None or carry_pos is None:
                 return [], ys
-            return check_carry_out("scan", layout, args[carry_pos], carry_out), ys
+            return check_carry_out("scan", layout, args[carry_pos], carry_out, inner), ys
 
         return body
 
