@@ -9,6 +9,8 @@ that names the transform, the keyword, the position and the treemode form.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +40,7 @@ def _state_sharding():
     return nnx.StateSharding({...: NamedSharding(_mesh(), P())})
 
 
-def _diff_state():
+def _diff_state() -> Any:
     return nnx.DiffState(0, nnx.Param)
 
 
@@ -176,7 +178,7 @@ def test_variables_holding_shardings_are_accepted() -> None:
         return state["w"][...].sum()
 
     assert step(state) == 12.0
-    assert (state["count"][...] == 1).all()
+    assert np.all(state["count"][...] == 1)
 
 
 def test_plain_specs_are_untouched() -> None:
