@@ -578,3 +578,29 @@ def test_while_and_fori_loops_carry_pytree_arrays_too():
     assert float(out.data) == 6.0 and float(carry.data) == 0.0
     out = treemode.fori_loop(0, 4, lambda i, s: body(s), carry)
     assert float(out.data) == 8.0
+
+
+def test_pytree_carry_arrays_in_containers():
+    class Holder(nnx.Pytree):
+        def __init__(self):
+            self.d = nnx.data({"a": jnp.array(0.0)})
+            self.t = nnx.data((jnp.array(0.0),))
+
+    holder = Holder()
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry)
+    def in_dict(h, x):
+        h.d["a"] = h.d["a"] + x
+        return h
+
+    out = in_dict(holder, jnp.arange(4.0))
+    assert float(out.d["a"]) == 6.0 and float(holder.d["a"]) == 0.0
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry)
+    def new_tuple(h, x):
+        h.t = (h.t[0] + x,)  # a new container: a structural change, named
+        return h
+
+    with pytest.raises(treemode.StructureError, match=r"args\[0\]\.t\[0\]"):
+        new_tuple(holder, jnp.arange(4.0))
+    assert float(holder.t[0]) == 0.0

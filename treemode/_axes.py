@@ -184,7 +184,7 @@ def call_axes(
     ranges = call.variable_dynamic_ranges()
     variables = [dynamic[r[0]] if len(r) else closure_axis for r in ranges]
     if any(not len(r) for r in ranges[: sum(len(f.variables) for f in call.arg_flats)]):
-        _empty_variable_axes(call, traced_entries, variables, is_leaf, kwargs_axis, what)
+        _empty_variable_axes(call, traced_entries, variables, ranges, is_leaf, kwargs_axis, what)
     return CallAxes(tuple(dynamic), tuple(variables))
 
 
@@ -192,6 +192,7 @@ def _empty_variable_axes(
     call: Call,
     traced_entries: list[Any],
     variables: list[Any],
+    ranges: Sequence[range],
     is_leaf: Callable[[Any], bool],
     kwargs_axis: Any,
     what: str,
@@ -217,7 +218,7 @@ def _empty_variable_axes(
             values = [kwargs_axis] * len(leaves)
         for leaf, value in zip(leaves, values, strict=True):
             i = index.get(id(leaf)) if is_variable(leaf) else None
-            if i is not None and not len(call.variable_dynamic_ranges()[i]):
+            if i is not None and not len(ranges[i]):
                 variables[i] = value
 
 

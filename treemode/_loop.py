@@ -284,14 +284,14 @@ def _take_inner(
     restore: list[tuple[Any, Any, Any]] = []
     for k, ((c, j, aval), old) in enumerate(zip(layout.inner, inner_before, strict=True)):
         node = out_leaves[c]
-        path, new = _inner_leaves(node)[j]
+        path, raw = _inner_leaves(node)[j]
         where = format_path((*in_paths[c][0], *path), layout.root)
         try:
-            new = jnp.asarray(new)
+            new = jnp.asarray(raw)
         except TypeError:
             raise StructureError(
                 f"treemode.{transform}: the carry at {where} was an array and the "
-                f"function put a {type(new).__name__} in its place. Assign an array of "
+                f"function put a {type(raw).__name__} in its place. Assign an array of "
                 "the same shape and dtype."
             ) from None
         if tuple(new.shape) != tuple(aval.shape) or new.dtype != aval.dtype:
@@ -301,11 +301,14 @@ def _take_inner(
             )
             raise type_error(transform, where, "the carry array", problem)
         values.append(new)
-        if new is not old:
+        if raw is not old:
             layout.reassigned.add(k)
             restore.append((node, path, old))
     for node, path, old in restore:
-        _set_at(node, path, old)
+        try:
+            _set_at(node, path, old)
+        except (TypeError, AttributeError, KeyError, IndexError):
+            pass  # e.g. inside a new tuple: the structure check then names the change
     return values
 
 
