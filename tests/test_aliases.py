@@ -123,3 +123,64 @@ def test_check_no_aliases_public_helper():
     treemode.check_no_aliases(args=(v,), kwargs={"w": nnx.Param(jnp.ones(1))})
     with pytest.raises(treemode.AliasError, match=r"args\[0\].*kwargs\['w'\]"):
         treemode.check_no_aliases(args=(v,), kwargs={"w": v})
+
+
+def test_jit_partial_checks_its_bound_arguments_when_made():
+    v = nnx.Param(jnp.array(1.0))
+    c1, c2 = nnx.Dict(v=v), nnx.Dict(v=v)
+
+    def f(c1, c2, x):
+        c1["v"][...] += x
+        return c1["v"][...] + c2["v"][...]
+
+    with pytest.raises(
+        treemode.AliasError,
+        match=r"treemode\.jit_partial: Duplicate Param: .*found at paths args\[0\]\.v "
+        r"and args\[1\]\.v",
+    ):
+        treemode.jit_partial(f, c1, c2)  # refused before any call
+    assert float(v[...]) == 1.0
+    fast = treemode.jit_partial(f, c1, c2, graph=True)  # the sharing is kept
+    np.testing.assert_allclose(fast(jnp.array(1.0)), 4.0)
+    np.testing.assert_allclose(v[...], 2.0)
+
+
+# Each message keeps treemode's form (transform, paths, fix) and carries the term
+# Flax users know for the error, so searches and tests written against Flax work.
+def _returned_input():
+    m = nnx.Dict(a=nnx.Param(jnp.ones(2)))
+    treemode.vmap(lambda m: m, in_axes=0)(m)
+
+
+def _returned_closure():
+    m = nnx.Dict(a=nnx.Param(jnp.ones(2)))
+    treemode.jit(lambda: m)()
+
+
+def _inconsistent():
+    v = nnx.Param(jnp.ones(3))
+    treemode.vmap(lambda a, b: a[...] + b[...], in_axes=(0, None), graph=True)(v, v)
+
+
+@pytest.mark.parametrize(
+    "trigger, term, paths",
+    [
+        (lambda: treemode.jit(lambda a, b: None)(Tied().a, Tied().a), None, None),
+        (lambda: treemode.jit(lambda m: 0)(Tied()), "Duplicate Param", ("args[0].a", "args[0].b")),
+        (_returned_input, "Duplicate Param", ("args[0].a", "output.a")),
+        (_returned_input, "does not support Variable aliasing", None),
+        (_returned_closure, "Cannot return captured Variable", ("closure m.a", "output.a")),
+        (_inconsistent, "Inconsistent aliasing detected", ("args[0]: 0", "args[1]: None")),
+    ],
+    ids=["distinct", "duplicate", "returned", "returned-aliasing", "captured", "inconsistent"],
+)  # fmt: skip
+def test_alias_messages_carry_the_established_terms(trigger, term, paths):
+    if term is None:  # two different Params: no error
+        trigger()
+        return
+    with pytest.raises(treemode.AliasError) as info:
+        trigger()
+    text = str(info.value)
+    assert text.startswith("treemode.") and term in text
+    for p in paths or ():
+        assert p in text, text

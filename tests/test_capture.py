@@ -239,3 +239,81 @@ def test_sows_inside_nested_transforms_are_collected():
     np.testing.assert_allclose(g, 2.0)
     np.testing.assert_allclose(inter["y_mean"].get_value()[0], 1.5)
     assert "__captures__" not in vars(model)
+
+
+class _Sower(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x, a):
+        x = self.linear(x + a)
+        self.sow(nnx.Intermediate, "data", x)
+        return x, None
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_capture_around_a_scan_of_a_sowing_module(graph):
+    """The capture buffer holds no array when the scan starts; its value comes back stacked."""
+    create = treemode.vmap(lambda r: _Sower(r), in_axes=0, axis_size=5, graph=graph)
+    layers = create(treemode.split_rngs(nnx.Rngs(0), splits=5))
+
+    @treemode.scan(in_axes=(0, treemode.Carry, 0), graph=graph)
+    def forward(layer, x, a):
+        return layer(x, a)
+
+    x, a = jnp.ones((1, 3)), jnp.ones((5, 1, 3))
+    (y, out), inter = treemode.capture(forward, nnx.Intermediate)(layers, x, a)
+    assert y.shape == (1, 3) and out is None
+    (data,) = inter["data"].get_value()
+    assert data.shape == (5, 1, 3)
+    # step i sowed the carry after layer i: the last entry is the final carry
+    np.testing.assert_allclose(data[-1], y, rtol=1e-6)
+    assert "__captures__" not in vars(layers)
+
+
+class _Buffer(nnx.Module):
+    def __init__(self):
+        self.buf = nnx.Intermediate({})  # no array yet
+        self.w = nnx.Param(jnp.ones(2))
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_vmap_writes_an_empty_variable_back_with_its_batch_axis(graph):
+    def fill(m, x):
+        m.buf.set_value({"h": x * m.w[...]})
+        return x
+
+    stack = treemode.vmap(lambda _: _Buffer(), graph=graph)(jnp.arange(3))
+    assert stack.buf.get_value() == {} and stack.w.shape == (3, 2)
+    treemode.vmap(fill, in_axes=(0, 0), graph=graph)(stack, jnp.ones((3, 2)))
+    assert stack.buf.get_value()["h"].shape == (3, 2)  # one value per example
+    # as nnx.vmap in tree mode does
+    flax_stack = nnx.vmap(lambda _: _Buffer(), graph=False)(jnp.arange(3))
+    nnx.vmap(fill, in_axes=(0, 0), graph=False)(flax_stack, jnp.ones((3, 2)))
+    assert flax_stack.buf.get_value()["h"].shape == (3, 2)
+
+    # out_axes=1 for the mapped argument: the value comes back on axis 1
+    stack = treemode.vmap(lambda _: _Buffer(), graph=graph)(jnp.arange(3))
+    axes = treemode.prefix(stack, {nnx.Intermediate: 1, ...: 0})
+    treemode.vmap(fill, in_axes=(axes, 0), graph=graph)(stack, jnp.ones((3, 2)))
+    assert stack.buf.get_value()["h"].shape == (2, 3)
+
+
+def test_vmap_broadcast_empty_variable_keeps_in_axes_none():
+    # A broadcast buffer (in_axes None) set to a per-example value is refused with
+    # its path and in_axes None, and left as it was.
+    single = _Buffer()
+    axes = treemode.prefix(single, {nnx.Intermediate: None, ...: None})
+
+    def fill(m, x):
+        m.buf.set_value({"h": x})
+        return x
+
+    with pytest.raises(treemode.AxisError, match=r"Intermediate at args\[0\]\.buf is broadcast"):
+        treemode.vmap(fill, in_axes=(axes, 0))(single, jnp.ones((3, 2)))
+    assert single.buf.get_value() == {}
+    # the same value for every example is fine
+    treemode.vmap(lambda m, x: (m.buf.set_value({"h": m.w[...]}), x)[1], in_axes=(axes, 0))(
+        single, jnp.ones((3, 2))
+    )
+    assert single.buf.get_value()["h"].shape == (2,)

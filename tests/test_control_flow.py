@@ -85,7 +85,7 @@ def test_while_loop_duplicated_init_is_an_alias_error():
         b.total[...] += 1
         return a, b
 
-    match = r"init_val\[0\]\.scale and as init_val\[1\]\.scale"
+    match = r"found at paths init_val\[0\]\.scale and init_val\[1\]\.scale"
     with pytest.raises(treemode.AliasError, match=match):
         treemode.while_loop(lambda v: v[0].total[...] < 3, body, (acc, acc))
     assert_unchanged(before, acc)

@@ -299,3 +299,110 @@ def test_python_scalar_primal_under_jax_grad():
     assert jax.grad(double)(1.0) == 3.0
     assert treemode.grad(double)(1.0) == 3.0
     assert jax.grad(lambda x: double(x) + double(2 * x))(1.0) == 9.0
+
+
+def _updating_f(graph: bool, record: dict, bwd_kind: str = "named"):
+    """f(m): m.x <- 3 x, m.calls += 1, returns 3 x y; bwd takes the updates' cotangents."""
+
+    @treemode.custom_vjp(graph=graph)
+    def f(m):
+        m.calls[...] += 1
+        m.x[...] = 3.0 * m.x[...]
+        return m.x[...] * m.y[...]
+
+    def f_fwd(m):
+        x0 = m.x[...]
+        return f(m), (x0, m.y[...])
+
+    def rule(res, g, updates_g):
+        x0, y = res
+        record["updates_g"] = updates_g
+        (m_up,) = updates_g
+        ct = Foo()
+        ct.x[...] = g * 3.0 * y + 3.0 * m_up.x[...]  # through the output and the new x
+        ct.y[...] = g * 3.0 * x0
+        return (ct,)
+
+    if bwd_kind == "named":
+        f.defvjp(f_fwd, lambda res, g, updates_g: rule(res, g, updates_g))
+    else:  # **kwargs
+        f.defvjp(f_fwd, lambda res, g, **kw: rule(res, g, kw["updates_g"]))
+    return f
+
+
+@pytest.mark.parametrize("bwd_kind", ["named", "kwargs"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_bwd_with_updates_g_gets_the_updates_cotangents(graph, bwd_kind):
+    record: dict = {}
+    f = _updating_f(graph, record, bwd_kind)
+
+    def loss(m):
+        return f(m) + 10.0 * m.x[...]  # reads the new x: its cotangent is 10
+
+    m = Foo()
+    grads = treemode.grad(loss, graph=graph)(m)
+    # loss(x, y) = 3xy + 30x: d/dx = 3y + 30 = 36, d/dy = 3x = 3
+    np.testing.assert_allclose(grads.x[...], 36.0)
+    np.testing.assert_allclose(grads.y[...], 3.0)
+    assert float(m.x[...]) == 3.0 and int(m.calls[...]) == 1  # updates written back
+    updates_g = record["updates_g"]
+    assert isinstance(updates_g, tuple) and len(updates_g) == 1
+    (m_up,) = updates_g
+    assert type(m_up) is Foo and m_up.y is None  # y was not changed
+    assert type(m_up.x) is nnx.Param
+    np.testing.assert_allclose(m_up.x[...], 10.0)
+    assert type(m_up.calls) is nnx.BatchStat  # an integer update: a float0 cotangent
+    assert m_up.calls[...].dtype == jax.dtypes.float0
+    assert len(jax.tree.leaves(m_up)) == 2
+
+
+def test_updates_g_has_an_entry_per_argument_nondiff_ones_included():
+    record: dict = {}
+
+    @treemode.custom_vjp(nondiff_argnums=(0,))
+    def f(stats, m):
+        stats.calls[...] += 1
+        return m.x[...] * 2.0
+
+    def f_bwd(stats, res, g, updates_g):
+        record["updates_g"] = updates_g
+        ct = jax.tree.map(jnp.zeros_like, res)
+        ct.x[...] = 2.0 * g
+        return (ct,)
+
+    f.defvjp(lambda stats, m: (f(stats, m), m), f_bwd)
+    stats, m = Foo(), Foo()
+    grads = treemode.grad(lambda m: f(stats, m))(m)
+    np.testing.assert_allclose(grads.x[...], 2.0)
+    assert int(stats.calls[...]) == 1
+    stats_up, m_up = record["updates_g"]
+    assert type(stats_up.calls) is nnx.BatchStat and stats_up.x is None
+    assert jax.tree.leaves(m_up) == []  # nothing of m changed
+
+
+def test_plain_bwd_still_refuses_differentiable_updates_and_updates_g_allows_them():
+    # The same function: with bwd(res, g) the update of m.x has no cotangent.
+    record: dict = {}
+    allowed = _updating_f(False, record)
+    m = Foo()
+    treemode.grad(allowed)(m)
+    assert float(m.x[...]) == 3.0
+
+    @treemode.custom_vjp
+    def refused(m):
+        m.x[...] = 3.0 * m.x[...]
+        return m.x[...]
+
+    refused.defvjp(lambda m: (refused(m), None), lambda res, g: (None,))
+    m = Foo()
+    with pytest.raises(treemode.MutationError, match=r"differentiable Param at args\[0\]\.x"):
+        treemode.grad(refused)(m)
+    assert float(m.x[...]) == 1.0
+
+    # A positional-only parameter named updates_g is not the keyword: plain form.
+    def positional_only(res, g, updates_g=None, /):
+        return (None,)
+
+    refused.defvjp(lambda m: (refused(m), None), positional_only)
+    with pytest.raises(treemode.MutationError):
+        treemode.grad(refused)(m)

@@ -345,7 +345,9 @@ def test_alias_error_leaves_inputs(name):
     model = Model()
     model.alias = model.mean  # one BatchStat reachable twice
     snap = Snapshot(model)
-    with pytest.raises(treemode.AliasError, match=r"treemode\.\w+: the same BatchStat"):
+    with pytest.raises(
+        treemode.AliasError, match=r"treemode\.\w+: Duplicate BatchStat: the same BatchStat"
+    ):
         TRANSFORMS[name](step, model, jnp.ones(2))
     snap.assert_unchanged()
     del model.alias

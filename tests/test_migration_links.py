@@ -108,7 +108,7 @@ def _diff_state() -> None:
         (_structure, treemode.StructureError, "structural-changes"),
         (_alias, treemode.AliasError, "shared-variables"),
         (_state_axes, treemode.AxisError, "stateaxes"),
-        (_diff_state, TypeError, "diffstate"),
+        (_diff_state, treemode.AxisError, "diffstate"),
     ],
     ids=["StructureError", "AliasError", "StateAxes", "DiffState"],
 )

@@ -221,7 +221,9 @@ def test_shared_reference_with_graph_false_raises(transform, scenario):
     batched = transform in BATCHED
     root = S.build(scenario.tree, batch=batched)
     before = [v.get_raw_value() for v in S.variables_of(root)]
-    with pytest.raises(treemode.AliasError, match=r"treemode\.\w+: the same \w+ is reachable"):
+    with pytest.raises(
+        treemode.AliasError, match=r"treemode\.\w+: Duplicate \w+: the same \w+ is reachable"
+    ):
         RUNNERS[transform](program, root, [], False)
     assert [v.get_raw_value() for v in S.variables_of(root)] == before  # untouched
 

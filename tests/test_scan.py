@@ -492,3 +492,115 @@ def test_graph_mode_carry_with_a_shared_module():
     assert p["a"] is shared and p["b"] is shared
     assert float(h) == 3.0 and counts.tolist() == [1, 2, 3]
     assert int(shared.count[...]) == 3
+
+
+class CarryPytree(nnx.Pytree):
+    """A carry object with a plain array attribute next to a Variable."""
+
+    def __init__(self, data):
+        self.data = data
+        self.count = nnx.BatchStat(jnp.array(0))
+
+
+class PlainCarry(nnx.Pytree):
+    def __init__(self, data):
+        self.data = data
+
+
+def test_plain_array_of_a_pytree_carry_may_be_reassigned():
+    # As in JAX, the carry is a new pytree: the new value reaches the returned
+    # carry; the caller's object keeps its old value and its Variables are updated.
+    carry = CarryPytree(jnp.array(0.0))
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=(Carry, 0))
+    def step(state, x):
+        state.data = state.data + x
+        state.count[...] += 1
+        return state, state.data
+
+    out, ys = step(carry, jnp.arange(1.0, 5.0))
+    assert type(out) is CarryPytree and out is not carry
+    assert float(out.data) == 10.0
+    np.testing.assert_allclose(ys, [1.0, 3.0, 6.0, 10.0])
+    assert float(carry.data) == 0.0  # the caller's object is unchanged...
+    assert out.count is carry.count and int(carry.count[...]) == 4  # ...its Variables updated
+    # Under jit (which may not return input Variables: objects holding arrays only),
+    # with a tuple carry holding two such objects, one of them reassigned
+    pair = (PlainCarry(jnp.array(0.0)), PlainCarry(jnp.array(10.0)))
+
+    @treemode.jit
+    def run(pair):
+        def body(p, x):
+            p[0].data = p[0].data + 1
+            return p, None
+
+        return treemode.scan(body, in_axes=(Carry, 0), out_axes=(Carry, 0))(pair, jnp.zeros(3))
+
+    (a, b), _ = run(pair)
+    assert float(a.data) == 3.0 and float(b.data) == 10.0
+    assert float(pair[0].data) == 0.0 and type(a) is PlainCarry
+
+
+def test_unchanged_pytree_carry_keeps_its_identity():
+    carry = CarryPytree(jnp.array(1.0))
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry)
+    def step(state, x):
+        state.count[...] += 1
+        return state
+
+    assert step(carry, jnp.zeros(3)) is carry
+    assert int(carry.count[...]) == 3
+
+
+def test_pytree_carry_array_must_keep_its_shape():
+    carry = CarryPytree(jnp.array(0.0))
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry)
+    def step(state, x):
+        state.data = jnp.stack([state.data, x])
+        state.count[...] += 1
+        return state
+
+    with pytest.raises(treemode.StructureError, match=r"carry array at args\[0\]\.data"):
+        step(carry, jnp.zeros(3))
+    assert float(carry.data) == 0.0 and int(carry.count[...]) == 0
+
+
+def test_while_and_fori_loops_carry_pytree_arrays_too():
+    carry = CarryPytree(jnp.array(0.0))
+
+    def body(state):
+        state.data = state.data + 2.0
+        return state
+
+    out = treemode.while_loop(lambda s: s.data < 5.0, body, carry)
+    assert float(out.data) == 6.0 and float(carry.data) == 0.0
+    out = treemode.fori_loop(0, 4, lambda i, s: body(s), carry)
+    assert float(out.data) == 8.0
+
+
+def test_pytree_carry_arrays_in_containers():
+    class Holder(nnx.Pytree):
+        def __init__(self):
+            self.d = nnx.data({"a": jnp.array(0.0)})
+            self.t = nnx.data((jnp.array(0.0),))
+
+    holder = Holder()
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry)
+    def in_dict(h, x):
+        h.d["a"] = h.d["a"] + x
+        return h
+
+    out = in_dict(holder, jnp.arange(4.0))
+    assert float(out.d["a"]) == 6.0 and float(holder.d["a"]) == 0.0
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry)
+    def new_tuple(h, x):
+        h.t = (h.t[0] + x,)  # a new container: a structural change, named
+        return h
+
+    with pytest.raises(treemode.StructureError, match=r"args\[0\]\.t\[0\]"):
+        new_tuple(holder, jnp.arange(4.0))
+    assert float(holder.t[0]) == 0.0

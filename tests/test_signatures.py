@@ -439,6 +439,6 @@ def test_transform_metadata_graph_keyword():
     def tree_mode(a, b):
         return None
 
-    with pytest.raises(treemode.AliasError, match=r"args\[0\] and as args\[1\]"):
+    with pytest.raises(treemode.AliasError, match=r"found at paths args\[0\] and args\[1\]"):
         tree_mode(v, v)
     assert v.out_sharding == ("p", "a")

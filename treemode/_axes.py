@@ -181,10 +181,45 @@ def call_axes(
                     f"each value must be {expected}."
                     + (" See docs/migration.md#stateaxes." if flax_lift else "")
                 )
-    variables = tuple(
-        dynamic[r[0]] if len(r) else closure_axis for r in call.variable_dynamic_ranges()
-    )
-    return CallAxes(tuple(dynamic), variables)
+    ranges = call.variable_dynamic_ranges()
+    variables = [dynamic[r[0]] if len(r) else closure_axis for r in ranges]
+    if any(not len(r) for r in ranges[: sum(len(f.variables) for f in call.arg_flats)]):
+        _empty_variable_axes(call, traced_entries, variables, ranges, is_leaf, kwargs_axis, what)
+    return CallAxes(tuple(dynamic), tuple(variables))
+
+
+def _empty_variable_axes(
+    call: Call,
+    traced_entries: list[Any],
+    variables: list[Any],
+    ranges: Sequence[range],
+    is_leaf: Callable[[Any], bool],
+    kwargs_axis: Any,
+    what: str,
+) -> None:
+    """Give the argument Variables that hold no array yet their axis from the prefix.
+
+    Such a Variable (``nnx.Intermediate({})``, the buffer ``sow`` and
+    `treemode.capture` fill) has no dynamic array to read its axis from, but the
+    value the function writes into it comes back on that axis.
+    """
+    index = {id(v): i for i, v in enumerate(call.variables)}
+    for k, (name, original) in enumerate(original_roots(call)):
+        leaves = jax.tree_util.tree_leaves(original, is_leaf=is_variable)
+        if k < len(traced_entries):
+            values = broadcast_to_leaves(
+                traced_entries[k],
+                original,
+                is_prefix_leaf=is_leaf,
+                where=name,
+                what=f"treemode.{call.transform}: {what}",
+            )
+        else:
+            values = [kwargs_axis] * len(leaves)
+        for leaf, value in zip(leaves, values, strict=True):
+            i = index.get(id(leaf)) if is_variable(leaf) else None
+            if i is not None and not len(ranges[i]):
+                variables[i] = value
 
 
 def graph_prefix_values(

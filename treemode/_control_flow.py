@@ -24,6 +24,7 @@ from ._loop import (
     abstract,
     carry_layout,
     check_carry_out,
+    inner_arrays,
     probe_changed,
     rebuild_carry,
     scalars_to_arrays,
@@ -73,8 +74,9 @@ class _LoopEntry:
 
             def body(val: Any) -> list[Any]:
                 i, index.value = getattr(index, "value", None), None  # never keep a tracer
+                inner = inner_arrays(layout, val)
                 out = fn(val) if index_aval is None else fn(i, val)
-                return check_carry_out(transform, layout, val, out)
+                return check_carry_out(transform, layout, val, out, inner)
 
             return body
 

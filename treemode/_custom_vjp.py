@@ -19,8 +19,15 @@ hold the tracers of the trace it was prepared in. Both rebuild the call's
 structure from the primal arrays they receive.
 
 Variable updates are an extra output of the JAX function and are written back.
-A differentiable Variable (a floating-point Variable of a differentiable
-argument) must not be changed: its new value would have no cotangent.
+Their cotangents reach ``bwd`` only if it asks for them, as Flax's tree mode
+does: a ``bwd`` with a parameter named ``updates_g`` (or ``**kwargs``) gets
+``updates_g=``, one entry per argument with the argument's structure, ``None``
+everywhere except a Variable holding the cotangent of each Variable's new value.
+Such a ``bwd`` accounts for the updates, so the function may change
+differentiable Variables; a plain ``bwd(res, g)`` gets no cotangent for them,
+so changing a differentiable Variable (a floating-point Variable of a
+differentiable argument) then raises `MutationError`: the gradient through its
+new value would be silently lost.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from jax.custom_derivatives import SymbolicZero
 from . import _core, _graph
 from ._errors import ClosureError, MutationError
 from ._grad import DiffSplit, dynamic_like, float0_zeros, is_differentiable
-from ._leaves import ARRAY_TYPES
+from ._leaves import ARRAY_TYPES, is_variable
+from ._lifts import refuse_lifts
 from ._signature import as_tuple, resolve_argnums
 
 P = ParamSpec("P")
@@ -57,6 +65,7 @@ class CustomVjp(Generic[P, R]):
         self.graph = graph
         self.fwd: Callable[..., Any] | None = None
         self.bwd: Callable[..., Any] | None = None
+        self.bwd_takes_updates = False
 
     def defvjp(
         self,
@@ -73,6 +82,12 @@ class CustomVjp(Generic[P, R]):
         - `bwd`: takes `(*nondiff_args, residuals, output_cotangent)` and returns a
           tuple with one cotangent per differentiable argument, of the argument's
           own type (a Module of the same class for a Module; `None` for zeros).
+          If it has a parameter named `updates_g` (or `**kwargs`), it is also
+          given `updates_g=`: the cotangents of the Variables the function
+          changed, as a tuple with one entry per argument of the argument's
+          structure (`None` in place of every other Variable and leaf), as in
+          Flax's tree mode. The function may then change differentiable
+          Variables; without it, that raises `MutationError`.
         - `symbolic_zeros`: not supported (must be `False`).
 
         **Returns:**
@@ -99,6 +114,7 @@ class CustomVjp(Generic[P, R]):
             )
         self.fwd = fwd
         self.bwd = bwd
+        self.bwd_takes_updates = _takes_updates_g(bwd)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
@@ -121,7 +137,9 @@ class CustomVjp(Generic[P, R]):
         call = _core.prepare("custom_vjp", self.fn, args_t, {}, graph=self.graph)
         diff_args = [i for i in range(len(args_t)) if i not in self.nondiff_argnums]
         split = DiffSplit(call, diff_args, "nondiff_argnums")
-        protected = _protected_variables(call, split)
+        # A bwd taking updates_g gets the updates' cotangents: updates are then allowed.
+        takes_updates = self.bwd_takes_updates
+        protected = [] if takes_updates else _protected_variables(call, split)
         primal = _core.PureFunction(call)
         fwd_pure = _core.PureFunction(call, allow_output_variables=True)
         fwd_pure.fn = self.fwd
@@ -205,7 +223,10 @@ class CustomVjp(Generic[P, R]):
             nondiff_args = [bwd_call.args[i] for i in nondiff]
             if graph:
                 out_ct = _graph.from_tree(out_ct)
-            result = user_bwd(*nondiff_args, residuals, out_ct)
+            extra: dict[str, Any] = {}
+            if takes_updates:
+                extra["updates_g"] = _updates_cotangents(bwd_call, cotangents[1])
+            result = user_bwd(*nondiff_args, residuals, out_ct, **extra)
             if not isinstance(result, (tuple, list)) or len(result) != len(diff_args):
                 got = (
                     f"a {type(result).__name__} of length {len(result)}"
@@ -253,6 +274,34 @@ def _instantiate(x: Any) -> Any:
     return x
 
 
+def _takes_updates_g(bwd: Callable[..., Any]) -> bool:
+    """Whether ``bwd`` asks for the updates' cotangents (``updates_g`` or ``**kwargs``)."""
+    try:
+        params = inspect.signature(bwd).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "updates_g" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in params
+    )
+
+
+def _updates_cotangents(call: _core.Call, update_cts: Sequence[Any]) -> tuple[Any, ...]:
+    """``updates_g``: per positional argument, its structure with ``None`` everywhere
+    except a Variable (same type and metadata) holding the cotangent of each changed
+    Variable's new value."""
+    changed: dict[int, Any] = {}
+    for var, ct in zip(call.variables, update_cts, strict=False):  # closure ones last
+        if ct is not None:
+            changed[id(var)] = var.replace(jax.tree_util.tree_map(_instantiate, ct))
+
+    def mask(x: Any) -> Any:
+        return changed.get(id(x)) if is_variable(x) else None
+
+    return tuple(jax.tree_util.tree_map(mask, a, is_leaf=is_variable) for a in call.args)
+
+
 def _check_closure_not_differentiated(call: _core.Call, primals: Sequence[Any]) -> None:
     """JAX cannot differentiate a custom_vjp function w.r.t. values it closes over."""
     n_args = sum(len(f.dynamic) for f in call.arg_flats)
@@ -285,10 +334,11 @@ def _check_no_mutation(call: _core.Call, protected: list[int], updates: Sequence
         raise MutationError(
             f"treemode.custom_vjp: the function changed the differentiable "
             f"{type(var).__name__} at {path}. Its new value would have no cotangent, so "
-            "the gradient would be silently wrong.\nDo not update differentiable "
-            "Variables inside a custom_vjp function: update them outside, or pass the "
-            "state you need to update in an argument listed in nondiff_argnums (or as "
-            "integer Variables, which are not differentiated)."
+            "the gradient would be silently wrong.\nGive bwd a parameter named "
+            "updates_g to receive the cotangents of the updates (bwd(res, g, updates_g)) "
+            "and account for them; or update differentiable Variables outside the "
+            "function, or pass the state you need to update in an argument listed in "
+            "nondiff_argnums (or as integer Variables, which are not differentiated)."
         )
 
 
@@ -374,6 +424,8 @@ def custom_vjp(
     assert jnp.allclose(grads.y[...], jnp.sin(1.0))
     ```
     """
+
+    refuse_lifts(nondiff_argnums, transform="custom_vjp", what="nondiff_argnums", graph=graph)
 
     def make(f: Callable[P, R]) -> CustomVjp[P, R]:
         nums, _ = resolve_argnums(

@@ -49,7 +49,11 @@ class AxisError(TreemodeError, ValueError):
 
     Raised for a wrong spec type, an axis out of range, mismatched mapped sizes,
     a spec that is not a prefix of its argument, or a broadcast (unmapped)
-    Variable that the function sets to a per-example value.
+    Variable that the function sets to a per-example value. Also raised when a
+    transform is made with one of Flax's graph-mode lift objects in a
+    specification (``nnx.StateAxes``, ``nnx.StateSharding``, ``nnx.DiffState``
+    in ``in_axes``, ``in_shardings``, ``argnums``, ...) or with a Variable in
+    place of an axis (``in_axes=(nnx.Param(0),)``).
     """
 
 

@@ -620,8 +620,8 @@ def first_duplicate(roots: Iterable[tuple[str, Any]]) -> tuple[Any, str, str] | 
 
 def alias_error(transform: str, var: Any, first: str, second: str) -> AliasError:
     return AliasError(
-        f"treemode.{transform}: the same {type(var).__name__} is reachable as {first} "
-        f"and as {second}.\n"
+        f"treemode.{transform}: Duplicate {type(var).__name__}: the same "
+        f"{type(var).__name__} is reachable twice, found at paths {first} and {second}.\n"
         "Tree mode treats modules as pytrees, so the two references would become "
         "independent copies and one of the updates would be lost.\n"
         "Fix: remove the duplicate reference, pass a copy made with treemode.clone(...), "

@@ -28,6 +28,7 @@ from . import _core, _graph
 from ._errors import StructureError
 from ._flatten import DYNAMIC, StaticLeaf, VarSpec
 from ._leaves import ARRAY_TYPES, is_graph_node, is_variable
+from ._lifts import refuse_lifts
 from ._paths import format_path
 from ._signature import check_reduce_axes
 
@@ -444,6 +445,7 @@ def grad(
     ```
     """
     check_reduce_axes("grad", reduce_axes)
+    refuse_lifts(argnums, transform="grad", what="argnums", graph=graph)
     if fun is None:
         return functools.partial(
             grad,
@@ -498,6 +500,7 @@ def value_and_grad(
     ```
     """
     check_reduce_axes("value_and_grad", reduce_axes)
+    refuse_lifts(argnums, transform="value_and_grad", what="argnums", graph=graph)
     if fun is None:
         return functools.partial(
             value_and_grad,

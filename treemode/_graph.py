@@ -244,11 +244,12 @@ def check_one_spec_per_variable(
             if not _same_spec(seen[2], value):
                 where = [_leaf_path(roots[k][0], roots[k][1], i) for k, i in (seen[:2], (r, j))]
                 raise AliasError(
-                    f"treemode.{transform}: the {type(leaf).__name__} at {where[0]} is also "
-                    f"reachable at {where[1]} (shared, graph=True), with two different "
-                    f"{what}: {describe(seen[2])} at {where[0]} and {describe(value)} at "
-                    f"{where[1]}. A shared "
-                    "Variable is one input of the transform, so it takes one specification.\n"
+                    f"treemode.{transform}: Inconsistent aliasing detected: the "
+                    f"{type(leaf).__name__} at {where[0]} is also reachable at {where[1]} "
+                    f"(shared, graph=True), with two different {what}, {where[0]}: "
+                    f"{describe(seen[2])} and {where[1]}: {describe(value)}. Duplicate "
+                    "references to one Variable are one input of the transform, so it takes "
+                    "one specification.\n"
                     f"Fix: give both places the same {what}, or pass the Variable only once."
                 )
 

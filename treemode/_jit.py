@@ -14,10 +14,15 @@ from . import _callsite, _compiled, _core, _explain, _retrace, _writeback
 from ._axes import graph_prefix_values
 from ._callsite import CallSite
 from ._errors import DonationError, StructureError
-from ._flatten import DYNAMIC, ArgFlat, VarSpec
+from ._flatten import DYNAMIC, ArgFlat, VarSpec, check_no_aliases
 from ._interrupts import held_interrupts
 from ._leaves import is_variable
-from ._prefix import broadcast_to_dynamic, decode_flax_prefixes, graph_output_prefix
+from ._lifts import refuse_lifts
+from ._prefix import (
+    broadcast_to_dynamic,
+    decode_flax_prefixes,
+    graph_output_prefix,
+)
 from ._signature import UNSPECIFIED, as_tuple, resolve_argnums
 
 P = ParamSpec("P")
@@ -696,6 +701,8 @@ def jit(
     assert counter.count[...] == 1
     ```
     """
+    refuse_lifts(in_shardings, transform="jit", what="in_shardings", graph=graph)
+    refuse_lifts(out_shardings, transform="jit", what="out_shardings", graph=graph)
     options: dict[str, Any] = dict(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
@@ -748,6 +755,11 @@ def jit_partial(
 
     A `treemode.jit` wrapper taking the remaining arguments.
 
+    **Raises:**
+
+    `AliasError` at once (not at the first call) when, with `graph=False`, the
+    bound arguments reach one Variable twice.
+
     ```python
     import jax.numpy as jnp
     import treemode
@@ -758,6 +770,10 @@ def jit_partial(
     assert forward(jnp.ones((1, 2))).shape == (1, 2)
     ```
     """
+    refuse_lifts(in_shardings, transform="jit_partial", what="in_shardings", graph=graph)
+    refuse_lifts(out_shardings, transform="jit_partial", what="out_shardings", graph=graph)
+    if not graph:  # the bound arguments are fixed: check them for aliases now
+        check_no_aliases("jit_partial", args=tuple(partial_args))
     return JitWrapped(
         fun,
         in_shardings=in_shardings,

@@ -17,7 +17,12 @@ building the loop (`probe_changed`).
 
 The carry argument keeps its identity: the function must return the very NNX
 objects and Variables it was given (it changes them in place), and the caller
-gets back the original objects, updated.
+gets back the original objects, updated. A plain array attribute of an NNX
+object in the carry (an ``nnx.Pytree`` holding ``self.data = array``) is loop
+state too: the function may reassign it, and since the object is returned as
+the carry, its new value reaches the caller in a new object of that type (as a
+carry is a new pytree in JAX), holding the same Variables; the caller's object
+keeps its old value.
 """
 
 from __future__ import annotations
@@ -120,12 +125,18 @@ class CarryLayout:
 
     ``kinds`` has one entry per coarse leaf (NNX objects and Variables are
     coarse leaves, the function must return them as they are); ``free`` holds the
-    indices into ``call.dynamic`` of the free arrays, in coarse-leaf order.
+    indices into ``call.dynamic`` of the free arrays, in coarse-leaf order, then
+    those of the plain arrays inside NNX objects (``inner``: per such array, its
+    coarse leaf, its position among the object's leaves and its abstract value).
     """
 
     root: str
     kinds: list[str]
     free: list[int]
+    inner: list[tuple[int, int, Any]] = dataclasses.field(default_factory=list)
+    # Indices into ``inner`` of the arrays the function reassigns (found when it is
+    # traced); only their objects are rebuilt for the caller.
+    reassigned: set[int] = dataclasses.field(default_factory=set)
 
 
 def carry_layout(call: _core.Call, k: int, root: str) -> CarryLayout:
@@ -136,9 +147,11 @@ def carry_layout(call: _core.Call, k: int, root: str) -> CarryLayout:
     coarse = jax.tree_util.tree_leaves(tree, is_leaf=_is_coarse_leaf)
     kinds: list[str] = []
     free: list[int] = []
+    inner: list[tuple[int, int, Any]] = []
+    inner_free: list[int] = []
     specs = iter(flat.specs)
     offset = start
-    for leaf in coarse:
+    for c, leaf in enumerate(coarse):
         if _is_coarse_leaf(leaf):
             kinds.append(NODE)
             n = (
@@ -146,8 +159,11 @@ def carry_layout(call: _core.Call, k: int, root: str) -> CarryLayout:
                 if is_variable(leaf)
                 else len(jax.tree_util.tree_leaves(leaf, is_leaf=is_variable))
             )
-            for _ in range(n):
+            for j in range(n):
                 spec = next(specs)
+                if spec is DYNAMIC and not call.graph and not is_variable(leaf):
+                    inner.append((c, j, abstract(call.dynamic[offset])))
+                    inner_free.append(offset)
                 offset += spec.num_dynamic if type(spec) is VarSpec else int(spec is DYNAMIC)
             continue
         spec = next(specs)
@@ -157,17 +173,62 @@ def carry_layout(call: _core.Call, k: int, root: str) -> CarryLayout:
             offset += 1
         else:
             kinds.append(STATIC)
-    return CarryLayout(root, kinds, free)
+    return CarryLayout(root, kinds, free + inner_free, inner)
+
+
+def _inner_leaves(node: Any) -> list[tuple[Any, Any]]:
+    return jax.tree_util.tree_flatten_with_path(node, is_leaf=is_variable)[0]
+
+
+def inner_arrays(layout: CarryLayout, carry: Any) -> list[Any]:
+    """The plain arrays inside the carry's NNX objects (call before the function runs)."""
+    if not layout.inner:
+        return []
+    coarse = jax.tree_util.tree_leaves(carry, is_leaf=_is_coarse_leaf)
+    return [_inner_leaves(coarse[c])[j][1] for c, j, _ in layout.inner]
+
+
+def _set_at(node: Any, path: Sequence[Any], value: Any) -> None:
+    """Set the leaf at ``path`` (attribute, dict and list keys) inside ``node``."""
+    parent = node
+    for key in path[:-1]:
+        parent = _child(parent, key)
+    key = path[-1]
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        setattr(parent, key.name, value)
+    elif isinstance(key, jax.tree_util.DictKey):
+        parent[key.key] = value
+    elif isinstance(key, jax.tree_util.SequenceKey):
+        parent[key.idx] = value
+    else:
+        raise TypeError(f"cannot set a leaf at {key!r}")
+
+
+def _child(parent: Any, key: Any) -> Any:
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(parent, key.name)
+    if isinstance(key, jax.tree_util.DictKey):
+        return parent[key.key]
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return parent[key.idx]
+    raise TypeError(f"cannot follow {key!r}")
 
 
 def check_carry_out(
-    transform: str, layout: CarryLayout, carry_in: Any, carry_out: Any
+    transform: str,
+    layout: CarryLayout,
+    carry_in: Any,
+    carry_out: Any,
+    inner_before: Sequence[Any] = (),
 ) -> list[Any]:
     """Check the function's new carry against the carry it received.
 
-    Returns the new values of the free arrays. Raises `StructureError` naming the
-    path when the structure differs, an NNX object or Variable was replaced, or a
-    free array changed shape or dtype.
+    Returns the new values of the free arrays (then of the plain arrays inside
+    the carry's NNX objects, `inner_arrays` taken before the function ran:
+    ``inner_before``; those objects get their old arrays back, so that the
+    function's input looks unchanged and the new values travel in the loop
+    state). Raises `StructureError` naming the path when the structure differs,
+    an NNX object or Variable was replaced, or a free array changed shape or dtype.
     """
     in_paths, in_def = jax.tree_util.tree_flatten_with_path(
         carry_in, is_leaf=is_variable_or_graph_node
@@ -206,7 +267,49 @@ def check_carry_out(
                 f"{before!r} to {after!r}. Static values (non-array leaves) cannot change "
                 "inside a loop; make it an array or keep it constant."
             )
+    if layout.inner:
+        free += _take_inner(transform, layout, in_paths, out_leaves, inner_before)
     return free
+
+
+def _take_inner(
+    transform: str,
+    layout: CarryLayout,
+    in_paths: Sequence[tuple[Any, Any]],
+    out_leaves: Sequence[Any],
+    inner_before: Sequence[Any],
+) -> list[Any]:
+    """The new plain arrays of the carry's NNX objects; the objects get the old ones back."""
+    values: list[Any] = []
+    restore: list[tuple[Any, Any, Any]] = []
+    for k, ((c, j, aval), old) in enumerate(zip(layout.inner, inner_before, strict=True)):
+        node = out_leaves[c]
+        path, raw = _inner_leaves(node)[j]
+        where = format_path((*in_paths[c][0], *path), layout.root)
+        try:
+            new = jnp.asarray(raw)
+        except TypeError:
+            raise StructureError(
+                f"treemode.{transform}: the carry at {where} was an array and the "
+                f"function put a {type(raw).__name__} in its place. Assign an array of "
+                "the same shape and dtype."
+            ) from None
+        if tuple(new.shape) != tuple(aval.shape) or new.dtype != aval.dtype:
+            problem = (
+                f"it went in as {aval.dtype}{list(aval.shape)} and came out as "
+                f"{new.dtype}{list(new.shape)}"
+            )
+            raise type_error(transform, where, "the carry array", problem)
+        values.append(new)
+        if raw is not old:
+            layout.reassigned.add(k)
+            restore.append((node, path, old))
+    for node, path, old in restore:
+        try:
+            _set_at(node, path, old)
+        except (TypeError, AttributeError, KeyError, IndexError):
+            pass  # e.g. inside a new tuple: the structure check then names the change
+    return values
 
 
 def _raise_replaced(transform: str, where: str, before: Any, after: Any) -> None:
@@ -214,14 +317,16 @@ def _raise_replaced(transform: str, where: str, before: Any, after: Any) -> None
     raise StructureError(
         f"treemode.{transform}: the carry at {where} must stay the same {kind}, but the "
         f"function returned a different {type(after).__name__} in its place.\n"
-        "Carry modules and Variables keep their identity across iterations: change "
-        "them in place (e.g. `m.w[...] = new` or `m.count[...] += 1`) and return the "
-        "same object."
+        f"{transform} Variable identity must be preserved across iterations: carry "
+        "modules and Variables keep their identity, so change them in place (e.g. "
+        "`m.w[...] = new` or `m.count[...] += 1`) and return the same object."
     )
 
 
 def rebuild_carry(original: Any, layout: CarryLayout, free_values: Sequence[Any]) -> Any:
-    """The caller's carry object with new free arrays; NNX objects are kept as they are."""
+    """The caller's carry object with new free arrays; NNX objects are kept as they are,
+    except that one whose plain arrays are carried becomes a new object of its type
+    holding the new arrays and the same Variables."""
     if not layout.free:
         return original
     leaves, treedef = jax.tree_util.tree_flatten(original, is_leaf=is_variable_or_graph_node)
@@ -230,6 +335,18 @@ def rebuild_carry(original: Any, layout: CarryLayout, free_values: Sequence[Any]
         next(values) if kind == FREE else leaf
         for leaf, kind in zip(leaves, layout.kinds, strict=True)
     ]
+    per_node: dict[int, dict[int, Any]] = {}
+    changed: set[int] = set()
+    for k, ((c, j, _), value) in enumerate(zip(layout.inner, values, strict=True)):
+        per_node.setdefault(c, {})[j] = value
+        if k in layout.reassigned:
+            changed.add(c)
+    for c in changed:
+        node_leaves, node_def = jax.tree_util.tree_flatten(new[c], is_leaf=is_variable)
+        replaced = per_node[c]
+        new[c] = node_def.unflatten([replaced.get(j, x) for j, x in enumerate(node_leaves)])
+    if not layout.kinds.count(FREE) and not changed:
+        return original
     return treedef.unflatten(new)
 
 

@@ -27,6 +27,7 @@ from . import _compat, _core
 from ._axes import is_axis, is_int_axis, positional_entries
 from ._errors import AxisError
 from ._leaves import is_variable
+from ._lifts import refuse_lifts
 from ._prefix import broadcast_to_leaves
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -365,6 +366,12 @@ def transform_metadata(
     assert stack.out_sharding == ("din", "dout")
     ```
     """
+    refuse_lifts(
+        in_axes, transform="transform_metadata", what="in_axes", graph=graph, variables=True
+    )
+    refuse_lifts(
+        out_axes, transform="transform_metadata", what="out_axes", graph=graph, variables=True
+    )
     if metadata is None:
         if partition is _UNSET:
             raise AxisError(

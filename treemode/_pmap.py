@@ -9,6 +9,7 @@ import jax
 
 from . import _core
 from ._axes import CallAxes, call_axes, check_axes_spec, check_mapped
+from ._lifts import refuse_lifts
 from ._vmap import MappedWrapper, _Entry, find_batched_update, translate_axis_error
 
 
@@ -149,6 +150,8 @@ def pmap(
     assert stats.total[...] == 3 * n
     ```
     """
+    refuse_lifts(in_axes, transform="pmap", what="in_axes", graph=graph, variables=True)
+    refuse_lifts(out_axes, transform="pmap", what="out_axes", graph=graph, variables=True)
     options: dict[str, Any] = dict(
         axis_name=axis_name,
         in_axes=in_axes,

@@ -317,20 +317,30 @@ class PureFunction:
             for p, leaf in jax.tree_util.tree_flatten_with_path(out_tree, is_leaf=is_variable)[0]
             if leaf is var
         ]
+        name = type(var).__name__
         if kind == "input":
             assert index is not None
             in_path = call.variable_paths()[index]
+            if index >= len(call.variables) - len(call.lifted):
+                head = (
+                    f"Cannot return captured Variable: the function returns the {name} at "
+                    f"{in_path}, which it captures from its closure (returned at "
+                    f"{out_paths[0]})."
+                )
+            else:
+                head = (
+                    f"Duplicate {name}: the function returns the {name} that is also its "
+                    f"input {in_path} (returned at {out_paths[0]})."
+                )
             raise AliasError(
-                f"treemode.{self.transform}: the function returns the "
-                f"{type(var).__name__} that is also its input {in_path} (returned "
-                f"at {out_paths[0]}).\n"
-                "Tree mode cannot return an input Variable: it would come back as an "
-                "independent copy. Return its value instead (e.g. `var[...]`), or "
-                "return a new module built inside the function."
+                f"treemode.{self.transform}: {head}\n"
+                "Tree mode does not support Variable aliasing between inputs and outputs: "
+                "the returned one would come back as an independent copy. Return its value "
+                "instead (e.g. `var[...]`), or return a new module built inside the function."
             )
         raise AliasError(
-            f"treemode.{self.transform}: the function returns the same "
-            f"{type(var).__name__} twice, at {out_paths[0]} and {out_paths[1]}.\n"
+            f"treemode.{self.transform}: Duplicate {name}: the function returns the same "
+            f"{name} twice, at {out_paths[0]} and {out_paths[1]}.\n"
             "In tree mode the two would come back as independent copies. Return it "
             f"once, or keep the sharing with treemode.{self.transform}(..., graph=True)."
         )

@@ -14,12 +14,14 @@ from . import _core
 from ._axes import call_axes, check_mapped, is_axis, is_int_axis
 from ._errors import AxisError
 from ._leaves import is_variable
+from ._lifts import refuse_lifts
 from ._loop import (
     CarryLayout,
     LoopState,
     abstract,
     carry_layout,
     check_carry_out,
+    inner_arrays,
     probe_changed,
     rebuild_carry,
     scalars_to_arrays,
@@ -76,9 +78,10 @@ def _top_carry(spec: Any, what: str) -> int | None:
         if is_carry(entry):
             if found is not None:
                 raise AxisError(
-                    f"treemode.scan: treemode.Carry appears twice in {what}, at {what}[{found}]"
-                    f" and {what}[{i}]. A scan has one carry: put everything that is carried "
-                    "in one argument (a tuple or a module)."
+                    f"treemode.scan: Found multiple Carry definitions: treemode.Carry appears "
+                    f"twice in {what}, at {what}[{found}] and {what}[{i}]. A scan has one "
+                    "carry: put everything that is carried in one argument (a tuple or a "
+                    "module)."
                 )
             found = i
         else:
@@ -94,9 +97,10 @@ def _check_no_none(spec: Any) -> None:
         value = leaf.get_raw_value() if is_variable(leaf) else leaf
         if value is None:
             raise AxisError(
-                f"treemode.scan: out_axes{jax.tree_util.keystr(path)} is None, but scan "
-                "stacks every output along an axis (one slice per step). Give an int axis; "
-                "to get a value out of the last step, return it in the carry."
+                f"treemode.scan: out_axes{jax.tree_util.keystr(path)} is None. Cannot "
+                "broadcast output state: scan stacks every output along an axis (one slice "
+                "per step). Give an int axis; to get a value out of the last step, return "
+                "it in the carry."
             )
         if not (is_int_axis(value) or is_carry(value)):
             raise AxisError(
@@ -245,8 +249,9 @@ class ScanWrapped:
             )
             raise AxisError(
                 f"treemode.scan: {where} has a treemode.Carry but {other} does not "
-                f"(in_axes={in_axes!r}, out_axes={out_axes!r}). The function receives the "
-                "carry and must return its new value: mark it in both, e.g. "
+                f"(in_axes={in_axes!r}, out_axes={out_axes!r}). If one of in_axes or "
+                "out_axes has Carry, the other must also have Carry: the function receives "
+                "the carry and returns its new value. Mark it in both, e.g. "
                 "in_axes=(Carry, 0), out_axes=(Carry, 0)."
             )
         self._cache: TraceCache[_Entry] = cache_for(
@@ -418,10 +423,13 @@ class ScanWrapped:
         out = self.out
 
         def body(*args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
+            inner = (
+                inner_arrays(layout, args[carry_pos]) if layout and carry_pos is not None else []
+            )
             carry_out, ys = out.split(fn(*args, **kwargs))
             if layout is None or carry_pos is None:
                 return [], ys
-            return check_carry_out("scan", layout, args[carry_pos], carry_out), ys
+            return check_carry_out("scan", layout, args[carry_pos], carry_out, inner), ys
 
         return body
 
@@ -541,6 +549,8 @@ def scan(
     assert total == 6.0 and cumsum.tolist() == [0.0, 1.0, 3.0, 6.0]
     ```
     """
+    refuse_lifts(in_axes, transform="scan", what="in_axes", graph=graph, variables=True)
+    refuse_lifts(out_axes, transform="scan", what="out_axes", graph=graph, variables=True)
     options: dict[str, Any] = dict(
         length=length,
         reverse=reverse,

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, PartitionSpec
 from . import _core
 from ._axes import CallAxes, call_axes, dynamic_paths
 from ._errors import AxisError
+from ._lifts import refuse_lifts
 from ._vmap import MappedWrapper, _Entry
 
 
@@ -245,6 +246,8 @@ def shard_map(
     assert y.shape == (2 * n, 3) and counter.seen[...] == 2 * n
     ```
     """
+    refuse_lifts(in_specs, transform="shard_map", what="in_specs", graph=graph)
+    refuse_lifts(out_specs, transform="shard_map", what="out_specs", graph=graph)
     kwargs: dict[str, Any] = dict(
         mesh=mesh,
         in_specs=in_specs,

@@ -25,6 +25,7 @@ from ._axes import (
     check_mapped,
 )
 from ._errors import AxisError
+from ._lifts import refuse_lifts
 from ._metadata import check_metadata, with_axis_metadata
 from ._prefix import decode_flax_prefixes, graph_output_prefix
 from ._rng_hints import warn_broadcast_draws
@@ -432,6 +433,8 @@ def vmap(
     assert forward(stack, jnp.ones((5, 2))).shape == (4, 5, 3)
     ```
     """
+    refuse_lifts(in_axes, transform="vmap", what="in_axes", graph=graph, variables=True)
+    refuse_lifts(out_axes, transform="vmap", what="out_axes", graph=graph, variables=True)
     options: dict[str, Any] = dict(
         in_axes=in_axes,
         out_axes=out_axes,
