@@ -72,6 +72,7 @@ class _State:
     calls: dict[str, Counter[tuple[str, bool, bool, str]]] = {}
     results: dict[str, dict[str, Any]] = {}
     collection_errors: dict[str, str] = {}
+    collected: list[str] = []
     out: str | None = None
 
 
@@ -270,6 +271,17 @@ def _analyse(item: pytest.Item, excinfo: pytest.ExceptionInfo[BaseException]) ->
 # --- pytest hooks -----------------------------------------------------------------
 
 
+def _reset_graph_context() -> None:
+    """Each test starts from a clean Flax graph context: ``nnx.cached_partial`` over a
+    call that does not consume its cache (one forced into tree mode) leaves
+    ``tmp_static_cache`` set after raising, and every later test would then fail."""
+    from flax.nnx import graphlib
+
+    context = getattr(graphlib, "GRAPH_CONTEXT", None)
+    if getattr(context, "tmp_static_cache", None) is not None:
+        context.tmp_static_cache = None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     _State.out = os.environ.get("TREEMODE_CONFORMANCE_OUT")
     install(os.environ.get("TREEMODE_CONFORMANCE_MODE", "flax"))
@@ -278,6 +290,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ARG001
     _State.current = item.nodeid
+    _reset_graph_context()
     yield
     _State.current = "<between tests>"
 
@@ -295,6 +308,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
             entry["when"] = report.when
             if call.excinfo is not None:
                 entry["failure"] = _analyse(item, call.excinfo)
+                if call.excinfo.errisinstance(RecursionError):
+                    # A RecursionError can break the cleanup of JAX's and Flax's
+                    # thread-local contexts, failing every later test of this process:
+                    # stop here; run.py runs the rest in a new process.
+                    item.session.shouldstop = "RecursionError: the rest runs in a new process"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _State.collected = [item.nodeid for item in session.items]
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
@@ -317,5 +339,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:  # n
         ]
         tests[nodeid] = entry
     with open(_State.out, "w", encoding="utf-8") as f:
-        data = {"mode": _State.mode, "tests": tests, "collection_errors": _State.collection_errors}
+        data = {
+            "mode": _State.mode,
+            "tests": tests,
+            "collection_errors": _State.collection_errors,
+            "collected": _State.collected,
+        }
         json.dump(data, f, indent=1, sort_keys=True)
