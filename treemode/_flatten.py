@@ -162,28 +162,22 @@ class _Guard:
 
     __slots__ = (
         "sized",
-        "lens",
-        "dicts",
-        "values",
-        "ordered",
-        "items",
         "metadata",
-        "metadata_lens",
-        "metadata_keys",
-        "metadata_values",
         "nodes",
-        "node_types",
         "owners",
-        "owner_dicts",
-        "variable_types",
         "top_type",
         "top_dict",
+        "n_variables",
+        "expected_types",
+        "expected_lens",
+        "contents",
+        "expected_contents",
         "compiled_state",
     )
 
     def __init__(self, containers: list[Any], variables: list[Any], top: Any):
-        self.dicts: list[dict[Any, Any]] = []
-        self.ordered: list[Any] = []  # plain dicts (iterated: keys) and lists (items)
+        dicts: list[dict[Any, Any]] = []
+        ordered: list[Any] = []  # plain dicts (iterated: keys) and lists (items)
         # The top-level argument's type and __dict__ (None: not checked), then the
         # other objects walked whose type is checked, and those whose __dict__ is.
         self.top_type: type | None = None
@@ -192,12 +186,12 @@ class _Guard:
         owners: list[Any] = []
         for obj in containers:
             if isinstance(obj, list):
-                self.ordered.append(obj)
+                ordered.append(obj)
             elif isinstance(obj, dict):
-                self.ordered.append(obj)
-                self.dicts.append(obj)
+                ordered.append(obj)
+                dicts.append(obj)
             else:
-                self.dicts.append(obj.__dict__)
+                dicts.append(obj.__dict__)
                 if obj is not top:
                     owners.append(obj)
             if obj is top:
@@ -207,12 +201,13 @@ class _Guard:
             elif type(obj) not in _FIXED_CLASS:
                 nodes.append(obj)
         self.nodes = tuple(nodes)
-        self.node_types = tuple(map(type, nodes))
         self.owners = tuple(owners)
-        self.owner_dicts = tuple(map(_dict_of, owners))
-        self.variable_types = tuple(map(type, variables))
+        self.n_variables = len(variables)
+        node_types = tuple(map(type, nodes))
+        owner_dicts = tuple(map(_dict_of, owners))
+        variable_types = tuple(map(type, variables))
         exact = (dict, list)
-        compiled = _compiled_holds is not None and all(type(c) in exact for c in self.ordered)
+        compiled = _compiled_holds is not None and all(type(c) in exact for c in ordered)
         self.metadata = tuple(map(_metadata_of, variables))
         if compiled:
             # Version tags are read before the contents they vouch for: a change in
@@ -220,32 +215,47 @@ class _Guard:
             tags = (
                 ()
                 if _version_tags is None
-                else tuple(map(_version_tags, (self.dicts, self.ordered, self.metadata)))
+                else tuple(map(_version_tags, (dicts, ordered, self.metadata)))
             )
-        self.sized = self.dicts + [obj for obj in self.ordered if isinstance(obj, list)]
-        self.lens = list(map(len, self.sized))
-        self.values = tuple(chain.from_iterable(map(dict.values, self.dicts)))
-        self.items = tuple(chain.from_iterable(self.ordered))
-        self.metadata_lens = list(map(len, self.metadata))
-        self.metadata_keys = tuple(chain.from_iterable(self.metadata))
-        self.metadata_values = tuple(chain.from_iterable(map(dict.values, self.metadata)))
+        self.sized = tuple(dicts + [obj for obj in ordered if isinstance(obj, list)])
+        lens = tuple(map(len, self.sized))
+        values = tuple(chain.from_iterable(map(dict.values, dicts)))
+        items = tuple(chain.from_iterable(ordered))
+        # What the Python `holds` compares, each group in one pass: the types and
+        # __dict__ objects; the lengths (which keep the last pass aligned); every
+        # object the containers and the metadata dicts hold. Values are read
+        # through views made once (a view shows its dict's current values).
+        self.expected_types = node_types + owner_dicts + variable_types
+        self.expected_lens = [*lens, *map(len, self.metadata)]
+        self.contents = (
+            *map(dict.values, dicts),
+            *ordered,
+            *self.metadata,
+            *map(dict.values, self.metadata),
+        )
+        self.expected_contents = (
+            values
+            + items
+            + tuple(chain.from_iterable(self.metadata))
+            + tuple(chain.from_iterable(map(dict.values, self.metadata)))
+        )
         self.compiled_state: tuple[Any, ...] | None = None
         if compiled:
             entries = tuple(tuple(chain.from_iterable(m.items())) for m in self.metadata)
             self.compiled_state = (
-                tuple(self.sized),
-                tuple(self.lens),
-                tuple(self.dicts),
-                self.values,
-                tuple(self.ordered),
-                self.items,
+                self.sized,
+                lens,
+                tuple(dicts),
+                values,
+                tuple(ordered),
+                items,
                 self.metadata,
                 entries,
                 self.nodes,
-                self.node_types,
+                node_types,
                 self.owners,
-                self.owner_dicts,
-                self.variable_types,
+                owner_dicts,
+                variable_types,
                 self.top_type,
                 self.top_dict,
                 *(tags if tags and None not in tags else ()),
@@ -259,32 +269,26 @@ class _Guard:
         """
         if self.compiled_state is not None:
             return _compiled_holds(self.compiled_state, variables, top)  # type: ignore[misc]
-        # Types and __dict__ objects first: the checks below read the saved dicts.
-        if (self.top_type is not None and type(top) is not self.top_type) or (
-            self.top_dict is not None and _dict_of(top) is not self.top_dict
+        # Types and __dict__ objects first (the passes below read the saved dicts),
+        # then the metadata dicts (read only from Variables of the saved types).
+        if (
+            (self.top_type is not None and type(top) is not self.top_type)
+            or (self.top_dict is not None and _dict_of(top) is not self.top_dict)
+            or len(variables) != self.n_variables
         ):
             return False
-        if not (
-            all(map(_is, map(type, self.nodes), self.node_types))
-            and all(map(_is, map(_dict_of, self.owners), self.owner_dicts))
-            and len(variables) == len(self.variable_types)
-            and all(map(_is, map(type, variables), self.variable_types))
-        ):
+        current = chain(map(type, self.nodes), map(_dict_of, self.owners), map(type, variables))
+        if not all(map(_is, current, self.expected_types)):
             return False
-        # The lengths first: they keep the element-wise checks below aligned (and
-        # keep empty plain dicts and lists empty, so no keys/items pass is needed).
+        metadata = self.metadata
         try:
-            metadata = list(map(_metadata_of, variables))
+            if not all(map(_is, map(_metadata_of, variables), metadata)):
+                return False
         except AttributeError:  # no metadata any more: not the flattening's Variable
             return False
-        return (
-            list(map(len, self.sized)) == self.lens
-            and all(map(_is, chain.from_iterable(map(dict.values, self.dicts)), self.values))
-            and (not self.items or all(map(_is, chain.from_iterable(self.ordered), self.items)))
-            and all(map(_is, metadata, self.metadata))
-            and list(map(len, metadata)) == self.metadata_lens
-            and all(map(_is, chain.from_iterable(metadata), self.metadata_keys))
-            and all(map(_is, chain.from_iterable(map(dict.values, metadata)), self.metadata_values))
+        # The lengths, then (aligned by them) every object held, by identity.
+        return list(map(len, chain(self.sized, metadata))) == self.expected_lens and all(
+            map(_is, chain.from_iterable(self.contents), self.expected_contents)
         )
 
 
