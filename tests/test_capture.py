@@ -325,8 +325,8 @@ class _PerturbedDot(nnx.Module):
 
     def __call__(self, x):
         x = self.perturb("grad_of_x", x)
-        self.sow(nnx.Intermediate, "y", jnp.dot(x, self.w))
-        return jnp.dot(x, self.w)
+        self.sow(nnx.Intermediate, "y", jnp.dot(x, self.w[...]))
+        return jnp.dot(x, self.w[...])
 
 
 @pytest.mark.parametrize("graph", [False, True])
