@@ -317,3 +317,52 @@ def test_vmap_broadcast_empty_variable_keeps_in_axes_none():
         single, jnp.ones((3, 2))
     )
     assert single.buf.get_value()["h"].shape == (2,)
+
+
+class _PerturbedDot(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.array([1.0, -2.0, 3.0, 0.5]))
+
+    def __call__(self, x):
+        x = self.perturb("grad_of_x", x)
+        self.sow(nnx.Intermediate, "y", jnp.dot(x, self.w[...]))
+        return jnp.dot(x, self.w[...])
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_perturbations_created_inside_vmap_get_the_batch_axis(graph):
+    # Flax's module_test TestCapture::test_vmap: the captured (empty) Perturbation
+    # holder is split off and mapped; the perturbation perturb creates per example
+    # comes back stacked, so it can be mapped again in the training step.
+    class Foo(_PerturbedDot):
+        def pre_run(self, x):
+            graphdef, intms, params = nnx.split(self, nnx.Intermediate, nnx.Param)
+
+            def run(intms, params, x):
+                return nnx.merge(graphdef, intms, params)(x)
+
+            treemode.vmap(run, in_axes=(0, None, 0), graph=graph)(intms, params, x)
+
+    model = Foo()
+    x = jnp.ones((3, 4))
+    _, perturbations = treemode.capture(model.pre_run, nnx.Perturbation)(x)
+    assert perturbations["grad_of_x"].get_value().shape == (3, 4)
+
+    @treemode.jit(graph=graph)
+    def train_step(model, perturbations, x):
+        def loss_grad(model, perturbations, x):
+            def loss(model, perturbations, x):
+                return treemode.capture(model, nnx.Intermediate, init=perturbations)(x)
+
+            (_, perturb_grads), sowed = treemode.grad(
+                loss, argnums=(0, 1), has_aux=True, graph=graph
+            )(model, perturbations, x)
+            return nnx.merge_state(perturb_grads, sowed)
+
+        return treemode.vmap(loss_grad, in_axes=(None, 0, 0), graph=graph)(model, perturbations, x)
+
+    intermediates = train_step(model, perturbations, x)
+    np.testing.assert_allclose(
+        intermediates["grad_of_x"].get_value(), jnp.broadcast_to(model.w[...], (3, 4))
+    )
+    assert intermediates["y"].get_value()[0].shape == (3,)

@@ -507,12 +507,13 @@ class PlainCarry(nnx.Pytree):
         self.data = data
 
 
-def test_plain_array_of_a_pytree_carry_may_be_reassigned():
+@pytest.mark.parametrize("graph", [False, True])
+def test_plain_array_of_a_pytree_carry_may_be_reassigned(graph):
     # As in JAX, the carry is a new pytree: the new value reaches the returned
     # carry; the caller's object keeps its old value and its Variables are updated.
     carry = CarryPytree(jnp.array(0.0))
 
-    @treemode.scan(in_axes=(Carry, 0), out_axes=(Carry, 0))
+    @treemode.scan(in_axes=(Carry, 0), out_axes=(Carry, 0), graph=graph)
     def step(state, x):
         state.data = state.data + x
         state.count[...] += 1
@@ -528,23 +529,26 @@ def test_plain_array_of_a_pytree_carry_may_be_reassigned():
     # with a tuple carry holding two such objects, one of them reassigned
     pair = (PlainCarry(jnp.array(0.0)), PlainCarry(jnp.array(10.0)))
 
-    @treemode.jit
+    @treemode.jit(graph=graph)
     def run(pair):
         def body(p, x):
             p[0].data = p[0].data + 1
             return p, None
 
-        return treemode.scan(body, in_axes=(Carry, 0), out_axes=(Carry, 0))(pair, jnp.zeros(3))
+        return treemode.scan(body, in_axes=(Carry, 0), out_axes=(Carry, 0), graph=graph)(
+            pair, jnp.zeros(3)
+        )
 
     (a, b), _ = run(pair)
     assert float(a.data) == 3.0 and float(b.data) == 10.0
     assert float(pair[0].data) == 0.0 and type(a) is PlainCarry
 
 
-def test_unchanged_pytree_carry_keeps_its_identity():
+@pytest.mark.parametrize("graph", [False, True])
+def test_unchanged_pytree_carry_keeps_its_identity(graph):
     carry = CarryPytree(jnp.array(1.0))
 
-    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry)
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry, graph=graph)
     def step(state, x):
         state.count[...] += 1
         return state
@@ -553,10 +557,11 @@ def test_unchanged_pytree_carry_keeps_its_identity():
     assert int(carry.count[...]) == 3
 
 
-def test_pytree_carry_array_must_keep_its_shape():
+@pytest.mark.parametrize("graph", [False, True])
+def test_pytree_carry_array_must_keep_its_shape(graph):
     carry = CarryPytree(jnp.array(0.0))
 
-    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry)
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry, graph=graph)
     def step(state, x):
         state.data = jnp.stack([state.data, x])
         state.count[...] += 1
@@ -567,20 +572,22 @@ def test_pytree_carry_array_must_keep_its_shape():
     assert float(carry.data) == 0.0 and int(carry.count[...]) == 0
 
 
-def test_while_and_fori_loops_carry_pytree_arrays_too():
+@pytest.mark.parametrize("graph", [False, True])
+def test_while_and_fori_loops_carry_pytree_arrays_too(graph):
     carry = CarryPytree(jnp.array(0.0))
 
     def body(state):
         state.data = state.data + 2.0
         return state
 
-    out = treemode.while_loop(lambda s: s.data < 5.0, body, carry)
+    out = treemode.while_loop(lambda s: s.data < 5.0, body, carry, graph=graph)
     assert float(out.data) == 6.0 and float(carry.data) == 0.0
-    out = treemode.fori_loop(0, 4, lambda i, s: body(s), carry)
+    out = treemode.fori_loop(0, 4, lambda i, s: body(s), carry, graph=graph)
     assert float(out.data) == 8.0
 
 
-def test_pytree_carry_arrays_in_containers():
+@pytest.mark.parametrize("graph", [False, True])
+def test_pytree_carry_arrays_in_containers(graph):
     class Holder(nnx.Pytree):
         def __init__(self):
             self.d = nnx.data({"a": jnp.array(0.0)})
@@ -588,7 +595,7 @@ def test_pytree_carry_arrays_in_containers():
 
     holder = Holder()
 
-    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry)
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry, graph=graph)
     def in_dict(h, x):
         h.d["a"] = h.d["a"] + x
         return h
@@ -596,7 +603,7 @@ def test_pytree_carry_arrays_in_containers():
     out = in_dict(holder, jnp.arange(4.0))
     assert float(out.d["a"]) == 6.0 and float(holder.d["a"]) == 0.0
 
-    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry)
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry, graph=graph)
     def new_tuple(h, x):
         h.t = (h.t[0] + x,)  # a new container: a structural change, named
         return h
@@ -604,3 +611,53 @@ def test_pytree_carry_arrays_in_containers():
     with pytest.raises(treemode.StructureError, match=r"args\[0\]\.t\[0\]"):
         new_tuple(holder, jnp.arange(4.0))
     assert float(holder.t[0]) == 0.0
+
+
+def test_graph_mode_pytree_carry_keeps_its_sharing():
+    # With graph=True the carry may share objects: a renewed object is renewed
+    # everywhere it is referenced, and the objects it shares inside stay shared.
+    p = PlainCarry(jnp.array(0.0))
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry, graph=True)
+    def step(pair, x):
+        pair[0].data = pair[0].data + x
+        return pair
+
+    a, b = step((p, p), jnp.arange(3.0))
+    assert a is b and a is not p and type(a) is PlainCarry
+    assert float(a.data) == 3.0 and float(p.data) == 0.0
+
+    class Outer(nnx.Pytree):
+        def __init__(self, inner):
+            self.a = inner
+            self.b = inner
+            self.w = nnx.Param(jnp.ones(2))
+
+    outer = Outer(PlainCarry(jnp.array(1.0)))
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry, graph=True)
+    def nested(o, x):
+        o.a.data = o.a.data + x
+        o.w[...] += 1
+        return o
+
+    new = nested(outer, jnp.arange(3.0))
+    assert new is not outer and new.a is new.b and float(new.a.data) == 4.0
+    assert float(outer.a.data) == 1.0  # the caller's objects keep their arrays
+    assert new.w is outer.w and outer.w[...].tolist() == [4.0, 4.0]
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_removed_pytree_carry_array_is_named(graph):
+    carry = PlainCarry(jnp.array(0.0))
+
+    @treemode.scan(in_axes=(Carry, 0), out_axes=Carry, graph=graph)
+    def step(state, x):
+        del state.data
+        return state
+
+    with pytest.raises(
+        treemode.StructureError, match=r"carry array at args\[0\]\.data was removed"
+    ):
+        step(carry, jnp.zeros(3))
+    assert float(carry.data) == 0.0

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _compat, _core
+from . import _compat, _core, _graph
 from ._errors import StructureError
 from ._flatten import DYNAMIC, VarSpec, variable_dynamic
 from ._graph import GraphNode, SharedRef
@@ -127,16 +127,17 @@ class CarryLayout:
     coarse leaves, the function must return them as they are); ``free`` holds the
     indices into ``call.dynamic`` of the free arrays, in coarse-leaf order, then
     those of the plain arrays inside NNX objects (``inner``: per such array, its
-    coarse leaf, its position among the object's leaves and its abstract value).
+    coarse leaf, its key path inside the object and its abstract value).
     """
 
     root: str
     kinds: list[str]
     free: list[int]
-    inner: list[tuple[int, int, Any]] = dataclasses.field(default_factory=list)
+    inner: list[tuple[int, tuple[Any, ...], Any]] = dataclasses.field(default_factory=list)
     # Indices into ``inner`` of the arrays the function reassigns (found when it is
     # traced); only their objects are rebuilt for the caller.
     reassigned: set[int] = dataclasses.field(default_factory=set)
+    graph: bool = False  # the carry went through `to_tree` (graph=True)
 
 
 def carry_layout(call: _core.Call, k: int, root: str) -> CarryLayout:
@@ -147,22 +148,21 @@ def carry_layout(call: _core.Call, k: int, root: str) -> CarryLayout:
     coarse = jax.tree_util.tree_leaves(tree, is_leaf=_is_coarse_leaf)
     kinds: list[str] = []
     free: list[int] = []
-    inner: list[tuple[int, int, Any]] = []
+    inner: list[tuple[int, tuple[Any, ...], Any]] = []
     inner_free: list[int] = []
     specs = iter(flat.specs)
     offset = start
     for c, leaf in enumerate(coarse):
         if _is_coarse_leaf(leaf):
             kinds.append(NODE)
-            n = (
-                1
-                if is_variable(leaf)
-                else len(jax.tree_util.tree_leaves(leaf, is_leaf=is_variable))
-            )
-            for j in range(n):
+            # With graph=True the object is in `to_tree` form (a `GraphNode`, or a
+            # `SharedRef` with no leaves for a second reference); its key paths are
+            # those of the object itself, so they lead to the same arrays.
+            paths = [()] if is_variable(leaf) else [p for p, _ in _inner_leaves(leaf)]
+            for path in paths:
                 spec = next(specs)
-                if spec is DYNAMIC and not call.graph and not is_variable(leaf):
-                    inner.append((c, j, abstract(call.dynamic[offset])))
+                if spec is DYNAMIC and not is_variable(leaf):
+                    inner.append((c, tuple(path), abstract(call.dynamic[offset])))
                     inner_free.append(offset)
                 offset += spec.num_dynamic if type(spec) is VarSpec else int(spec is DYNAMIC)
             continue
@@ -173,7 +173,7 @@ def carry_layout(call: _core.Call, k: int, root: str) -> CarryLayout:
             offset += 1
         else:
             kinds.append(STATIC)
-    return CarryLayout(root, kinds, free + inner_free, inner)
+    return CarryLayout(root, kinds, free + inner_free, inner, graph=call.graph)
 
 
 def _inner_leaves(node: Any) -> list[tuple[Any, Any]]:
@@ -185,7 +185,13 @@ def inner_arrays(layout: CarryLayout, carry: Any) -> list[Any]:
     if not layout.inner:
         return []
     coarse = jax.tree_util.tree_leaves(carry, is_leaf=_is_coarse_leaf)
-    return [_inner_leaves(coarse[c])[j][1] for c, j, _ in layout.inner]
+    return [_get_at(coarse[c], path) for c, path, _ in layout.inner]
+
+
+def _get_at(node: Any, path: Sequence[Any]) -> Any:
+    for key in path:
+        node = _child(node, key)
+    return node
 
 
 def _set_at(node: Any, path: Sequence[Any], value: Any) -> None:
@@ -282,10 +288,17 @@ def _take_inner(
     """The new plain arrays of the carry's NNX objects; the objects get the old ones back."""
     values: list[Any] = []
     restore: list[tuple[Any, Any, Any]] = []
-    for k, ((c, j, aval), old) in enumerate(zip(layout.inner, inner_before, strict=True)):
+    for k, ((c, path, aval), old) in enumerate(zip(layout.inner, inner_before, strict=True)):
         node = out_leaves[c]
-        path, raw = _inner_leaves(node)[j]
         where = format_path((*in_paths[c][0], *path), layout.root)
+        try:
+            raw = _get_at(node, path)
+        except (TypeError, AttributeError, KeyError, IndexError):
+            raise StructureError(
+                f"treemode.{transform}: the carry array at {where} was removed by the "
+                "function. Keep it in the carry (assign a new array of the same shape "
+                "and dtype instead)."
+            ) from None
         try:
             new = jnp.asarray(raw)
         except TypeError:
@@ -335,19 +348,34 @@ def rebuild_carry(original: Any, layout: CarryLayout, free_values: Sequence[Any]
         next(values) if kind == FREE else leaf
         for leaf, kind in zip(leaves, layout.kinds, strict=True)
     ]
-    per_node: dict[int, dict[int, Any]] = {}
+    per_node: dict[int, dict[tuple[Any, ...], Any]] = {}
     changed: set[int] = set()
-    for k, ((c, j, _), value) in enumerate(zip(layout.inner, values, strict=True)):
-        per_node.setdefault(c, {})[j] = value
+    for k, ((c, path, _), value) in enumerate(zip(layout.inner, values, strict=True)):
+        per_node.setdefault(c, {})[path] = value
         if k in layout.reassigned:
             changed.add(c)
-    for c in changed:
-        node_leaves, node_def = jax.tree_util.tree_flatten(new[c], is_leaf=is_variable)
-        replaced = per_node[c]
-        new[c] = node_def.unflatten([replaced.get(j, x) for j, x in enumerate(node_leaves)])
+    renewed: dict[int, Any] = {}  # id(caller's object) -> the new one
+    for c in sorted(changed):
+        renewed[id(leaves[c])] = new[c] = _renew(new[c], per_node[c], layout.graph)
+    if layout.graph and renewed:
+        # A second reference to a renewed object (a `SharedRef` in the layout)
+        # refers to the new object too, so the carry keeps its sharing.
+        new = [
+            renewed.get(id(leaf), x) if kind == NODE else x
+            for leaf, x, kind in zip(leaves, new, layout.kinds, strict=True)
+        ]
     if not layout.kinds.count(FREE) and not changed:
         return original
     return treedef.unflatten(new)
+
+
+def _renew(node: Any, values: dict[tuple[Any, ...], Any], graph: bool) -> Any:
+    """A new object of ``node``'s type with ``values`` at their key paths (the same
+    Variables; with ``graph``, the objects it shares inside stay shared)."""
+    tree = _graph.to_tree(node) if graph else node
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)
+    rebuilt = treedef.unflatten([values.get(tuple(p), x) for p, x in flat])
+    return _graph.from_tree(rebuilt) if graph else rebuilt
 
 
 def scalars_to_arrays(tree: Any) -> Any:
