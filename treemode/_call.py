@@ -238,7 +238,7 @@ def prepare(
             "whose cache only Flax's own transforms consume (Flax would raise once the "
             "call had already updated your modules). Nothing ran.\nUse "
             f"treemode.jit_partial(fn, *args) to bind and cache arguments with treemode, "
-            "or call the treemode transform directly."
+            "or call the treemode transform directly.\nSee docs/migration.md#cached-partial."
         )
     is_dynamic = is_abstract_traced if abstract else is_traced
     call = Call()
