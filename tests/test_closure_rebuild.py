@@ -215,3 +215,27 @@ def test_a_module_beyond_the_search_limits_warns():
     f = treemode.jit(lambda x: x + many[-1].scale)
     with pytest.warns(treemode.ClosureWarning, match=r"treemode\.jit: .*many.*Pass them"):
         f(jnp.array(1.0))
+
+
+def test_globals_written_elsewhere_during_a_trace_are_kept():
+    """Only what the function itself assigns while traced is copied back: a global
+    another writer sets meanwhile in the real module dict is neither reverted nor
+    deleted, and a dict the function fills through a copied holder is filled."""
+    import sys
+
+    real = sys.modules[__name__].__dict__  # a module: not searched, the real dict
+    real.pop("LATE_GLOBAL", None)
+    table = {"tally": GLOBAL_TALLY}
+
+    def writer_elsewhere(x):
+        global GLOBAL_TRACES
+        sys.modules[__name__].__dict__["LATE_GLOBAL"] = "kept"
+        GLOBAL_TRACES += 1
+        table["seen"] = True  # through the copy of `table`: copied back
+        return table["tally"](x) + GLOBAL_TALLY(x)
+
+    before = GLOBAL_TRACES
+    treemode.jit(writer_elsewhere)(jnp.array(1.0))
+    assert real.pop("LATE_GLOBAL") == "kept"
+    assert GLOBAL_TRACES == before + 1
+    assert table["seen"] is True and table["tally"] is GLOBAL_TALLY

@@ -44,8 +44,11 @@ class Substitution:
         self._followed: set[int] = set()
         self._built: dict[int, Any] = {}
         self._keep: list[Any] = []  # the originals looked at, so their ids stay theirs
-        # (original dict, copy, the names whose value was substituted)
-        self._dicts: list[tuple[dict[str, Any], dict[str, Any], frozenset[str]]] = []
+        # (original dict, copy, the names whose value was substituted, the original's
+        # items when the copy was made): what the function assigns goes back.
+        self._dicts: list[
+            tuple[dict[str, Any], dict[str, Any], frozenset[str], dict[str, Any]]
+        ] = []
 
     # -- does a value lead to a replaced object? ----------------------------------
 
@@ -154,7 +157,7 @@ class Substitution:
         new_globals = module_globals
         if names:
             new_globals = dict(module_globals)
-            self._dicts.append((module_globals, new_globals, frozenset(names)))
+            self._dicts.append((module_globals, new_globals, frozenset(names), dict(new_globals)))
         cells = f.__closure__
         if cells and any(self.reaches(_cell_contents(c)) for c in cells):
             new_cells = tuple(types.CellType() for _ in cells)
@@ -196,6 +199,8 @@ class Substitution:
             new_dict: dict[Any, Any] = {}
             self._built[key] = new_dict
             new_dict.update({k: self.value(v) for k, v in obj.items()})
+            names = frozenset(k for k, v in obj.items() if self.reaches(v))
+            self._dicts.append((obj, new_dict, names, dict(obj)))
             return new_dict
         if isinstance(obj, (list, dict)):  # a subclass: a copy with the items replaced
             new_items = copy.copy(obj)
@@ -215,19 +220,19 @@ class Substitution:
         names = frozenset(k for k, v in attrs.items() if self.reaches(v))
         new_attrs = {k: (self.value(v) if k in names else v) for k, v in attrs.items()}
         new.__dict__.update(new_attrs)
-        self._dicts.append((attrs, new.__dict__, names))
+        self._dicts.append((attrs, new.__dict__, names, dict(attrs)))
         return new
 
     def finish(self) -> None:
-        """Copy what the function assigned to the copied globals and attributes back."""
-        for original, copied, substituted in self._dicts:
+        """Copy what the function assigned to (or deleted from) the copied globals and
+        attributes back; what another thread wrote to the originals meanwhile stays."""
+        for original, copied, substituted, before in self._dicts:
             for name, value in list(copied.items()):
-                if name in substituted:
-                    continue
-                if original.get(name, _MISSING) is not value:
+                if name not in substituted and before.get(name, _MISSING) is not value:
                     original[name] = value
-            for name in [n for n in original if n not in copied and n not in substituted]:
-                del original[name]
+            for name in before:
+                if name not in copied and name not in substituted:
+                    original.pop(name, None)
 
 
 def _cell_contents(cell: Any) -> Any:
