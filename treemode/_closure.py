@@ -288,10 +288,12 @@ def _hold(obj: Any) -> Any:
 
 # Placeholders for cell contents in a snapshot.
 _EMPTY = object()  # an empty cell
+EMPTY = _EMPTY  # what `cell_value` gives for an empty cell
 _IGNORED = object()  # a cell holding a value of an ignored type (not kept alive)
 
 
-def _cell_value(cell: Any) -> Any:
+def cell_value(cell: Any) -> Any:
+    """A closure cell's contents, or `EMPTY` for an empty cell."""
     try:
         return cell.cell_contents
     except ValueError:
@@ -392,7 +394,7 @@ class _Walk:
         if cells:
             contents: list[Any] = []
             for name, cell in zip(plan.freevars, cells, strict=False):
-                obj = _cell_value(cell)
+                obj = cell_value(cell)
                 if obj is _EMPTY:
                     contents.append(_EMPTY)
                     continue
@@ -501,16 +503,21 @@ class _Walk:
             self.search(child_name, child, depth + 1)
 
 
+def holder_values(holder: Any) -> list[Any] | tuple[Any, ...] | None:
+    """The entries of a plain holder the search enters: a dict's values, a list's or
+    tuple's items, an object's attribute values (``None`` for one without ``__dict__``)."""
+    if isinstance(holder, dict):
+        return list(holder.values())
+    if isinstance(holder, (list, tuple)):
+        return holder
+    attrs = getattr(holder, "__dict__", None)
+    return list(attrs.values()) if isinstance(attrs, dict) else None
+
+
 def _holds_nnx_object(holder: Any) -> bool:
     """Whether an NNX object is among the first or last `MAX_HOLDER_ITEMS` entries
     of a holder the search does not enter (checked for `ClosureWarning` only)."""
-    if isinstance(holder, dict):
-        values: Any = holder.values()
-    elif isinstance(holder, (list, tuple)):
-        values = holder
-    else:
-        values = holder.__dict__.values()
-    values = list(values) if not isinstance(values, (list, tuple)) else values
+    values = holder_values(holder) or ()
     n = MAX_HOLDER_ITEMS
     sample = values if len(values) <= 2 * n else [*values[:n], *values[-n:]]
     for v in sample:
@@ -576,7 +583,7 @@ class _Snapshot:
             if f is None:
                 return False
             for cell, value in zip(f.__closure__, contents, strict=True):
-                current = _cell_value(cell)
+                current = cell_value(cell)
                 if value is _IGNORED:
                     if current is _EMPTY or _kinds.get(type(current)) != _IGNORE:
                         return False

@@ -241,7 +241,7 @@ def check_one_spec_per_variable(
             if not is_variable(leaf):
                 continue
             seen = first.setdefault(id(leaf), (r, j, value))
-            if not _same_spec(seen[2], value):
+            if not same_spec(seen[2], value):
                 where = [_leaf_path(roots[k][0], roots[k][1], i) for k, i in (seen[:2], (r, j))]
                 raise AliasError(
                     f"treemode.{transform}: Inconsistent aliasing detected: the "
@@ -254,7 +254,9 @@ def check_one_spec_per_variable(
                 )
 
 
-def _same_spec(a: Any, b: Any) -> bool:
+def same_spec(a: Any, b: Any) -> bool:
+    """Whether two specifications (axes, shardings, ...) given to one Variable agree:
+    the same object, or equal values of the same type."""
     if a is b:
         return True
     try:

@@ -28,7 +28,7 @@ import jax
 from . import _compat
 from ._errors import AliasError, AxisError
 from ._flatten import ArgFlat
-from ._graph import GraphNode
+from ._graph import GraphNode, same_spec
 from ._leaves import is_graph_node, is_variable, is_variable_or_graph_node
 from ._paths import format_path, nnx_path
 from ._prefix_helpers import replace_variables
@@ -170,7 +170,7 @@ def _check_consistent(
                 continue
             where = format_path(path, root_name)
             seen = first.setdefault(id(var), (where, value))
-            if seen[0] != where and not _same_value(seen[1], value):
+            if seen[0] != where and not same_spec(seen[1], value):
                 raise AliasError(
                     f"treemode.{transform}: the {type(var).__name__} at {seen[0]} is also "
                     f"reachable at {where} (the prefixes come from one nnx.prefix(..., "
@@ -206,15 +206,6 @@ def _variables_once(root: Any) -> list[tuple[tuple[Any, ...], Any]]:
         if is_variable_or_graph_node(c):
             walk(p, c)
     return out
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:
-        return False
 
 
 def _undecodable(transform: str, what: str, error: Exception) -> AxisError:

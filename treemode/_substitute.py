@@ -28,7 +28,16 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ._closure import MAX_DEPTH, MAX_HOLDER_ITEMS, holder_kind, plan_of, user_function_kinds
+from ._closure import (
+    EMPTY,
+    MAX_DEPTH,
+    MAX_HOLDER_ITEMS,
+    cell_value,
+    holder_kind,
+    holder_values,
+    plan_of,
+    user_function_kinds,
+)
 
 _FUNCTION, _WRAPPER, _HOLDER = user_function_kinds()
 _MISSING = object()
@@ -92,7 +101,7 @@ class Substitution:
     def _children(self, obj: Any, kind: int) -> list[Any]:
         if kind == _FUNCTION:
             plan = plan_of(obj)
-            children = [_cell_contents(c) for c in obj.__closure__ or ()]
+            children = [cell_value(c) for c in obj.__closure__ or ()]
             children += list(obj.__defaults__ or ())
             children += list((obj.__kwdefaults__ or {}).values())
             module_globals = obj.__globals__
@@ -102,8 +111,8 @@ class Substitution:
             if isinstance(obj, functools.partial):
                 return [obj.func, *obj.args, *obj.keywords.values()]
             return [obj.__func__, obj.__self__]
-        items = _holder_items(obj)
-        return [] if items is None else [v for _, v in items]
+        values = holder_values(obj)
+        return [] if values is None or len(values) > MAX_HOLDER_ITEMS else list(values)
 
     # -- copies -------------------------------------------------------------------
 
@@ -159,7 +168,7 @@ class Substitution:
             new_globals = dict(module_globals)
             self._dicts.append((module_globals, new_globals, frozenset(names), dict(new_globals)))
         cells = f.__closure__
-        if cells and any(self.reaches(_cell_contents(c)) for c in cells):
+        if cells and any(self.reaches(cell_value(c)) for c in cells):
             new_cells = tuple(types.CellType() for _ in cells)
         else:
             new_cells = cells
@@ -178,8 +187,8 @@ class Substitution:
         if new_cells is not cells:
             assert cells is not None and new_cells is not None
             for old, cell in zip(cells, new_cells, strict=True):
-                contents = _cell_contents(old)
-                if contents is not _MISSING:
+                contents = cell_value(old)
+                if contents is not EMPTY:
                     cell.cell_contents = self.value(contents)
         return new
 
@@ -233,26 +242,6 @@ class Substitution:
             for name in before:
                 if name not in copied and name not in substituted:
                     original.pop(name, None)
-
-
-def _cell_contents(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return _MISSING
-
-
-def _holder_items(obj: Any) -> list[tuple[Any, Any]] | None:
-    if isinstance(obj, dict):
-        items = list(obj.items())
-    elif isinstance(obj, (list, tuple)):
-        items = list(enumerate(obj))
-    else:
-        attrs = getattr(obj, "__dict__", None)
-        if not isinstance(attrs, dict):
-            return None
-        items = list(attrs.items())
-    return items if len(items) <= MAX_HOLDER_ITEMS else None
 
 
 __all__ = ["Substitution"]
