@@ -9,8 +9,9 @@ three ways (all in C; matched in C from the Python call; all in Python):
 - ``match_into``: the call-site match of the arguments (`treemode._callsite`);
 - ``reads_hold``: the closure-read check (`treemode._closure._Snapshot`);
 - ``write_changed``: the all-or-nothing write of a train step's new values;
-- ``MemoCall``: the whole call in C against the Python call with the compiled
-  helpers (what the call-path type saves on top of them).
+- ``MemoCall``: the whole call in C against its Python twin
+  (`treemode._callsite.run_plan`, which runs the same memo plan) with the
+  compiled helpers (what the call-path type saves on top of them).
 
 Run: ``python benchmarks/c_pieces.py`` (needs the extension; prints a table).
 CPU time (``time.process_time``) per call, best of several rounds, so that a
@@ -105,9 +106,7 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     )
 
     whole_c = per_call_us(lambda: f(m, x), n=500)
-    f._memo = (memo[0], memo[1], None)  # the Python call, compiled helpers
-    whole_py = per_call_us(lambda: f(m, x), n=500)
-    f._memo = memo
+    whole_py = per_call_us(lambda: _callsite.run_plan(memo[2], (m, x)), n=500)
     rows.append(("MemoCall (whole forward call)", whole_c, whole_py))
 
     mt, opt = with_optimizer(MLP(depth, nnx.Rngs(0)))
@@ -117,9 +116,7 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     memo = step._memo
     assert memo is not None
     whole_c = per_call_us(lambda: step(mt, opt, x), n=200)
-    step._memo = (memo[0], memo[1], None)
-    whole_py = per_call_us(lambda: step(mt, opt, x), n=200)
-    step._memo = memo
+    whole_py = per_call_us(lambda: _callsite.run_plan(memo[2], (mt, opt, x)), n=200)
     rows.append(("MemoCall (whole train step)", whole_c, whole_py))
     return rows
 

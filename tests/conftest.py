@@ -82,7 +82,8 @@ def implementation(request, monkeypatch):
 
     In ``"python"`` every compiled helper that modules look up per call is
     replaced by its Python twin (the flattening guard, the closure-read check,
-    the call-site match, the bulk write, and the compiled memo plan). The types
+    the call-site match, the bulk write), and no memo plan is made (calls match
+    through ``CallSite.match``). The types
     the extension provides as base classes (``MemoCall``, ``SiteCallFields``)
     are fixed at import: `make test-python` runs their twins.
     The flattening cache starts empty (its entries carry the guard they were
@@ -93,7 +94,7 @@ def implementation(request, monkeypatch):
         monkeypatch.setattr(_flatten, "_compiled_holds", None)
         monkeypatch.setattr(_closure, "_reads_hold", None)
         monkeypatch.setattr(_callsite, "match_into", _callsite._match_into_python)
-        monkeypatch.setattr(_callsite, "compiled_plan", lambda *args: None)
+        monkeypatch.setattr(_callsite, "memo_plan", lambda *args: None)
         monkeypatch.setattr(_writeback, "_write_changed", None)
     return request.param
 

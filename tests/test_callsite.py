@@ -21,7 +21,7 @@ from conftest import IMPLEMENTATIONS
 from flax import nnx
 
 import treemode
-from treemode import _callsite
+from treemode import _callsite, _compiled
 
 
 class Counter(nnx.Module):
@@ -37,17 +37,19 @@ def _step(m: Counter, x: jax.Array) -> jax.Array:
 
 
 MATCHERS = (
-    ["compiled call", "compiled match", "python"] if "compiled" in IMPLEMENTATIONS else ["python"]
+    ["memo plan", "compiled match", "python"]
+    if "compiled" in IMPLEMENTATIONS
+    else ["memo plan", "python"]
 )
 
 
 @pytest.fixture(autouse=True, params=MATCHERS)
 def matcher(request, monkeypatch):
-    """How a memo-matched call runs: entirely in C (``MemoCall``), matched in C
-    (``match_into``) from the Python call path, or all in Python (the only way
-    where the extension is off)."""
-    if request.param != "compiled call":
-        monkeypatch.setattr(_callsite, "compiled_plan", lambda *args: None)
+    """How a memo-matched call runs: through the memo's plan (in C by ``MemoCall``,
+    or by its Python twin ``run_plan`` where the extension is off), matched in C
+    (``match_into``) from ``CallSite.match``, or all in Python from ``CallSite.match``."""
+    if request.param != "memo plan":
+        monkeypatch.setattr(_callsite, "memo_plan", lambda *args: None)
     if request.param == "python":
         monkeypatch.setattr(_callsite, "match_into", _callsite._match_into_python)
     return request.param
@@ -360,20 +362,21 @@ def test_many_variables_through_the_memo(matcher):
     np.testing.assert_allclose(m.ws[69][...], np.full(2, 72.0))
 
 
-def test_the_compiled_call_path_is_used(matcher, monkeypatch):
+def test_the_memo_plan_is_used(matcher, monkeypatch):
     f = treemode.jit(_step)
     m = Counter()
     f(m, jnp.ones(3))
     f(m, jnp.ones(3))  # the first write through the memo remembers the trace writable
     assert f._memo is not None
-    assert (f._memo[2] is not None) == (matcher == "compiled call")
-    if matcher == "compiled call":  # neither the Python call nor the Python write runs
+    assert (f._memo[2] is not None) == (matcher == "memo plan")
+    if matcher == "memo plan":  # the plan runs: `_call` (which prepares) does not
         f._call = None  # pyright: ignore[reportAttributeAccessIssue]
+        if _compiled.ENABLED:  # and in C, neither does the Python write
 
-        def python_write(*args):
-            raise AssertionError("written in Python")
+            def python_write(*args):
+                raise AssertionError("written in Python")
 
-        monkeypatch.setattr(type(f._memo[1]), "write_back", python_write)
+            monkeypatch.setattr(type(f._memo[1]), "write_back", python_write)
         f(m, jnp.ones(3))
         assert m.count[...] == 3
         np.testing.assert_allclose(m.w[...], np.full(3, 4.0))
@@ -385,8 +388,8 @@ def test_donated_calls_take_the_compiled_path_and_get_fresh_buffers(matcher):
     f(m, jnp.ones(3))
     f(m, jnp.ones(3))
     assert f._memo is not None
-    assert (f._memo[2] is not None) == (matcher == "compiled call")
-    if matcher == "compiled call":
+    assert (f._memo[2] is not None) == (matcher == "memo plan")
+    if matcher == "memo plan":
         f._call = None  # pyright: ignore[reportAttributeAccessIssue]
     for i in range(3):
         before = m.w[...]
@@ -428,8 +431,8 @@ def test_harmless_shared_objects_in_donated_arguments_are_allowed(matcher, hooks
     for _ in range(3):
         g(n, jnp.ones(3))
     # Nothing is shared there: after the first (full) call, the compiled path
-    # decides alone.
-    assert len(checks) == 3 + (1 if matcher == "compiled call" else 3)
+    # decides alone (Python asks the check on every call: it returns at once).
+    assert len(checks) == 3 + (1 if matcher == "memo plan" and _compiled.ENABLED else 3)
 
 
 def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(hooks):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from . import _closure, _compiled
 from ._closure import closure_snapshot, unchanged_closure_objects
 from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, variables_of
+from ._interrupts import held_interrupts
 from ._leaves import CONCRETE_ARRAY_TYPES, is_traced
 
 if TYPE_CHECKING:
@@ -243,10 +244,11 @@ class SiteCall(_SiteCallFields):
         return self._full
 
 
-def compiled_plan(
+def memo_plan(
     site: CallSite, partial_args: tuple[Any, ...], entry: _compiled.EntryPlan
 ) -> _compiled.MemoPlan | None:
-    """What the compiled call path (``_compiled.MemoCall``) runs for calls matching ``site``.
+    """The plan that calls matching ``site`` run: by the compiled ``MemoCall``, or by
+    its Python twin `run_plan` where the extension is off.
 
     ``entry`` says how to run a matched call (see `treemode._compiled.EntryPlan`):
     the executable, the per-thread binding its `PureFunction` reads the current
@@ -254,13 +256,11 @@ def compiled_plan(
     when a call has updates the C write does not make), the trace record
     (its ``metadata_updates``), and ``None`` or, for an entry with donated
     arrays, ``(donated indices, kept indices, check)``: the executable takes
-    the two tuples, and ``check(call)`` runs when two of them are the same
-    object (it raises the shared-buffer error, or returns when the object is
-    not a device buffer). ``None`` when the compiled path cannot run this site
-    (the extension is off, or the site was recorded with keyword arguments:
-    those calls take the Python match).
+    the two tuples, and ``check(call)`` raises the shared-buffer error when two
+    of them are the same device buffer. ``None`` when the site was recorded
+    with keyword arguments: those calls take the `CallSite.match` path.
     """
-    if not _compiled.ENABLED or site.kw_names:
+    if site.kw_names:
         return None
     # The snapshot's reads and answer never change once it is made.
     snapshot = site.snapshot
@@ -268,6 +268,61 @@ def compiled_plan(
         site, site.slots, partial_args, snapshot.reads, snapshot.found, site.lifted_slots
     )
     return _compiled.MemoPlan(matching, entry)
+
+
+MISS: Any = object()  # `run_plan`: the arguments do not match the memo
+
+
+def run_plan(plan: _compiled.MemoPlan, args: tuple[Any, ...]) -> Any:
+    """A call through a memo's plan, in Python: what the compiled ``MemoCall`` runs in C.
+
+    Matches ``args`` (after the plan's bound arguments) and the closure's objects
+    against the plan's flattenings, runs the executable with the call bound,
+    has a failure explained and writes back. Returns the call's output, or
+    `MISS` when something does not match: the caller then prepares the call
+    in full, which decides everything again.
+    """
+    site_plan, entry_plan = plan
+    partial = site_plan.partial_args
+    roots = partial + args if partial else args
+    dynamic: list[Any] = []
+    sources: list[ArgFlat] = []
+    if not match_into(site_plan.slots, roots, dynamic, sources, CONCRETE_ARRAY_TYPES, _match_slow):
+        return MISS
+    if not _closure.reads_hold(site_plan.closure_reads):
+        return MISS
+    found = site_plan.closure_found
+    if found or site_plan.lifted_slots:
+        lifted = [holder() for _, holder in found]
+        if None in lifted or not match_into(
+            site_plan.lifted_slots, lifted, dynamic, sources, CONCRETE_ARRAY_TYPES, _match_slow
+        ):
+            return MISS  # an object died, or changed
+    call = SiteCall(site_plan.site, roots, {}, dynamic, sources)
+    jitted, binding, entry, _, donation = entry_plan
+    if donation is None:
+        return _execute(jitted, binding, call, dynamic, entry)
+    donated, kept, check = donation
+    check(call)
+    arrays = (tuple(map(dynamic.__getitem__, donated)), tuple(map(dynamic.__getitem__, kept)))
+    # From the executable's start to the end of the write, the new values are the
+    # only whole state: a Ctrl-C waits for the write (docs/guides/jit.md).
+    with held_interrupts():
+        return _execute(jitted, binding, call, arrays, entry)
+
+
+def _execute(jitted: Any, binding: Any, call: SiteCall, arrays: Sequence[Any], entry: Any) -> Any:
+    binding.call = call
+    try:
+        out, updates = jitted(*arrays)
+    except BaseException as error:
+        binding.call = None
+        _compiled.call_path().raise_failure(call, error)
+        raise  # raise_failure raises; this line is never reached
+    binding.call = None
+    if updates is not None:
+        entry.write_back(call, updates)
+    return out
 
 
 def call_path_config(
@@ -298,4 +353,4 @@ def call_path_config(
     )
 
 
-__all__ = ["CallSite", "SiteCall", "compiled_plan"]
+__all__ = ["MISS", "CallSite", "SiteCall", "memo_plan", "run_plan"]

@@ -569,33 +569,38 @@ class _Snapshot:
         )
 
     def still_valid(self) -> bool:
-        if _reads_hold is not None:
-            return _reads_hold(self.reads, _kinds, _IGNORE, _EMPTY, _IGNORED)
-        dicts, names, values, functions, codes, cells, attrs = self.reads
-        is_ = operator.is_
-        if names and not all(map(is_, map(dict.get, dicts, names), values)):
+        return reads_hold(self.reads)
+
+
+def reads_hold(reads: tuple[tuple[Any, ...], ...]) -> bool:
+    """Whether every read of a closure search (a `_Snapshot`'s ``reads``) still holds."""
+    if _reads_hold is not None:
+        return _reads_hold(reads, _kinds, _IGNORE, _EMPTY, _IGNORED)
+    dicts, names, values, functions, codes, cells, attrs = reads
+    is_ = operator.is_
+    if names and not all(map(is_, map(dict.get, dicts, names), values)):
+        return False
+    for holder, code in zip(functions, codes, strict=True):
+        if getattr(holder(), "__code__", None) is not code:  # changed, or died
             return False
-        for holder, code in zip(functions, codes, strict=True):
-            if getattr(holder(), "__code__", None) is not code:  # changed, or died
-                return False
-        for holder, contents in cells:
-            f = holder()
-            if f is None:
-                return False
-            for cell, value in zip(f.__closure__, contents, strict=True):
-                current = cell_value(cell)
-                if value is _IGNORED:
-                    if current is _EMPTY or _kinds.get(type(current)) != _IGNORE:
-                        return False
-                elif value is _EMPTY:
-                    if current is not _EMPTY:
-                        return False
-                elif value() is not current:
+    for holder, contents in cells:
+        f = holder()
+        if f is None:
+            return False
+        for cell, value in zip(f.__closure__, contents, strict=True):
+            current = cell_value(cell)
+            if value is _IGNORED:
+                if current is _EMPTY or _kinds.get(type(current)) != _IGNORE:
                     return False
-        for owner, name, value in attrs:
-            if getattr(owner, name, None) is not value:
+            elif value is _EMPTY:
+                if current is not _EMPTY:
+                    return False
+            elif value() is not current:
                 return False
-        return True
+    for owner, name, value in attrs:
+        if getattr(owner, name, None) is not value:
+            return False
+    return True
 
 
 def read_check_args() -> tuple[dict[type, int], int, object, object]:

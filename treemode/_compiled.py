@@ -114,14 +114,25 @@ def layout() -> Layout:
     return Layout(_compat.raw_value_member, _compat.metadata_member, _compat.CURRENT_TRACE, "value")
 
 
-def configure(call_path: CallPath) -> None:
-    """Hand the C code its configuration (no-op where the extension is off).
+_call_path: CallPath | None = None
 
-    Called once, by ``treemode._callsite`` when the call path's objects exist;
-    the C functions refuse to run before it (they would not know the layout).
+
+def configure(call_path: CallPath) -> None:
+    """Hand the call path's configuration to the C code, and keep it for its Python twin.
+
+    Called once, by ``treemode._jit`` when the call path's objects exist; the C
+    functions refuse to run before it (they would not know the layout).
     """
+    global _call_path
+    _call_path = call_path
     if guard is not None:
         guard.configure(layout(), call_path)
+
+
+def call_path() -> CallPath:
+    """The `CallPath` given to `configure` (which ``import treemode`` calls)."""
+    assert _call_path is not None, "treemode._jit configures the call path at import"
+    return _call_path
 
 
 __all__ = ["CallPath", "ENABLED", "ENV_VAR", "EntryPlan", "Layout", "MemoPlan", "SitePlan"]

@@ -169,18 +169,18 @@ def _signature(dynamic: Sequence[Any]) -> tuple[Any, ...]:
 
 
 class _PythonMemoCall:
-    """What the compiled ``MemoCall`` does, where it is off: every call runs `_call`.
-
-    A subclass's ``__call__`` is its ``_call`` itself (one Python frame per call).
-    """
+    """What the compiled ``MemoCall`` does, where it is off: a call without keyword
+    arguments runs the memo's plan (`_callsite.run_plan`); any other call, or one
+    the plan does not match, runs `_call`."""
 
     _memo: Any = None
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.__call__ = cls._call  # pyright: ignore[reportAttributeAccessIssue]
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        memo = self._memo
+        if memo is not None and memo[2] is not None and not kwargs:
+            out = _callsite.run_plan(memo[2], args)
+            if out is not _callsite.MISS:
+                return out
         return self._call(*args, **kwargs)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
@@ -431,13 +431,13 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         return self._run(call, entry, entry.jitted)
 
     def _plan(self, site: CallSite, entry: _Entry) -> Any:
-        """The compiled call path's plan for ``site`` (``None``: match in Python)."""
+        """The memo plan for ``site`` (``None``: calls match it through `CallSite.match`)."""
         donation = None
         if entry.donated:
             check = functools.partial(_check_donation, entry=entry)
             donation = (tuple(entry.donated), tuple(entry.kept), check)
         run = _compiled.EntryPlan(entry.jitted, entry.pure.binding, entry, entry.record, donation)
-        return _callsite.compiled_plan(site, self.partial_args, run)
+        return _callsite.memo_plan(site, self.partial_args, run)
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _core.Call:
         """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
