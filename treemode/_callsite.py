@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _closure, _compiled
 from ._closure import closure_snapshot, unchanged_closure_objects
+from ._compat import raw_value_of as _raw_value_of
 from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, variables_of
 from ._interrupts import held_interrupts
 from ._leaves import CONCRETE_ARRAY_TYPES, is_traced
@@ -166,8 +167,16 @@ def _match_into_python(
             entry = slot()
             if entry is None:
                 return False
-            found = slow(entry, obj)
             sources.append(entry)
+            ref = entry._ref
+            if entry.values_only and ref is not None and ref() is obj:
+                # The compiled match's fast case, inline: `still_flattens`, then the values.
+                guard = entry._guard
+                if guard is None or not guard.holds(entry.variables, obj):
+                    return False
+                dynamic += map(_raw_value_of, entry.variables)
+                continue
+            found = slow(entry, obj)
         if found is None:
             return False
         dynamic += found
