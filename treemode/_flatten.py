@@ -168,7 +168,8 @@ class _Guard:
         "top_type",
         "top_dict",
         "n_variables",
-        "expected_types",
+        "expected_identities",
+        "sized_all",
         "expected_lens",
         "contents",
         "expected_contents",
@@ -225,7 +226,8 @@ class _Guard:
         # __dict__ objects; the lengths (which keep the last pass aligned); every
         # object the containers and the metadata dicts hold. Values are read
         # through views made once (a view shows its dict's current values).
-        self.expected_types = node_types + owner_dicts + variable_types
+        self.expected_identities = node_types + owner_dicts + variable_types + self.metadata
+        self.sized_all = (*self.sized, *self.metadata)
         self.expected_lens = [*lens, *map(len, self.metadata)]
         self.contents = (
             *map(dict.values, dicts),
@@ -269,25 +271,28 @@ class _Guard:
         """
         if self.compiled_state is not None:
             return _compiled_holds(self.compiled_state, variables, top)  # type: ignore[misc]
-        # Types and __dict__ objects first (the passes below read the saved dicts),
-        # then the metadata dicts (read only from Variables of the saved types).
         if (
             (self.top_type is not None and type(top) is not self.top_type)
             or (self.top_dict is not None and _dict_of(top) is not self.top_dict)
             or len(variables) != self.n_variables
         ):
             return False
-        current = chain(map(type, self.nodes), map(_dict_of, self.owners), map(type, variables))
-        if not all(map(_is, current, self.expected_types)):
-            return False
-        metadata = self.metadata
+        # Types and __dict__ objects first (the passes below read the saved dicts),
+        # then the metadata dicts: read only once every Variable's type matched
+        # (``all`` stops at the first difference).
+        current = chain(
+            map(type, self.nodes),
+            map(_dict_of, self.owners),
+            map(type, variables),
+            map(_metadata_of, variables),
+        )
         try:
-            if not all(map(_is, map(_metadata_of, variables), metadata)):
+            if not all(map(_is, current, self.expected_identities)):
                 return False
         except AttributeError:  # no metadata any more: not the flattening's Variable
             return False
         # The lengths, then (aligned by them) every object held, by identity.
-        return list(map(len, chain(self.sized, metadata))) == self.expected_lens and all(
+        return list(map(len, self.sized_all)) == self.expected_lens and all(
             map(_is, chain.from_iterable(self.contents), self.expected_contents)
         )
 
