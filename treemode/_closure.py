@@ -577,12 +577,12 @@ def reads_hold(reads: tuple[tuple[Any, ...], ...]) -> bool:
     if _reads_hold is not None:
         return _reads_hold(reads, _kinds, _IGNORE, _EMPTY, _IGNORED)
     dicts, names, values, functions, codes, cells, attrs = reads
-    is_ = operator.is_
-    if names and not all(map(is_, map(dict.get, dicts, names), values)):
+    if names and not all(map(operator.is_, map(dict.get, dicts, names), values)):
         return False
-    for holder, code in zip(functions, codes, strict=True):
-        if getattr(holder(), "__code__", None) is not code:  # changed, or died
-            return False
+    if functions:
+        for holder, code in zip(functions, codes, strict=True):
+            if getattr(holder(), "__code__", None) is not code:  # changed, or died
+                return False
     for holder, contents in cells:
         f = holder()
         if f is None:
