@@ -104,3 +104,27 @@ def test_a_failure_inside_the_plan_call_is_explained_and_unbinds(helpers):
         _callsite.run_plan(plan, (m, jnp.ones(4)))
     assert getattr(plan.entry.binding, "call", None) is None
     assert int(m.count[...]) == 2
+
+
+class EqualToAll(nnx.Module):
+    """A module whose ``==`` claims equality with anything (None included)."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(3))
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = nnx.Module.__hash__
+
+
+def test_closure_objects_are_matched_by_identity_not_equality(helpers):
+    held = EqualToAll()
+    f = treemode.jit(lambda x: held.w[...] + x)
+    f(jnp.ones(3))
+    f(jnp.ones(3))
+    memo = f._memo
+    assert memo is not None and memo[2] is not None
+    out = _callsite.run_plan(memo[2], (jnp.ones(3),))
+    assert out is not _callsite.MISS  # a live object is not taken for a dead one
+    np.testing.assert_allclose(out, np.full(3, 2.0))

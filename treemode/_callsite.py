@@ -302,8 +302,8 @@ def run_plan(plan: _compiled.MemoPlan, args: tuple[Any, ...]) -> Any:
         return MISS
     found = site_plan.closure_found
     if found or site_plan.lifted_slots:
-        lifted = [holder() for _, holder in found]
-        if None in lifted or not match_into(
+        lifted = _closure.held_objects(found)
+        if lifted is None or not match_into(
             site_plan.lifted_slots, lifted, dynamic, sources, CONCRETE_ARRAY_TYPES, _match_slow
         ):
             return MISS  # an object died, or changed

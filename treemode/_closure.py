@@ -251,8 +251,13 @@ def unchanged_closure_objects(fn: Callable[..., Any], snapshot: Any) -> list[Any
         return None
     if not snapshot.found:
         return _EMPTY_ANSWER
-    found = [holder() for _, holder in snapshot.found]
-    return None if any(obj is None for obj in found) else found
+    return held_objects(snapshot.found)
+
+
+def held_objects(found: list[tuple[str, Any]]) -> list[Any] | None:
+    """The objects of a search's answer (its ``(name, holder)`` pairs); ``None`` if one died."""
+    objects = [holder() for _, holder in found]
+    return None if any(obj is None for obj in objects) else objects
 
 
 class _Ref(weakref.ref):
