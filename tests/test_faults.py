@@ -208,6 +208,15 @@ def _assert_states_equal(a: Any, b: Any) -> None:
         np.testing.assert_allclose(_bits(x.get_raw_value()), _bits(y.get_raw_value()), rtol=1e-6)
 
 
+def _assert_one_donated_step_written(model: Model, old: list[Any]) -> None:
+    """``old`` (the values before a donated jit step) were donated, and ``model`` holds
+    the step's new values, live: one step, as eager."""
+    assert any(x.is_deleted() for x in old if isinstance(x, jax.Array))
+    for v in _variables(model):
+        assert not v.get_raw_value().is_deleted()
+    _assert_states_equal(model, _reference("jit"))
+
+
 def _still_usable(name: str, model: Model) -> None:
     """The failed call left ``model`` as new: a clean run gives the reference state."""
     TRANSFORMS[name](step, model, jnp.ones(2))
@@ -655,10 +664,7 @@ def test_interrupted_donated_write_back_leaves_the_new_values(hooks):
         with pytest.raises(Interrupt):
             f(model, jnp.ones(2))
         hooks.undo()
-        assert any(x.is_deleted() for x in old if isinstance(x, jax.Array))  # donated
-        for v in _variables(model):
-            assert not v.get_raw_value().is_deleted()
-        _assert_states_equal(model, _reference("jit"))  # one step, as eager
+        _assert_one_donated_step_written(model, old)
         f(model, jnp.ones(2))  # still usable
         twice = Model()
         _eager_twice(step, twice, jnp.ones(2))
@@ -686,10 +692,7 @@ def test_ctrl_c_as_a_donated_write_back_starts_arrives_after_the_write(hooks):
     with pytest.raises(KeyboardInterrupt):
         f(model, jnp.ones(2))
     hooks.undo()
-    assert any(x.is_deleted() for x in old if isinstance(x, jax.Array))  # donated
-    for v in _variables(model):
-        assert not v.get_raw_value().is_deleted()
-    _assert_states_equal(model, _reference("jit"))  # the step happened, once
+    _assert_one_donated_step_written(model, old)
     f(model, jnp.ones(2))  # still usable
 
 

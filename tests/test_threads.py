@@ -237,22 +237,13 @@ def test_tracing_a_closure_leaves_the_module_alone_for_other_threads():
 
 def test_read_only_closures_traced_from_several_threads_leave_no_tracer():
     tally = Tally()
-    errors: list[BaseException] = []
 
     def trace_many(seed: int) -> None:
-        try:
-            for i in range(CALLS):
-                f = treemode.jit(lambda x, k=float(seed * 100 + i): tally.w[...] * k + x)
-                np.testing.assert_allclose(f(jnp.zeros(3)), np.full(3, seed * 100 + i))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for i in range(CALLS):
+            f = treemode.jit(lambda x, k=float(seed * 100 + i): tally.w[...] * k + x)
+            np.testing.assert_allclose(f(jnp.zeros(3)), np.full(3, seed * 100 + i))
 
-    threads = [threading.Thread(target=trace_many, args=(s,)) for s in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _run_concurrently(trace_many)  # raises the first error a thread hit
     for value in (tally.w[...], tally.count[...]):
         assert isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
 
