@@ -94,7 +94,16 @@ def _classify(cls: type) -> int:
 
 def _user_class(cls: type) -> bool:
     """A class defined in the user's own code whose instances have attributes."""
-    if issubclass(cls, (type, types.ModuleType, BaseException)) or "__dict__" not in dir(cls):
+    return is_user_class(cls)
+
+
+def is_user_class(cls: type, *, instances_need_dict: bool = True) -> bool:
+    """Whether ``cls`` is defined in the user's own code (not the standard library,
+    an installed package or treemode), and, with ``instances_need_dict``, whether
+    its instances have a ``__dict__``."""
+    if issubclass(cls, (type, types.ModuleType, BaseException)):
+        return False
+    if instances_need_dict and "__dict__" not in dir(cls):
         return False
     module = sys.modules.get(cls.__module__)
     path = getattr(module, "__file__", None)
@@ -212,16 +221,9 @@ def closure_objects(fn: Callable[..., Any], transform: str = "jit") -> list[tupl
 
 
 def _answer(walk: _Walk, transform: str) -> list[tuple[str, Any]]:
-    for name in walk.cut:
-        warnings.warn(
-            f"treemode.{transform}: the function reaches NNX objects in {name}, a holder "
-            f"the closure search does not enter (over {MAX_HOLDER_ITEMS} entries, over "
-            f"{MAX_HOLDER_ENTRIES} entries in all, or over {MAX_DEPTH} levels deep). They "
-            "are not lifted: the compiled code keeps their values as constants, and "
-            "writing them raises. Pass them as arguments instead.",
-            ClosureWarning,
-            stacklevel=4,
-        )
+    # What the limits left out (`walk.cut`) is reported once per trace, with every
+    # other route the search does not take (`treemode._unlifted`).
+    del transform
     return walk.found
 
 

@@ -27,6 +27,7 @@ from ._leaves import (
     is_array,
     is_graph_node,
     is_variable,
+    is_variable_or_graph_node,
     same_static,
     same_treedef,
 )
@@ -35,6 +36,7 @@ from ._recursion import recursion_headroom
 from ._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild
 from ._stale import mark_trace_time
 from ._substitute import Substitution
+from ._unlifted import warn_unlifted
 
 
 @dataclasses.dataclass
@@ -80,6 +82,16 @@ def _rebuild_closure(call: Call, dynamic: Sequence[Any]) -> _Closure:
         closure.variables.extend(variables)
         closure.roots.append((root, obj, tree, key, leaves))
     return closure
+
+
+def _known_objects(call: Call) -> set[int]:
+    """The ids of the NNX objects a call hands the function: lifted or arguments."""
+    known = {id(obj) for _, obj, _ in call.lifted_objects}
+    leaves = jax.tree_util.tree_leaves(
+        (call.args, call.kwargs), is_leaf=is_variable_or_graph_node
+    )
+    known.update(id(x) for x in leaves if is_variable_or_graph_node(x))
+    return known
 
 
 def _check_reached(transform: str, closure: _Closure, substitution: Substitution) -> None:
@@ -192,18 +204,20 @@ class PureFunction:
         mark_trace_time(self, all_vars, [root for root, *_ in closure.roots])
         fn = self.fn
         substitution = None
-        if closure.replacements:
-            substitution = Substitution(closure.replacements)
-            user_fn = substitution.callable(call.fn)
-            fn = user_fn if fn is call.fn else substitution.callable(fn)
-            _check_reached(self.transform, closure, substitution)
-            self.binding.fn = user_fn  # what `user_fn` gives wrappers of the user function
         try:
+            if closure.replacements:
+                substitution = Substitution(closure.replacements)
+                user_fn = substitution.callable(call.fn)
+                fn = user_fn if fn is call.fn else substitution.callable(fn)
+                _check_reached(self.transform, closure, substitution)
+                self.binding.fn = user_fn  # what `user_fn` gives wrappers of the user function
             out = fn(*inputs.args, **inputs.kwargs)
         finally:
             if substitution is not None:
                 self.binding.fn = None
                 substitution.finish()
+        # After the call: what it read may have been made on the way (an lru_cache).
+        warn_unlifted(self.transform, call.fn, _known_objects(call))
         self._check_structure(call, inputs, out)
         self._check_closure_structure(closure)
         out_tree = _graph.to_tree(out) if self.graph else out

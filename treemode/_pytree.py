@@ -380,7 +380,15 @@ class Pytree(Generic[M]):
     ```
     """
 
-    __slots__ = ("_pt_def", "_pt_leaves", "_pt_module", "_pt_vars", "_pt_watch", "_pt_trace")
+    __slots__ = (
+        "_pt_def",
+        "_pt_leaves",
+        "_pt_module",
+        "_pt_vars",
+        "_pt_watch",
+        "_pt_trace",
+        "_pt_module_trace",
+    )
 
     _pt_def: PytreeDef
     _pt_leaves: tuple[Any, ...]
@@ -388,6 +396,7 @@ class Pytree(Generic[M]):
     _pt_vars: list[Any] | None
     _pt_watch: tuple[int, ...] | list[int]
     _pt_trace: Any  # the JAX trace the proxy was made in (its weak reference)
+    _pt_module_trace: Any  # the JAX trace the cached module was built in
 
     def __init__(self, module: M):
         if isinstance(module, Pytree):
@@ -415,11 +424,25 @@ class Pytree(Generic[M]):
     # -- materialization ------------------------------------------------------
 
     def _pt_materialize(self) -> Any:
+        """The module, cached for the JAX trace it is built in.
+
+        Its Variables belong to that trace (NNX refuses to write them from
+        another), so a module built inside a transform that reads the proxy
+        through its closure is used there only: the next read outside that
+        trace builds the module again from the proxy's leaves.
+        """
         module = self._pt_module
+        trace = current_trace_ref()
+        if module is not None and self._pt_module_trace is not trace:
+            if self._pt_watch and self._pt_module_trace is self._pt_trace:
+                self._pt_sync()  # keep the edits made where the proxy lives
+            module = None
         if module is None:
             module, variables = materialize(self._pt_def, self._pt_leaves, wrap=True)
             _set(self, "_pt_module", module)
             _set(self, "_pt_vars", variables)
+            _set(self, "_pt_watch", ())
+            _set(self, "_pt_module_trace", trace)
         return module
 
     def _pt_drop(self) -> None:
@@ -652,6 +675,7 @@ def _init(p: Pytree[Any], pdef: PytreeDef, leaves: tuple[Any, ...]) -> None:
     _set(p, "_pt_vars", None)
     _set(p, "_pt_watch", ())
     _set(p, "_pt_trace", current_trace_ref())
+    _set(p, "_pt_module_trace", None)
 
 
 def from_parts(pdef: PytreeDef, leaves: Iterable[Any]) -> Pytree[Any]:

@@ -23,7 +23,9 @@ original module.
 from __future__ import annotations
 
 import copy
+import dis
 import functools
+import builtins
 import types
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +43,31 @@ from ._closure import (
 
 _FUNCTION, _WRAPPER, _HOLDER = user_function_kinds()
 _MISSING = object()
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"})
+
+
+def _aliased_code(code: types.CodeType, aliases: dict[str, str]) -> types.CodeType | None:
+    """``code`` (and the code objects nested in it) with each global named in
+    ``aliases`` renamed to its alias; ``None`` where a name is also used as an
+    attribute, import or local name in the same code object (renaming would
+    change those too)."""
+    consts = []
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            nested = _aliased_code(const, aliases)
+            if nested is None:
+                return None
+            const = nested
+        consts.append(const)
+    renamed = aliases.keys() & set(code.co_names)
+    if renamed:
+        for instruction in dis.get_instructions(code):
+            if instruction.argval in renamed and instruction.opname not in _GLOBAL_OPS:
+                if instruction.opcode in dis.hasname:
+                    return None
+        co_names = tuple(aliases[n] if n in renamed else n for n in code.co_names)
+        return code.replace(co_names=co_names, co_consts=tuple(consts))
+    return code.replace(co_consts=tuple(consts))
 
 
 class Substitution:
@@ -53,6 +80,9 @@ class Substitution:
         self._followed: set[int] = set()
         self._built: dict[int, Any] = {}
         self._keep: list[Any] = []  # the originals looked at, so their ids stay theirs
+        # (alias, globals, name) still to define; the aliases defined in builtins
+        self._pending: list[tuple[str, dict[str, Any], str]] = []
+        self._defined: list[str] = []
         # (original dict, copy, the names whose value was substituted, the original's
         # items when the copy was made): what the function assigns goes back.
         self._dicts: list[
@@ -163,16 +193,15 @@ class Substitution:
         plan = plan_of(f)
         module_globals = f.__globals__
         names = [n for n in plan.global_names if self.reaches(module_globals.get(n))]
-        new_globals = module_globals
-        if names:
-            new_globals = dict(module_globals)
-            self._dicts.append((module_globals, new_globals, frozenset(names), dict(new_globals)))
         cells = f.__closure__
         if cells and any(self.reaches(cell_value(c)) for c in cells):
             new_cells = tuple(types.CellType() for _ in cells)
         else:
             new_cells = cells
-        new = types.FunctionType(f.__code__, new_globals, f.__name__, None, new_cells)
+        if names:
+            new = self._with_aliased_globals(f, module_globals, names, new_cells)
+        else:
+            new = types.FunctionType(f.__code__, module_globals, f.__name__, None, new_cells)
         self._built[id(f)] = new  # before the contents: a recursive helper reaches itself
         new.__qualname__ = f.__qualname__
         new.__module__ = f.__module__
@@ -182,8 +211,7 @@ class Substitution:
             new.__defaults__ = tuple(map(self.value, f.__defaults__))
         if f.__kwdefaults__:
             new.__kwdefaults__ = {k: self.value(v) for k, v in f.__kwdefaults__.items()}
-        for name in names:
-            new_globals[name] = self.value(module_globals[name])
+        self._define_aliases()
         if new_cells is not cells:
             assert cells is not None and new_cells is not None
             for old, cell in zip(cells, new_cells, strict=True):
@@ -191,6 +219,56 @@ class Substitution:
                 if contents is not EMPTY:
                     cell.cell_contents = self.value(contents)
         return new
+
+    def _with_aliased_globals(
+        self,
+        f: types.FunctionType,
+        module_globals: dict[str, Any],
+        names: list[str],
+        cells: tuple[Any, ...] | None,
+    ) -> types.FunctionType:
+        """A copy of ``f`` over its *real* globals whose code loads each substituted
+        global under an alias that only the builtins define, for this trace.
+
+        The function runs with its module's own globals dict, so every global it
+        or anything else reads or writes during the trace is the real one (as
+        under eager execution); only the names that lead to a lifted module are
+        looked up elsewhere. A name that cannot be aliased in the code (used
+        there by another kind of instruction as well) falls back to a copy of
+        the globals dict for this function (`_copied_globals`).
+        """
+        aliases = {name: self._alias(name) for name in names}
+        code = _aliased_code(f.__code__, aliases)
+        if code is None:
+            copied = self._copied_globals(module_globals, names)
+            return types.FunctionType(f.__code__, copied, f.__name__, None, cells)
+        for name, alias in aliases.items():
+            self._pending.append((alias, module_globals, name))
+        return types.FunctionType(code, module_globals, f.__name__, None, cells)
+
+    def _alias(self, name: str) -> str:
+        """The builtin name a substituted global is loaded by during this trace: not
+        an identifier (no clash with a real name), unique to this substitution (two
+        threads tracing the same function each see their own)."""
+        return f"<treemode lifted {name} {id(self):x}>"
+
+    def _define_aliases(self) -> None:
+        # Defined in the builtins dict itself, so that functions the copy makes while
+        # it runs (comprehensions, nested functions) resolve them too; removed by
+        # `finish`. They hold traced modules: the names are unique and not
+        # identifiers, so no other code reads them.
+        pending, self._pending = self._pending, []
+        namespace = builtins.__dict__
+        for alias, module_globals, name in pending:
+            namespace[alias] = self.value(module_globals[name])
+            self._defined.append(alias)
+
+    def _copied_globals(self, module_globals: dict[str, Any], names: list[str]) -> dict[str, Any]:
+        copied = dict(module_globals)
+        for name in names:
+            copied[name] = self.value(module_globals[name])
+        self._dicts.append((module_globals, copied, frozenset(names), dict(copied)))
+        return copied
 
     def _holder(self, obj: Any) -> Any:
         key = id(obj)
@@ -234,7 +312,12 @@ class Substitution:
 
     def finish(self) -> None:
         """Copy what the function assigned to (or deleted from) the copied globals and
-        attributes back; what another thread wrote to the originals meanwhile stays."""
+        attributes back; what another thread wrote to the originals meanwhile stays.
+        Removes the aliases of the substituted globals from the builtins."""
+        namespace = builtins.__dict__
+        for alias in self._defined:
+            namespace.pop(alias, None)
+        self._defined.clear()
         for original, copied, substituted, before in self._dicts:
             for name, value in list(copied.items()):
                 if name not in substituted and before.get(name, _MISSING) is not value:
