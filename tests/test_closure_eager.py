@@ -193,7 +193,7 @@ FROZEN = frozenset([_linear()])
 DEEP = _linear()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_model():
     return _linear()
 

@@ -46,7 +46,6 @@ import site
 import sys
 import sysconfig
 import types
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any

@@ -87,9 +87,7 @@ def _rebuild_closure(call: Call, dynamic: Sequence[Any]) -> _Closure:
 def _known_objects(call: Call) -> set[int]:
     """The ids of the NNX objects a call hands the function: lifted or arguments."""
     known = {id(obj) for _, obj, _ in call.lifted_objects}
-    leaves = jax.tree_util.tree_leaves(
-        (call.args, call.kwargs), is_leaf=is_variable_or_graph_node
-    )
+    leaves = jax.tree_util.tree_leaves((call.args, call.kwargs), is_leaf=is_variable_or_graph_node)
     known.update(id(x) for x in leaves if is_variable_or_graph_node(x))
     return known
 

@@ -22,10 +22,10 @@ original module.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import dis
 import functools
-import builtins
 import types
 from collections.abc import Callable
 from typing import Any

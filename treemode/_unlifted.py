@@ -56,9 +56,7 @@ _CONTAINERS = (
 _LRU_CACHE = type(functools.lru_cache(maxsize=None)(lambda: None))
 
 
-def unlifted_objects(
-    fn: Callable[..., Any], known: set[int]
-) -> tuple[list[tuple[str, Any]], bool]:
+def unlifted_objects(fn: Callable[..., Any], known: set[int]) -> tuple[list[tuple[str, Any]], bool]:
     """``(route, object)`` for each NNX object ``fn`` reaches whose id is not in
     ``known``, and whether the walk looked at everything (``False``: it stopped
     after `MAX_OBJECTS` objects)."""
