@@ -360,6 +360,9 @@ class Pytree(Generic[M]):
     is a constant there: calling its stateless methods works, and a call that
     would store that transform's traced values in it (BatchNorm statistics, RNG
     counters) raises `treemode.TraceContextError` and leaves the proxy as it was.
+    The module such a transform builds from the proxy is used inside that trace
+    only: afterwards, eager reads, `with proxy as module:` edits and training
+    calls work on a module built outside any trace.
 
     **Arguments:**
 

@@ -7,17 +7,26 @@ of the user's classes). Inside a trace, the pure function (``_pure``) rebuilds
 each of them from its structure key, with new Variables holding the traced
 values. `Substitution.callable` then makes a version of the function that reaches the
 rebuilt objects instead of the originals, by the same routes: a new function
-object over the same code with new closure cells, a copy of the globals dict, new
-defaults; a new bound method or ``functools.partial``; copies of the holders on
-the way. Only what leads to a rebuilt object is copied; everything else is shared.
+object with new closure cells and new defaults; a new bound method or
+``functools.partial``; copies of the holders on the way. Only what leads to a
+rebuilt object is copied; everything else is shared.
+
+A copied function keeps its module's real globals dict, so globals behave as
+under eager execution: what a helper sets the function reads, what the
+function sets a helper (or ``sys.modules[__name__]``) reads, at once. The
+globals that lead to a rebuilt object are loaded under aliases instead: the
+copy's code (and the code nested in it) names them ``<treemode lifted NAME
+ID>``, defined in the builtins namespace for the duration of the trace
+(`Substitution.finish` removes them). Where a name cannot be renamed alone (the
+code also uses it as an attribute or import name), that function runs over a
+copy of its globals dict instead, and what it assigns there is copied back.
 
 Nothing the caller can see is written while the function runs: another thread
 reading or writing the module during the trace sees its own values, never a
-tracer. What the function itself assigns while it is traced to a global, or to
-an attribute of a plain object it was reached through, is copied back to the
-original when the function returns (`Substitution.finish`), as if it had run on
-the originals; an attribute or global that held a lifted module keeps the
-original module.
+tracer. What the function itself assigns while it is traced to an attribute of
+a plain object it was reached through is copied back to the original when the
+function returns (`Substitution.finish`), as if it had run on the originals; an
+attribute or global that held a lifted module keeps the original module.
 """
 
 from __future__ import annotations
