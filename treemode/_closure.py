@@ -38,6 +38,7 @@ followable function, or neither) once per type.
 
 from __future__ import annotations
 
+import builtins
 import dis
 import functools
 import operator
@@ -136,17 +137,37 @@ _LIBRARY = _library_prefixes()
 class _Plan:
     """What a code object reads: computed once per code object."""
 
-    __slots__ = ("code", "freevars", "global_names", "user_code", "snapshots")
+    __slots__ = ("code", "freevars", "global_names", "aliased", "user_code", "snapshots")
 
     def __init__(self, code: types.CodeType):
         self.code = code  # kept so that the id used as key stays this object's
         self.freevars = code.co_freevars
         self.global_names = _global_names(code)
+        # Names a substituted copy loads from the builtins (`treemode._substitute`).
+        self.aliased = any(n.startswith(ALIAS_PREFIX) for n in self.global_names)
         self.user_code = not code.co_filename.startswith(_LIBRARY)
         self.snapshots = 0  # cache entries made for functions of this code
 
 
 _plans: dict[int, _Plan] = {}
+
+# The prefix of the names under which a function copied for a trace loads the
+# globals that lead to a lifted module; they live in the builtins namespace.
+ALIAS_PREFIX = "<treemode lifted "
+_BUILTINS = builtins.__dict__
+
+
+def globals_read(plan: _Plan, module_globals: dict[str, Any]) -> list[dict[str, Any]]:
+    """The namespace each of ``plan.global_names`` is read from: the globals, or the
+    builtins for an alias of a copy made for a trace."""
+    return [_BUILTINS if n.startswith(ALIAS_PREFIX) else module_globals for n in plan.global_names]
+
+
+def global_values(plan: _Plan, module_globals: dict[str, Any]) -> tuple[Any, ...]:
+    """The value of each of ``plan.global_names`` (``None`` where unbound)."""
+    if plan.aliased:
+        return tuple(map(dict.get, globals_read(plan, module_globals), plan.global_names))
+    return tuple(map(module_globals.get, plan.global_names))
 
 
 def _plan(code: types.CodeType) -> _Plan:
@@ -427,9 +448,12 @@ class _Walk:
         module_globals = getattr(f, "__globals__", None) if plan.global_names else None
         if module_globals:
             names = plan.global_names
-            values = tuple(map(module_globals.get, names))
+            values = global_values(plan, module_globals)
             if record:
-                self.dicts.extend([module_globals] * len(names))
+                if plan.aliased:
+                    self.dicts.extend(globals_read(plan, module_globals))
+                else:
+                    self.dicts.extend([module_globals] * len(names))
                 self.names.extend(names)
                 self.values.extend(values)
             for name, obj in zip(names, values, strict=True):

@@ -40,10 +40,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ._closure import (
+    ALIAS_PREFIX,
     EMPTY,
     MAX_DEPTH,
     MAX_HOLDER_ITEMS,
     cell_value,
+    global_values,
     holder_kind,
     holder_values,
     plan_of,
@@ -52,6 +54,7 @@ from ._closure import (
 
 _FUNCTION, _WRAPPER, _HOLDER = user_function_kinds()
 _MISSING = object()
+_BUILTINS = builtins.__dict__
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"})
 
 
@@ -144,7 +147,7 @@ class Substitution:
             children += list(obj.__defaults__ or ())
             children += list((obj.__kwdefaults__ or {}).values())
             module_globals = obj.__globals__
-            children += [module_globals.get(name) for name in plan.global_names]
+            children += global_values(plan, module_globals)
             return children
         if kind == _WRAPPER:
             if isinstance(obj, functools.partial):
@@ -201,7 +204,11 @@ class Substitution:
     def _function(self, f: types.FunctionType) -> types.FunctionType:
         plan = plan_of(f)
         module_globals = f.__globals__
-        names = [n for n in plan.global_names if self.reaches(module_globals.get(n))]
+        names = [
+            n
+            for n, v in zip(plan.global_names, global_values(plan, module_globals), strict=True)
+            if self.reaches(v)
+        ]
         cells = f.__closure__
         if cells and any(self.reaches(cell_value(c)) for c in cells):
             new_cells = tuple(types.CellType() for _ in cells)
@@ -259,7 +266,7 @@ class Substitution:
         """The builtin name a substituted global is loaded by during this trace: not
         an identifier (no clash with a real name), unique to this substitution (two
         threads tracing the same function each see their own)."""
-        return f"<treemode lifted {name} {id(self):x}>"
+        return f"{ALIAS_PREFIX}{name} {id(self):x}>"
 
     def _define_aliases(self) -> None:
         # Defined in the builtins dict itself, so that functions the copy makes while
@@ -269,13 +276,15 @@ class Substitution:
         pending, self._pending = self._pending, []
         namespace = builtins.__dict__
         for alias, module_globals, name in pending:
-            namespace[alias] = self.value(module_globals[name])
+            value = _BUILTINS[name] if name.startswith(ALIAS_PREFIX) else module_globals[name]
+            namespace[alias] = self.value(value)
             self._defined.append(alias)
 
     def _copied_globals(self, module_globals: dict[str, Any], names: list[str]) -> dict[str, Any]:
         copied = dict(module_globals)
         for name in names:
-            copied[name] = self.value(module_globals[name])
+            value = _BUILTINS[name] if name.startswith(ALIAS_PREFIX) else module_globals[name]
+            copied[name] = self.value(value)
         self._dicts.append((module_globals, copied, frozenset(names), dict(copied)))
         return copied
 

@@ -27,7 +27,14 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ._closure import ClosureWarning, cell_value, is_user_class, plan_of
+from ._closure import (
+    ALIAS_PREFIX,
+    ClosureWarning,
+    cell_value,
+    global_values,
+    is_user_class,
+    plan_of,
+)
 from ._leaves import is_variable_or_graph_node
 
 MAX_OBJECTS = 50_000  # objects one walk looks at before it gives up (and says so)
@@ -96,11 +103,11 @@ def _children(route: str, obj: Any, direct: bool) -> list[tuple[str, Any, bool]]
         children += [
             (f"{route}.<default {k}>", v, False) for k, v in (obj.__kwdefaults__ or {}).items()
         ]
-        module_globals = obj.__globals__
+        values = global_values(plan, obj.__globals__)
         children += [
-            (name, module_globals[name], False)
-            for name in plan.global_names
-            if name in module_globals
+            (_user_name(name), value, False)
+            for name, value in zip(plan.global_names, values, strict=True)
+            if value is not None
         ]
         children += [(f"{route}.{k}", v, True) for k, v in obj.__dict__.items()]
         return children
@@ -150,6 +157,13 @@ def _children(route: str, obj: Any, direct: bool) -> list[tuple[str, Any, bool]]
             except AttributeError:
                 continue
     return children
+
+
+def _user_name(name: str) -> str:
+    """A global's name as the user wrote it (not the alias of a copy made for a trace)."""
+    if name.startswith(ALIAS_PREFIX):
+        return name[len(ALIAS_PREFIX) :].rsplit(" ", 1)[0]
+    return name
 
 
 def warn_unlifted(transform: str, fn: Callable[..., Any], known: set[int]) -> None:
