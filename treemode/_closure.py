@@ -606,6 +606,11 @@ def reads_hold(reads: tuple[tuple[Any, ...], ...]) -> bool:
     """Whether every read of a closure search (a `_Snapshot`'s ``reads``) still holds."""
     if _reads_hold is not None:
         return _reads_hold(reads, _kinds, _IGNORE, _EMPTY, _IGNORED)
+    return reads_hold_python(reads)
+
+
+def reads_hold_python(reads: tuple[tuple[Any, ...], ...]) -> bool:
+    """The Python twin of the compiled ``reads_hold`` (tests/test_twins.py binds them)."""
     dicts, names, values, functions, codes, cells, attrs = reads
     if names and not all(map(operator.is_, map(dict.get, dicts, names), values)):
         return False

@@ -271,6 +271,10 @@ class _Guard:
         """
         if self.compiled_state is not None:
             return _compiled_holds(self.compiled_state, variables, top)  # type: ignore[misc]
+        return self.holds_python(variables, top)
+
+    def holds_python(self, variables: list[Any], top: Any) -> bool:
+        """The Python twin of the compiled ``holds`` (tests/test_twins.py binds them)."""
         if (
             (self.top_type is not None and type(top) is not self.top_type)
             or (self.top_dict is not None and _dict_of(top) is not self.top_dict)
