@@ -122,7 +122,7 @@ def _children(route: str, obj: Any, direct: bool) -> list[tuple[str, Any, bool]]
     if isinstance(obj, type):
         if not is_user_class(obj, instances_need_dict=False):
             return []
-        return [(f"{obj.__name__}.{k}", v, True) for k, v in list(vars(obj).items())]
+        return [(f"{route}.{k}", v, True) for k, v in list(vars(obj).items())]
     if isinstance(obj, dict):
         return [(f"{route}[{k!r}]", v, False) for k, v in list(obj.items())]
     if isinstance(obj, (list, tuple, collections.deque)):
