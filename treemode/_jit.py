@@ -330,6 +330,8 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             var_offset += len(flat.variables)
             dyn_offset += len(flat.dynamic)
         pure = _core.PureFunction(call, force_updates=frozenset(force))
+        if self.graph and self.out_shardings is not _UNSET:  # one per shared Variable
+            pure.output_spec = ("out_shardings", self.out_shardings, _whole, _is_sharding, "output")
         jit_kwargs: dict[str, Any] = dict(keep_unused=self.keep_unused, inline=self.inline)
         if self.device is not None:
             jit_kwargs["device"] = self.device
@@ -488,6 +490,10 @@ class JitWrapped(_MemoCall, Generic[P, R]):
     def clear_cache(self) -> None:
         self._cache.clear()
         self._memo = None
+
+
+def _whole(out: Any) -> Any:
+    return out
 
 
 def _is_sharding(x: Any) -> bool:
