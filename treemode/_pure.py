@@ -344,8 +344,9 @@ class PureFunction:
                 )
             raise AliasError(
                 f"treemode.{self.transform}: {head}\n"
-                "Tree mode does not support Variable aliasing between inputs and outputs: "
-                "the returned one would come back as an independent copy. Return its value "
+                f"{'Graph mode (graph=True)' if self.graph else 'Tree mode'} does not "
+                "support Variable aliasing between inputs and outputs: the returned one "
+                "would come back as an independent copy. Return its value "
                 "instead (e.g. `var[...]`), or return a new module built inside the function."
             )
         raise AliasError(

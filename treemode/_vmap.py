@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 
-from . import _core
+from . import _core, _explain
 from ._axes import (
     CallAxes,
     batched_update_error,
@@ -121,6 +121,7 @@ class MappedWrapper:
         axes = self.resolve(call)
         force: frozenset[int] = frozenset()
         if self.donate_argnums:
+            _explain.note_donation()
             force = frozenset(self._donated_variables(call))
         pure = _core.PureFunction(call, force_updates=force)
         pure.fn = call_current_fn(pure)  # the entry may outlive this wrapper
