@@ -84,6 +84,7 @@ def test_a_buffer_the_user_deleted_is_not_blamed_on_donation(hooks):
     with pytest.raises(RuntimeError) as info:
         f(m, 1.0)
     assert not isinstance(info.value, treemode.DonationError)
+    assert isinstance(info.value, treemode.TreemodeError)
     message = str(info.value)
     assert message.startswith(
         "treemode.jit: the buffer of the Param at args[0].b was deleted before this call"

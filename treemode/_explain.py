@@ -17,7 +17,7 @@ from jax.core import Tracer
 
 from . import _compat
 from ._call import Call, PreparedCall
-from ._errors import DonationError, TraceContextError, TreemodeError
+from ._errors import DeletedArrayError, DonationError, TraceContextError, TreemodeError
 from ._leaves import is_variable
 from ._retrace import dynamic_paths
 from ._stale import stale_write_error
@@ -145,7 +145,7 @@ def _deleted_error(transform: str, what: str) -> Exception:
             "donate_argnums outside treemode, put a live array in the Variable instead: "
             "`var[...] = new_value`.)"
         )
-    return RuntimeError(
+    return DeletedArrayError(
         f"treemode.{transform}: the buffer of {what} was deleted before this call, and "
         "no treemode transform has donated buffers: it was deleted outside treemode "
         "(`array.delete()`, or donated to a jax.jit/jax.pmap call with donate_argnums). "
