@@ -30,6 +30,7 @@ from ._compat import raw_value_of as _raw_value_of
 from ._errors import AliasError
 from ._leaves import (
     CONCRETE_ARRAY_TYPES,
+    is_array,
     is_graph_node,
     is_python_scalar,
     is_variable,
@@ -630,6 +631,7 @@ def one_leaf_values(values: Iterable[Any]) -> bool:
             return False
         if not isinstance(value, Tracer):
             _ONE_LEAF_TYPES.add(type(value))
+            is_array(value)  # an array type: the compiled match then checks it in C
     return True
 
 
