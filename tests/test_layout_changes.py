@@ -147,3 +147,17 @@ def test_a_layout_change_is_explained_as_one(caplog):
     with jax.explain_cache_misses(True), caplog.at_level(logging.WARNING, "treemode"):
         f(m, 1.0)
     assert "args[0].s: the layout of the Variable's value changed" in caplog.text
+
+
+def test_a_module_read_through_the_closure_sees_the_layout_change():
+    m = Model()
+
+    def f(x):
+        return x + sum(jnp.sum(v) for v in jax.tree.leaves(m.s.get_value()))
+
+    g = treemode.jit(f)
+    for value in (None, {"a": jnp.ones(2)}, jnp.ones(3), (jnp.ones(4),)):
+        assert float(g(1.0)) == float(f(1.0))
+        m.s.set_value(value)
+        assert float(g(1.0)) == float(f(1.0))
+        assert float(g(1.0)) == float(f(1.0))  # the memo's closure match
