@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -138,6 +138,11 @@ class PureFunction:
         self.kw_names = call.kw_names
         self.force = force_updates
         self.allow_output_variables = allow_output_variables
+        # ``graph=True``: the transform's output specification, checked against
+        # the outputs at trace time (`_graph.check_one_output_spec_per_variable`):
+        # ``(what, prefix, select, is_spec_leaf, root)``, ``select`` picking from
+        # the function's output the part ``prefix`` describes (named ``root``).
+        self.output_spec: tuple[str, Any, Callable[[Any], Any], Any, str] | None = None
         self.record = TraceRecord()
         # The current Call in ``binding.call``, per thread so concurrent calls do
         # not see each other. `bind` sets it; a hot path may set it directly.
@@ -218,6 +223,11 @@ class PureFunction:
         warn_unlifted(self.transform, call.fn, _known_objects(call))
         self._check_structure(call, inputs, out)
         self._check_closure_structure(closure)
+        if self.graph and self.output_spec is not None:
+            what, prefix, select, is_spec_leaf, root = self.output_spec
+            _graph.check_one_output_spec_per_variable(
+                self.transform, what, select(out), prefix, is_spec_leaf, root
+            )
         out_tree = _graph.to_tree(out) if self.graph else out
         self._check_outputs(call, out_tree, all_vars)
         updates = self._collect_updates(call, all_vars, dynamic)
@@ -346,8 +356,9 @@ class PureFunction:
                 )
             raise AliasError(
                 f"treemode.{self.transform}: {head}\n"
-                "Tree mode does not support Variable aliasing between inputs and outputs: "
-                "the returned one would come back as an independent copy. Return its value "
+                f"{'Graph mode (graph=True)' if self.graph else 'Tree mode'} does not "
+                "support Variable aliasing between inputs and outputs: the returned one "
+                "would come back as an independent copy. Return its value "
                 "instead (e.g. `var[...]`), or return a new module built inside the function."
             )
         raise AliasError(
