@@ -46,12 +46,21 @@ _FLAT_LAYERS: dict[str, str] = {
         "_tree",
     ),
     **dict.fromkeys(
-        ["_interrupts", "_call", "_stale", "_retrace", "_substitute", "_callsite", "_explain"]
+        [
+            "_interrupts",
+            "_unlifted",
+            "_call",
+            "_stale",
+            "_retrace",
+            "_substitute",
+            "_callsite",
+            "_explain",
+        ]
         + ["_writeback", "_pure", "_core", "_trace_cache"],
         "_pipeline",
     ),
     **dict.fromkeys(
-        ["_signature", "_lifts", "_prefix_helpers", "_prefix", "_rng_hints", "_axes"]
+        ["_names", "_signature", "_lifts", "_prefix_helpers", "_prefix", "_rng_hints", "_axes"]
         + ["_metadata", "_jit", "_vmap", "_pmap", "_shard_map", "_scan", "_loop"]
         + ["_control_flow", "_grad", "_vjp", "_custom_vjp", "_remat", "_checkify"]
         + ["_eval_shape"],
