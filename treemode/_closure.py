@@ -53,7 +53,7 @@ from typing import Any
 
 from flax import nnx
 
-from . import _compiled
+from . import _caches, _compiled
 from ._leaves import is_variable_or_graph_node
 
 # The compiled checks (treemode._compiled); None where it is off: the same checks below.
@@ -73,6 +73,7 @@ MAX_DEPTH = 4  # function hops followed from the transformed function
 # searched for NNX objects inside it (see `_Walk.search`).
 _IGNORE, _STATE, _FUNCTION, _WRAPPER, _HOLDER = range(5)
 _kinds: dict[type, int] = {}
+_caches.register(_kinds.clear)
 MAX_HOLDER_ITEMS = 256  # bigger lists, dicts and attribute dicts are not searched
 MAX_HOLDER_ENTRIES = 4096  # entries of holders looked at by one search, in all
 
@@ -150,6 +151,7 @@ class _Plan:
 
 
 _plans: dict[int, _Plan] = {}
+_caches.register(_plans.clear)
 
 # The prefix of the names under which a function copied for a trace loads the
 # globals that lead to a lifted module; they live in the builtins namespace.
@@ -644,6 +646,7 @@ def read_check_args() -> tuple[dict[type, int], int, object, object]:
 
 
 _snapshots: dict[int, _Snapshot] = {}
+_caches.register(_snapshots.clear)
 # After this many cache entries for one code object, its functions are made per
 # call (a lambda in a loop) or their reads change on every call: the entry would
 # never be hit, so it is no longer made.

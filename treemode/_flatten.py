@@ -24,7 +24,7 @@ from flax.nnx.statelib import State
 from jax.core import Tracer
 from jax.tree_util import PyTreeDef
 
-from . import _compiled
+from . import _caches, _compiled
 from ._compat import metadata_of as _metadata_of
 from ._compat import raw_value_of as _raw_value_of
 from ._errors import AliasError
@@ -454,6 +454,7 @@ def _is_plain_leaf(x: Any) -> bool:
 
 
 _cache: dict[int, ArgFlat] = {}
+_caches.register(_cache.clear)
 _ARRAY_FLAT = ArgFlat(jax.tree_util.tree_structure(0), (DYNAMIC,), [None])
 ARRAY_KEY = _ARRAY_FLAT.key  # the structure key of every bare array argument
 

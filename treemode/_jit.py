@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from jax.core import Tracer
 
-from . import _callsite, _compiled, _core, _explain, _retrace, _writeback
+from . import _caches, _callsite, _compiled, _core, _explain, _retrace, _writeback
 from ._axes import graph_prefix_values
 from ._callsite import CallSite
 from ._errors import DonationError, StructureError
@@ -269,12 +269,14 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         # (one attribute, so threads never pair one call's site with another's
         # entry): a loop calling with the same objects skips ``prepare``.
         self._memo: tuple[CallSite, _Entry, Any] | None = None
+        _caches.track(self)  # treemode.clear_caches() calls clear_cache()
 
     def __copy__(self) -> JitWrapped[P, R]:
         """``copy.copy``: a wrapper of the same function sharing its compiled entries."""
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
         copied._memo = self._memo
+        _caches.track(copied)
         return copied
 
     def __deepcopy__(self, memo: dict[int, Any]) -> JitWrapped[P, R]:

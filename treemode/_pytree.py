@@ -25,7 +25,7 @@ from flax import nnx
 from jax.core import Tracer
 from jax.tree_util import GetAttrKey
 
-from . import _compat
+from . import _caches, _compat
 from ._errors import ProxyError, TraceContextError
 from ._graph import from_tree, to_tree
 from ._leaves import (
@@ -190,6 +190,7 @@ class PytreeDef(StructureKey):
 
 
 _interned: weakref.WeakValueDictionary[int, PytreeDef] = weakref.WeakValueDictionary()
+_caches.register(_interned.clear)
 
 
 def _unpickle_def(treedef: Any, specs: tuple[Any, ...]) -> PytreeDef:
