@@ -124,6 +124,9 @@ def test_extension_status_is_public_and_frozen() -> None:
         assert status == treemode.ExtensionStatus(True, "active")
 
 
+OFF = "disabled by TREEMODE_NO_EXTENSION"
+
+
 def _fake_guard() -> ModuleType:
     return ModuleType("treemode._guard")
 
@@ -141,8 +144,8 @@ def _wrong_python() -> ModuleType:
     [
         ({}, "", _fake_guard, (True, "active")),
         ({"TREEMODE_NO_EXTENSION": "0"}, "", _fake_guard, (True, "active")),
-        ({"TREEMODE_NO_EXTENSION": "1"}, "", _fake_guard, (False, "disabled by TREEMODE_NO_EXTENSION")),
-        ({"TREEMODE_NO_EXTENSION": "1"}, "odd", _not_built, (False, "disabled by TREEMODE_NO_EXTENSION")),
+        ({"TREEMODE_NO_EXTENSION": "1"}, "", _fake_guard, (False, OFF)),
+        ({"TREEMODE_NO_EXTENSION": "1"}, "odd", _not_built, (False, OFF)),
         ({}, "", _not_built, (False, "not built")),
         ({}, "", _wrong_python, (False, "failed to load: undefined symbol: _PyType_Lookup")),
         ({}, "Variable._raw_value is not a __slots__ member", _fake_guard,

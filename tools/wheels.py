@@ -8,11 +8,10 @@
 2. ``auditwheel repair`` retags it ``manylinux_2_17`` (the extension needs only
    glibc 2.14 symbols and no other shared library) into ``dist/wheelhouse/``,
    and ``auditwheel show`` must accept the result;
-3. a fresh virtual environment (``build/wheels/venv``) gets that wheel alone
-   (``--no-index --no-deps``); its dependencies come from the environment
-   running this script through a ``.pth`` line, so nothing is downloaded again
-   (its own ``.pth`` files, such as an editable install of the checkout, are not
-   processed that way);
+3. a fresh virtual environment (``build/wheels/venv``) gets that wheel with its
+   ``test`` extra, binary wheels only (``--only-binary :all:``, with the
+   development versions of ``constraints.txt``; pip's cache serves what
+   ``make test`` downloaded), with no compiler on ``PATH`` already;
 4. with a ``PATH`` holding no C compiler (only the new environment's ``bin``)
    and ``CC``/``CXX`` set to ``/bin/false``, it checks that ``treemode`` comes
    from that environment, that ``treemode.extension_status()`` is active and
@@ -34,7 +33,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import zipfile
@@ -114,16 +112,16 @@ def check_tag(wheel: Path) -> None:
     print(f"{wheel.name}: tags {', '.join(tags)}; compiled extension included")
 
 
-def fresh_venv(wheel: Path) -> Path:
+def fresh_venv(wheel: Path, constraints: Path | None) -> Path:
+    """A new virtual environment with the wheel and its ``test`` extra, binaries only."""
     env = BUILD / "venv"
     shutil.rmtree(env, ignore_errors=True)
-    run([sys.executable, "-m", "venv", "--without-pip", str(env)])
+    run([sys.executable, "-m", "venv", str(env)])
     python = env / "bin" / "python"
-    run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-         "--no-index", str(wheel)])  # fmt: skip
-    purelib = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-    ours = sysconfig.get_paths()["purelib"]
-    Path(purelib.strip(), "_dependencies.pth").write_text(ours + "\n", encoding="utf-8")
+    pins = ["-c", str(constraints)] if constraints else []
+    run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+         "--only-binary", ":all:", *pins, f"{wheel}[test]"],
+        env=compilerless_env(env))  # fmt: skip
     return env
 
 
@@ -148,6 +146,12 @@ def main() -> int:
     )
     parser.add_argument("--workers", default="2", help="pytest-xdist workers (-n)")
     parser.add_argument(
+        "--constraints",
+        type=Path,
+        default=ROOT / "constraints.txt",
+        help="pip constraints for the dependencies (default: the development versions)",
+    )
+    parser.add_argument(
         "tests", nargs="*", default=["tests"], help="test paths, relative to the checkout"
     )
     args = parser.parse_args()
@@ -158,7 +162,7 @@ def main() -> int:
     check_tag(repaired)
     if args.tag_only:
         return 0
-    venv = fresh_venv(repaired)
+    venv = fresh_venv(repaired, args.constraints)
     env = compilerless_env(venv)
     python = str(venv / "bin" / "python")
     site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()

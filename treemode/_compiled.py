@@ -233,6 +233,7 @@ def extension_status() -> ExtensionStatus:
     """
     return STATUS
 
+
 holds: Callable[..., bool] | None = guard.holds if guard else None
 version_tags: Callable[..., bytes | None] | None = guard.version_tags if guard else None
 match_into: Callable[..., bool] | None = guard.match_into if guard else None
