@@ -9,6 +9,7 @@ from typing import Any
 from jax.experimental import checkify as jax_checkify
 
 from . import _core
+from ._names import named
 
 
 def checkify(
@@ -62,7 +63,7 @@ def checkify(
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         call = _core.prepare("checkify", f, args, kwargs, graph=graph)
         pure = _core.PureFunction(call)
-        checked = jax_checkify.checkify(pure, errors=errors)
+        checked = jax_checkify.checkify(named(pure, f), errors=errors)
 
         def jax_call() -> tuple[Any, Any]:
             error, (out, updates) = checked(*call.dynamic)

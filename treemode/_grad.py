@@ -29,6 +29,7 @@ from ._errors import StructureError
 from ._flatten import DYNAMIC, StaticLeaf, VarSpec
 from ._leaves import ARRAY_TYPES, is_graph_node, is_variable
 from ._lifts import refuse_lifts
+from ._names import named
 from ._paths import format_path
 from ._signature import check_reduce_axes
 
@@ -371,7 +372,7 @@ def _grad_transform(
 
         def jax_call() -> tuple[Any, Any]:
             (loss, (aux, updates)), diff_grads = jax.value_and_grad(
-                differentiated, argnums=0, has_aux=True, holomorphic=holomorphic
+                named(differentiated, fn), argnums=0, has_aux=True, holomorphic=holomorphic
             )(split.diff_values(), split.other_values())
             return (loss, aux, diff_grads), updates
 

@@ -18,6 +18,7 @@ from ._flatten import DYNAMIC, ArgFlat, VarSpec, check_no_aliases
 from ._interrupts import held_interrupts
 from ._leaves import is_variable
 from ._lifts import refuse_lifts
+from ._names import named
 from ._prefix import (
     broadcast_to_dynamic,
     decode_flax_prefixes,
@@ -90,10 +91,12 @@ class _Entry:
         self._order = [0] * n
         for position, i in enumerate(donated + self.kept):
             self._order[i] = position
+        # Named like the user function: JAX's program (``jit_<name>``), its
+        # messages and profiles then read like the user's code (`_names`).
         if donated:
-            self.jitted = jax.jit(self._call_split, donate_argnums=0, **jit_kwargs)
+            self.jitted = jax.jit(named(self._call_split, pure.fn), donate_argnums=0, **jit_kwargs)
         else:
-            self.jitted = jax.jit(self._call_flat, **jit_kwargs)
+            self.jitted = jax.jit(named(self._call_flat, pure.fn), **jit_kwargs)
 
     def _call_flat(self, *dynamic: Any) -> Any:
         return self._traced(dynamic)

@@ -10,6 +10,7 @@ import jax
 from . import _core
 from ._axes import CallAxes, call_axes, check_axes_spec, check_mapped
 from ._lifts import refuse_lifts
+from ._names import named
 from ._vmap import MappedWrapper, _Entry, find_batched_update, translate_axis_error
 
 
@@ -65,7 +66,7 @@ class PmapWrapped(MappedWrapper):
 
     def build(self, pure: _core.PureFunction, call: _core.Call, axes: CallAxes) -> Any:
         return jax.pmap(
-            pure,
+            named(pure, call.fn),
             axis_name=self.axis_name,
             in_axes=axes.dynamic,
             out_axes=(self.jax_out_axes, axes.variables),

@@ -27,6 +27,7 @@ from ._loop import (
     scalars_to_arrays,
 )
 from ._metadata import _split_metadata, with_axis_metadata
+from ._names import Stable
 from ._prefix import broadcast_to_leaves, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED
 from ._trace_cache import TraceCache, avals, cache_for, call_current_fn
@@ -254,7 +255,8 @@ class ScanWrapped:
                 "the carry and returns its new value. Mark it in both, e.g. "
                 "in_axes=(Carry, 0), out_axes=(Carry, 0)."
             )
-        self._cache: TraceCache[_Entry] = cache_for(
+        # Entries by (structure, input types); `Stable` step functions by structure.
+        self._cache: TraceCache[Any] = cache_for(
             [fn],
             (
                 "scan",
@@ -326,15 +328,20 @@ class ScanWrapped:
             for j, ax in entry.scanned
         ]
 
+        # The function JAX traces: named like the user's and the same object for
+        # every input type of this structure (`treemode._names.Stable`).
+        stable: Stable = self._cache.get(("step", call.key), lambda: Stable(self.fn))
+
         def jax_call() -> tuple[Any, Any]:
-            (_, free, values), (ys, stacked) = jax.lax.scan(
-                entry.step,
-                entry.loop.init(call.dynamic),
-                xs,
-                length=entry.length,
-                reverse=self.reverse,
-                unroll=self.unroll,
-            )
+            with stable.bound(entry.step) as step:
+                (_, free, values), (ys, stacked) = jax.lax.scan(
+                    step,
+                    entry.loop.init(call.dynamic),
+                    xs,
+                    length=entry.length,
+                    reverse=self.reverse,
+                    unroll=self.unroll,
+                )
             updates = entry.loop.final_updates(values)
             for (i, ax), u in zip(entry.scanned_vars, stacked, strict=True):
                 if u is not None:

@@ -17,6 +17,7 @@ import jax
 
 from . import _core, _graph
 from ._grad import DiffSplit, dynamic_like, split_aux, to_array_args
+from ._names import named
 from ._signature import UNSPECIFIED, check_reduce_axes
 
 
@@ -82,7 +83,9 @@ def vjp(
         return out, (aux, updates)
 
     def jax_call() -> tuple[Any, Any]:
-        out, raw_vjp, (aux, updates) = jax.vjp(differentiated, *split.diff_values(), has_aux=True)
+        out, raw_vjp, (aux, updates) = jax.vjp(
+            named(differentiated, fun), *split.diff_values(), has_aux=True
+        )
         return (out, raw_vjp, aux), updates
 
     out, raw_vjp, aux = _core.run(call, pure, jax_call, finish=False)
@@ -171,7 +174,7 @@ def jvp(
 
     def jax_call() -> tuple[Any, Any]:
         out, out_tangent, (aux, updates) = jax.jvp(
-            differentiated, (split.diff_values(),), (diff_tangents,), has_aux=True
+            named(differentiated, fun), (split.diff_values(),), (diff_tangents,), has_aux=True
         )
         return (out, out_tangent, aux), updates
 

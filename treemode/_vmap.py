@@ -27,6 +27,7 @@ from ._axes import (
 from ._errors import AxisError
 from ._lifts import refuse_lifts
 from ._metadata import check_metadata, with_axis_metadata
+from ._names import named
 from ._prefix import decode_flax_prefixes, graph_output_prefix
 from ._rng_hints import warn_broadcast_draws
 from ._trace_cache import TraceCache, cache_for, call_current_fn
@@ -289,7 +290,7 @@ class VmapWrapped(MappedWrapper):
 
     def build(self, pure: _core.PureFunction, call: _core.Call, axes: CallAxes) -> Any:
         return jax.vmap(
-            pure,
+            named(pure, call.fn),
             in_axes=axes.dynamic,
             out_axes=(self.jax_out_axes, axes.variables),
             axis_name=self.axis_name,
