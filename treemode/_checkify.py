@@ -10,8 +10,10 @@ from jax.experimental import checkify as jax_checkify
 
 from . import _core
 from ._names import named
+from ._signature import suggests_keywords
 
 
+@suggests_keywords
 def checkify(
     f: Callable[..., Any],
     errors: frozenset[Any] = jax_checkify.user_checks,

@@ -33,7 +33,7 @@ from ._loop import (
     variable_specs,
 )
 from ._names import Stable
-from ._signature import UNSPECIFIED, legacy_operand
+from ._signature import UNSPECIFIED, legacy_operand, suggests_keywords
 from ._trace_cache import avals, cache_for, call_current_fn
 
 
@@ -138,6 +138,7 @@ class _LoopEntry:
         return rebuild_carry(init_val, self.layout, free)
 
 
+@suggests_keywords
 def while_loop(
     cond_fun: Callable[[Any], Any],
     body_fun: Callable[[Any], Any],
@@ -276,6 +277,7 @@ def _while_entry(call: _core.Call, cond_call: _core.Call, shared: tuple[int, ...
     return entry
 
 
+@suggests_keywords
 def fori_loop(
     lower: Any,
     upper: Any,
@@ -528,6 +530,7 @@ def _merged_metadata(
     return first
 
 
+@suggests_keywords
 def cond(
     pred: Any,
     true_fun: Callable[..., Any],
@@ -584,6 +587,7 @@ def cond(
     )
 
 
+@suggests_keywords
 def switch(
     index: Any,
     branches: Sequence[Callable[..., Any]],

@@ -31,7 +31,7 @@ from ._leaves import ARRAY_TYPES, is_graph_node, is_variable
 from ._lifts import refuse_lifts
 from ._names import named
 from ._paths import format_path
-from ._signature import check_reduce_axes
+from ._signature import check_reduce_axes, suggests_keywords
 
 # ---------------------------------------------------------------------------
 # Shared helpers (used by _vjp, _custom_vjp)
@@ -387,6 +387,7 @@ def _grad_transform(
     return wrapper
 
 
+@suggests_keywords
 def grad(
     fun: Callable[..., Any] | None = None,
     argnums: int | Sequence[int] = 0,
@@ -459,6 +460,7 @@ def grad(
     return _grad_transform(fun, argnums, has_aux, holomorphic, allow_int, graph, False)
 
 
+@suggests_keywords
 def value_and_grad(
     fun: Callable[..., Any] | None = None,
     argnums: int | Sequence[int] = 0,

@@ -24,7 +24,7 @@ from ._prefix import (
     decode_flax_prefixes,
     graph_output_prefix,
 )
-from ._signature import UNSPECIFIED, as_tuple, resolve_argnums
+from ._signature import UNSPECIFIED, as_tuple, resolve_argnums, suggests_keywords
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -489,8 +489,69 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         return _core.run(call, pure, lambda: (jax.eval_shape(pure, *call.dynamic)[0], None))
 
     def clear_cache(self) -> None:
+        """Drop every compiled entry (as ``jax.jit``'s ``clear_cache``); the next call traces."""
+        for entry in self._cache.values():
+            entry.jitted.clear_cache()
         self._cache.clear()
         self._memo = None
+
+    # -- what Flax's and JAX's wrappers offer --------------------------------------
+
+    @property
+    def fun(self) -> Callable[P, R]:
+        """The function that was compiled (Flax's name for `fn`)."""
+        return self.fn
+
+    @property
+    def jitted_fn(self) -> JittedFunctions:
+        """The ``jax.jit`` functions behind this wrapper (Flax's ``jitted_fn``).
+
+        treemode compiles one ``jax.jit`` function per call structure, so this
+        is a view of all of them: ``jitted_fn._cache_size()`` counts their
+        executables, as on one ``jax.jit`` function.
+        """
+        return JittedFunctions(self)
+
+    def _cache_size(self) -> int:
+        """How many executables the calls so far compiled (as on a ``jax.jit`` function)."""
+        return self.jitted_fn._cache_size()
+
+    def __repr__(self) -> str:
+        bound = f" with {len(self.partial_args)} bound argument(s)" if self.partial_args else ""
+        return f"<treemode.jit of {self.fn!r}{bound}>"
+
+
+class JittedFunctions:
+    """The ``jax.jit`` functions of one `treemode.jit` wrapper, one per call structure.
+
+    What Flax's ``nnx.jit(...).jitted_fn`` is read for: ``_cache_size()`` (the
+    number of compiled executables) and ``clear_cache()``. The functions take
+    treemode's flat arrays, not the user's arguments: call the wrapper itself.
+    """
+
+    __slots__ = ("_wrapped",)
+
+    def __init__(self, wrapped: JitWrapped[Any, Any]):
+        self._wrapped = wrapped
+
+    @property
+    def functions(self) -> tuple[Any, ...]:
+        """The ``jax.jit`` functions, in the order their structures were first called."""
+        return tuple(entry.jitted for entry in self._wrapped._cache.values())
+
+    def _cache_size(self) -> int:
+        """The number of executables compiled so far, over every call structure."""
+        return sum(fn._cache_size() for fn in self.functions)
+
+    def clear_cache(self) -> None:
+        """As `JitWrapped.clear_cache`."""
+        self._wrapped.clear_cache()
+
+    def __len__(self) -> int:
+        return len(self._wrapped._cache)
+
+    def __repr__(self) -> str:
+        return f"<jax.jit functions of {self._wrapped!r}: {len(self)} call structure(s)>"
 
 
 def _is_sharding(x: Any) -> bool:
@@ -632,6 +693,7 @@ def jit(
 ) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
 
 
+@suggests_keywords
 def jit(
     fun: Callable[P, R] | None = None,
     /,
@@ -725,6 +787,7 @@ def jit(
     return JitWrapped(fun, **options)
 
 
+@suggests_keywords
 def jit_partial(
     fun: Callable[..., R],
     *partial_args: Any,

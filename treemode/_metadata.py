@@ -29,6 +29,7 @@ from ._errors import AxisError
 from ._leaves import is_variable
 from ._lifts import refuse_lifts
 from ._prefix import broadcast_to_leaves
+from ._signature import suggests_keywords
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -313,6 +314,7 @@ def transform_metadata(
 ) -> F: ...
 
 
+@suggests_keywords
 def transform_metadata(
     f: Callable[..., Any] | None = None,
     *,

@@ -11,6 +11,7 @@ from . import _core
 from ._axes import CallAxes, call_axes, check_axes_spec, check_mapped
 from ._lifts import refuse_lifts
 from ._names import named
+from ._signature import suggests_keywords
 from ._vmap import MappedWrapper, _Entry, find_batched_update, translate_axis_error
 
 
@@ -93,6 +94,7 @@ class PmapWrapped(MappedWrapper):
         translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
 
 
+@suggests_keywords
 def pmap(
     fun: Callable[..., Any] | None = None,
     axis_name: Any = None,

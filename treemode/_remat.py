@@ -10,9 +10,10 @@ import jax
 
 from . import _core
 from ._names import named
-from ._signature import as_tuple, resolve_argnums
+from ._signature import as_tuple, resolve_argnums, suggests_keywords
 
 
+@suggests_keywords
 def remat(
     fun: Callable[..., Any] | None = None,
     *,

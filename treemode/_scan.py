@@ -29,7 +29,7 @@ from ._loop import (
 from ._metadata import _split_metadata, with_axis_metadata
 from ._names import Stable
 from ._prefix import broadcast_to_leaves, decode_flax_prefixes, graph_output_prefix
-from ._signature import UNSPECIFIED
+from ._signature import UNSPECIFIED, suggests_keywords
 from ._trace_cache import TraceCache, avals, cache_for, call_current_fn
 
 
@@ -275,6 +275,14 @@ class ScanWrapped:
             return self
         return functools.partial(self, obj)
 
+    def __repr__(self) -> str:
+        return f"<treemode.scan of {self.fn!r}>"
+
+    def clear_cache(self) -> None:
+        """Drop the traced steps of this function (shared by its scan wrappers with
+        the same options); the next call traces again."""
+        self._cache.clear()
+
     # -- the pieces of one call ---------------------------------------------------
 
     def _entries(self, num_args: int) -> Any:
@@ -457,6 +465,7 @@ class ScanWrapped:
         return size
 
 
+@suggests_keywords
 def scan(
     f: Callable[..., Any] | None = None,
     init: Any = _MISSING,

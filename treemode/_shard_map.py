@@ -21,6 +21,7 @@ from ._axes import CallAxes, call_axes, dynamic_paths
 from ._errors import AxisError
 from ._lifts import refuse_lifts
 from ._names import named
+from ._signature import suggests_keywords
 from ._vmap import MappedWrapper, _Entry
 
 
@@ -183,6 +184,7 @@ def _check_replication(
                 )
 
 
+@suggests_keywords
 def shard_map(
     f: Callable[..., Any] | None = None,
     /,

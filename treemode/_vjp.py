@@ -18,9 +18,10 @@ import jax
 from . import _core, _graph
 from ._grad import DiffSplit, dynamic_like, split_aux, to_array_args
 from ._names import named
-from ._signature import UNSPECIFIED, check_reduce_axes
+from ._signature import UNSPECIFIED, check_reduce_axes, suggests_keywords
 
 
+@suggests_keywords
 def vjp(
     fun: Callable[..., Any] = UNSPECIFIED,
     *primals: Any,
@@ -101,6 +102,7 @@ def vjp(
     return out, vjp_fn
 
 
+@suggests_keywords
 def jvp(
     fun: Callable[..., Any] = UNSPECIFIED,
     primals: Sequence[Any] = UNSPECIFIED,

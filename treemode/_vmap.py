@@ -30,6 +30,7 @@ from ._metadata import check_metadata, with_axis_metadata
 from ._names import named
 from ._prefix import decode_flax_prefixes, graph_output_prefix
 from ._rng_hints import warn_broadcast_draws
+from ._signature import suggests_keywords
 from ._trace_cache import TraceCache, cache_for, call_current_fn
 
 P = ParamSpec("P")
@@ -89,6 +90,9 @@ class MappedWrapper:
         if obj is None:
             return self
         return functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<treemode.{self.transform} of {self.fn!r}>"
 
     # -- hooks for subclasses -----------------------------------------------------
 
@@ -368,6 +372,7 @@ def vmap(
 ) -> Callable[[Callable[..., Any]], VmapWrapped]: ...
 
 
+@suggests_keywords
 def vmap(
     fun: Callable[..., Any] | None = None,
     in_axes: int | None | Sequence[Any] = 0,
