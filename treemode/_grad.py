@@ -309,14 +309,26 @@ def split_aux(transform: str, out: Any) -> tuple[Any, Any]:
 # ---------------------------------------------------------------------------
 
 
+class _ArgnumsError(TypeError, ValueError):
+    """An invalid ``argnums``: a ``TypeError`` as JAX raises, a ``ValueError`` as Flax does."""
+
+
 def _normalize_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:
     if isinstance(argnums, int):
         return (argnums,), True
-    nums = tuple(argnums)
+    node = is_graph_node(argnums) or is_variable(argnums)
+    nums = () if node else tuple(argnums)
     if not nums or not all(isinstance(i, int) for i in nums):
-        raise TypeError(
+        shown = f"a {type(argnums).__name__} (a graph node)" if node else repr(argnums)
+        raise _ArgnumsError(
             f"treemode.grad: argnums must be an int or a non-empty tuple of ints, got "
-            f"{argnums!r}. (Tree mode has no DiffState: to differentiate only some "
+            f"{shown}."
+            + (
+                " Graph nodes are not allowed as prefixes: argnums selects whole arguments."
+                if node
+                else ""
+            )
+            + " (Tree mode has no DiffState: to differentiate only some "
             "Variables, nnx.split the module and pass the parts as separate arguments: "
             "see docs/migration.md#diffstate.)"
         )

@@ -766,8 +766,8 @@ def jit(
     assert counter.count[...] == 1
     ```
     """
-    refuse_lifts(in_shardings, transform="jit", what="in_shardings", graph=graph)
-    refuse_lifts(out_shardings, transform="jit", what="out_shardings", graph=graph)
+    refuse_lifts(in_shardings, transform="jit", what="in_shardings", graph=graph, shardings=True)
+    refuse_lifts(out_shardings, transform="jit", what="out_shardings", graph=graph, shardings=True)
     options: dict[str, Any] = dict(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
@@ -836,8 +836,12 @@ def jit_partial(
     assert forward(jnp.ones((1, 2))).shape == (1, 2)
     ```
     """
-    refuse_lifts(in_shardings, transform="jit_partial", what="in_shardings", graph=graph)
-    refuse_lifts(out_shardings, transform="jit_partial", what="out_shardings", graph=graph)
+    refuse_lifts(
+        in_shardings, transform="jit_partial", what="in_shardings", graph=graph, shardings=True
+    )
+    refuse_lifts(
+        out_shardings, transform="jit_partial", what="out_shardings", graph=graph, shardings=True
+    )
     if not graph:  # the bound arguments are fixed: check them for aliases now
         check_no_aliases("jit_partial", args=tuple(partial_args))
     return JitWrapped(

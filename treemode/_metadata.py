@@ -231,7 +231,12 @@ def with_axis_metadata(
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         entries = positional_entries(
-            in_axes, len(args), transform=transform, what="in_axes", is_leaf=is_leaf
+            in_axes,
+            len(args),
+            transform=transform,
+            what="in_axes",
+            is_leaf=is_leaf,
+            kwargs_axis=kwargs_axis,
         )
         targets = [(f"args[{i}]", a, e) for i, (a, e) in enumerate(zip(args, entries, strict=True))]
         targets += [(f"kwargs[{k!r}]", v, kwargs_axis) for k, v in kwargs.items()]

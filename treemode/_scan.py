@@ -289,7 +289,7 @@ class ScanWrapped:
         if is_carry(self.in_axes):
             if num_args != 1:
                 raise AxisError(
-                    f"treemode.scan: in_axes=Carry means the function takes exactly one "
+                    f"treemode.scan: When in_axes=Carry, the function must take exactly one "
                     f"argument (the carry), but it was called with {num_args}. Use a tuple, "
                     "e.g. in_axes=(Carry, 0), to scan over further arguments."
                 )
