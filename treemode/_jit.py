@@ -491,7 +491,8 @@ class JitWrapped(_MemoCall, Generic[P, R]):
     def clear_cache(self) -> None:
         """Drop every compiled entry (as ``jax.jit``'s ``clear_cache``); the next call traces."""
         for entry in self._cache.values():
-            entry.jitted.clear_cache()
+            jitted: Any = entry.jitted  # a jax.jit function (its stub omits clear_cache)
+            jitted.clear_cache()
         self._cache.clear()
         self._memo = None
 
