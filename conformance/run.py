@@ -172,7 +172,8 @@ def run_file(
 
 def load_expected(scope: str = "tree") -> list[dict[str, str]]:
     """The reviewed differences of one comparison: ``tree`` (tree mode, the default
-    scope of an entry) or ``dropin`` (the drop-in against Flax's own graph mode)."""
+    scope of an entry) or ``dropin`` (the drop-in against Flax's own graph mode,
+    which also meets the tree-mode differences: pass ``all``)."""
     with open(EXPECTED_FILE, "rb") as f:
         entries = tomllib.load(f).get("difference", [])
     for e in entries:
@@ -182,7 +183,7 @@ def load_expected(scope: str = "tree") -> list[dict[str, str]]:
             raise SystemExit(f"conformance: {EXPECTED_FILE.name}: {e['test']} has no reason")
         if e.get("scope", "tree") not in ("tree", "dropin"):
             raise SystemExit(f"conformance: {EXPECTED_FILE.name}: bad scope in {e}")
-    return [e for e in entries if e.get("scope", "tree") == scope]
+    return [e for e in entries if scope == "all" or e.get("scope", "tree") == scope]
 
 
 def match_entry(test: str, entries: list[dict[str, str]]) -> dict[str, str] | None:
@@ -269,9 +270,10 @@ def summarize_dropin(
     The references: Flax's own graph mode without graph updates (``flax-graph``,
     like for like) and Flax with ``graph=False`` forced (``flax-tree``). A test
     that passes with a reference but not with treemode is a deliberate difference
-    when ``entries`` (the ``dropin`` scope of ``expected_differences.toml``) list it.
+    when ``entries`` (every entry of ``expected_differences.toml``) list it; an
+    entry of the ``dropin`` scope whose test passes is stale.
     """
-    entries = load_expected("dropin") if entries is None else entries
+    entries = load_expected("all") if entries is None else entries
     dropin = results.get("dropin", {})
     refs = {m: results[m] for m in REFERENCES if m in results}
     # Only files that every run measured are compared.
@@ -319,7 +321,11 @@ def summarize_dropin(
         "deliberate": {n: {"kind": e["kind"], "reason": e["reason"]} for n, e in listed.items()},
         # Passing with Flax's graph mode, failing with treemode, not listed: gaps.
         "gaps": [n for n in graph_only if n not in listed],
-        "stale_entries": sorted(n for n in passing if match_entry(n, entries) is not None),
+        "stale_entries": sorted(
+            n
+            for n in passing
+            if (e := match_entry(n, entries)) is not None and e.get("scope") == "dropin"
+        ),
         "dropin_failures": failures,
     }
 
