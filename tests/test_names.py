@@ -95,6 +95,15 @@ def test_jitted_program_is_named_after_the_function():
     assert "_call_flat" not in text and "_call_split" not in text
 
 
+def test_profile_op_names_start_with_the_function():
+    # What a profile shows per operation: the name stack, from the program's name.
+    lowered = treemode.jit(loss_with_scan).lower(Model(), jnp.ones((2, 3)))
+    locations = set(re.findall(r'loc\("([^"]+)"', lowered.as_text(debug_info=True)))
+    op_names = {n for n in locations if re.match(r"\w+\(", n)}  # not the file names
+    assert op_names and all(n.startswith("jit(loss_with_scan)") for n in op_names), op_names
+    assert "jit(loss_with_scan)/scan" in op_names
+
+
 def test_donated_program_is_named_after_the_function():
     text = _lowered_text(treemode.jit(train_step, donate_argnums=0), Model(), jnp.ones(3))
     assert "module @jit_train_step" in text
