@@ -489,14 +489,17 @@ def markdown(report: dict[str, Any]) -> str:
         if dropin["deliberate"]:
             lines += [
                 "### Deliberate differences: passing with Flax's graph mode without graph"
-                " updates, failing with treemode",
+                f" updates, failing with treemode ({len(dropin['deliberate'])})",
                 "",
-                "| test | exception | reason |",
-                "|---|---|---|",
             ]
+            by_reason: dict[str, list[str]] = defaultdict(list)
             for test, e in dropin["deliberate"].items():
-                f = dropin["dropin_failures"].get(test, {})
-                lines.append(f"| `{test}` | `{f.get('type')}` | {_cell(e['reason'], 400)} |")
+                by_reason[e["reason"]].append(test)
+            for reason, tests in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+                lines.append(f"- **{len(tests)}**: {_cell(reason, 600)}")
+                for test in tests:
+                    f = dropin["dropin_failures"].get(test, {})
+                    lines.append(f"    - `{test}` (`{f.get('type')}`)")
             lines.append("")
     return "\n".join(lines) + "\n"
 
