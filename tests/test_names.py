@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax._src import api_util
@@ -255,3 +256,24 @@ def test_a_new_input_type_keeps_the_scan_step(jax_messages):
     assert "never seen function" in first  # the first call: JAX has not seen the step yet
     assert "for <lambda> defined at" in again and "different input types" in again
     assert "re-defined" not in first + again
+
+
+def test_scans_of_two_lengths_share_one_trace_and_its_metadata_updates():
+    # One step object per structure: JAX reuses the trace for a new length, and
+    # the second call still writes back the metadata update that trace recorded.
+    class Tagged(nnx.Module):
+        def __init__(self) -> None:
+            self.w = nnx.Param(jnp.ones(3), tag=0)
+
+    def body(m: Tagged, x: jax.Array) -> tuple[Tagged, jax.Array]:
+        m.w.set_metadata("tag", 1)
+        m.w[...] = m.w[...] + x
+        return m, x
+
+    carry = (treemode.Carry, 0)
+    scanned = treemode.scan(body, in_axes=carry, out_axes=carry)
+    for n in (2, 5):
+        m = Tagged()
+        scanned(m, jnp.ones((n, 3)))
+        assert m.w.get_metadata("tag") == 1
+        np.testing.assert_array_equal(m.w[...], np.full(3, 1.0 + n))

@@ -153,9 +153,10 @@ class Stable:
     for a function the user passes to ``jax.lax.scan`` directly.
     """
 
-    __slots__ = ("fn", "_local")
+    __slots__ = ("fn", "_local", "_shared")
 
     def __init__(self, like: Any):
+        self._shared: dict[Any, Any] = {}
         self._local = threading.local()
         local = self._local
 
@@ -163,6 +164,15 @@ class Stable:
             return local.target(*args, **kwargs)
 
         self.fn = named(dispatch, like)
+
+    def share(self, types: Any, value: Any) -> Any:
+        """The value kept for the input ``types`` of `fn` (``value`` if it is the first).
+
+        JAX traces `fn` once per input types and reuses the trace whatever step is
+        bound: what a trace records (e.g. metadata updates) belongs to every step
+        bound for those types, so they share one record.
+        """
+        return self._shared.setdefault(types, value)
 
     @contextlib.contextmanager
     def bound(self, target: Callable[..., Any]) -> Iterator[Callable[..., Any]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -341,10 +341,15 @@ class ScanWrapped:
         stable: Stable = self._cache.get(("step", call.key), lambda: Stable(self.fn))
 
         def jax_call() -> tuple[Any, Any]:
+            init = entry.loop.init(call.dynamic)
+            # JAX keeps one trace of the step per input types, whatever the length:
+            # entries of this structure that differ in length only share it, and
+            # share what it records (`_core.run` writes its metadata updates back).
+            entry.pure.record = stable.share(_step_types(init, xs), entry.pure.record)
             with stable.bound(entry.step) as step:
                 (_, free, values), (ys, stacked) = jax.lax.scan(
                     step,
-                    entry.loop.init(call.dynamic),
+                    init,
                     xs,
                     length=entry.length,
                     reverse=self.reverse,
@@ -466,6 +471,13 @@ class ScanWrapped:
 
 
 @suggests_keywords
+def _step_types(init: Any, xs: Sequence[Any]) -> tuple[Any, ...]:
+    """The types of the step's inputs: the carried state's, and one slice of each ``xs``."""
+    state = tuple(map(jax.typeof, jax.tree_util.tree_leaves(init)))
+    slices = tuple((tuple(x.shape[1:]), x.dtype, jax.typeof(x).weak_type) for x in xs)
+    return state, slices
+
+
 def scan(
     f: Callable[..., Any] | None = None,
     init: Any = _MISSING,
