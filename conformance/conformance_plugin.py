@@ -11,8 +11,11 @@ configured defaults when they are omitted, as Flax itself does) and decides:
   not ``graph and graph_updates``) go to the treemode transform of the same name
   with ``graph=<graph>``; graph-updates calls stay on Flax.
 - ``dropin``: every call goes to treemode, with ``graph=<graph>``.
+- ``flax-graph``: every call stays on Flax with ``graph_updates=False`` forced and
+  ``graph=`` as the call asks (Flax's own graph mode without graph updates: the
+  like-for-like reference of the drop-in numbers).
 - ``flax-tree``: every call stays on Flax with ``graph=False`` forced (the
-  baseline the drop-in numbers are compared with).
+  drop-in report's second reference).
 - ``flax``: nothing is changed (calls are only counted).
 
 The environment selects the mode (``TREEMODE_CONFORMANCE_MODE``) and the JSON file
@@ -36,7 +39,7 @@ from typing import Any
 
 import pytest
 
-MODES = ("flax", "tree", "dropin", "flax-tree")
+MODES = ("flax", "tree", "dropin", "flax-graph", "flax-tree")
 
 # Flax transforms that have a treemode transform of the same name.
 TRANSFORMS = (
@@ -142,9 +145,9 @@ def _make_router(name: str, flax_fn: Any) -> Any:
         graph_updates = default_updates if graph_updates is None else bool(graph_updates)
         mode = _State.mode
         tree_call = not (graph and graph_updates)
-        if mode == "flax-tree":
-            _record(name, graph, graph_updates, "flax-tree")
-            kwargs["graph"] = False
+        if mode in ("flax-tree", "flax-graph"):
+            _record(name, graph, graph_updates, mode)
+            kwargs["graph"] = graph if mode == "flax-graph" else False
             if "graph_updates" in inspect.signature(flax_fn).parameters:
                 kwargs["graph_updates"] = False
             return flax_fn(*args, **kwargs)

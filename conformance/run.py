@@ -2,7 +2,7 @@
 
 Usage (from the repository root, with the project's virtual environment)::
 
-    python conformance/run.py            # every mode: tree, drop-in, Flax tree forced
+    python conformance/run.py            # tree, drop-in, Flax without graph updates, Flax tree
     python conformance/run.py --ci       # tree mode only; fail if a baseline test regresses
     python conformance/run.py --modes tree --update-baseline
 
@@ -57,6 +57,7 @@ addopts = -p no:cacheprovider
 MODE_TITLES = {
     "tree": "tree mode: tree-mode calls routed to treemode",
     "dropin": "drop-in: every transform call routed to treemode",
+    "flax-graph": "Flax with graph_updates=False forced on every transform call",
     "flax-tree": "Flax with graph=False forced on every transform call",
     "flax": "Flax unchanged",
 }
@@ -169,7 +170,10 @@ def run_file(
 # --- classification -----------------------------------------------------------------
 
 
-def load_expected() -> list[dict[str, str]]:
+def load_expected(scope: str = "tree") -> list[dict[str, str]]:
+    """The reviewed differences of one comparison: ``tree`` (tree mode, the default
+    scope of an entry) or ``dropin`` (the drop-in against Flax's own graph mode,
+    which also meets the tree-mode differences: pass ``all``)."""
     with open(EXPECTED_FILE, "rb") as f:
         entries = tomllib.load(f).get("difference", [])
     for e in entries:
@@ -177,7 +181,9 @@ def load_expected() -> list[dict[str, str]]:
             raise SystemExit(f"conformance: {EXPECTED_FILE.name}: bad kind in {e}")
         if not e.get("reason"):
             raise SystemExit(f"conformance: {EXPECTED_FILE.name}: {e['test']} has no reason")
-    return entries
+        if e.get("scope", "tree") not in ("tree", "dropin"):
+            raise SystemExit(f"conformance: {EXPECTED_FILE.name}: bad scope in {e}")
+    return [e for e in entries if scope == "all" or e.get("scope", "tree") == scope]
 
 
 def match_entry(test: str, entries: list[dict[str, str]]) -> dict[str, str] | None:
@@ -253,41 +259,73 @@ def summarize_tree(tests: dict[str, Any], entries: list[dict[str, str]]) -> dict
     }
 
 
-def summarize_dropin(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Drop-in against Flax's forced tree mode, over the tests that call a transform."""
-    dropin, flax_tree = results.get("dropin", {}), results.get("flax-tree", {})
-    # Only files that both runs measured are compared.
-    skipped = set(NOT_RUN["dropin"]) | set(NOT_RUN["flax-tree"])
+REFERENCES = ("flax-graph", "flax-tree")
+
+
+def summarize_dropin(
+    results: dict[str, dict[str, Any]], entries: list[dict[str, str]] | None = None
+) -> dict[str, Any]:
+    """Drop-in against Flax on the same calls, over the tests that call a transform.
+
+    The references: Flax's own graph mode without graph updates (``flax-graph``,
+    like for like) and Flax with ``graph=False`` forced (``flax-tree``). A test
+    that passes with a reference but not with treemode is a deliberate difference
+    when ``entries`` (every entry of ``expected_differences.toml``) list it; an
+    entry of the ``dropin`` scope whose test passes is stale.
+    """
+    entries = load_expected("all") if entries is None else entries
+    dropin = results.get("dropin", {})
+    refs = {m: results[m] for m in REFERENCES if m in results}
+    # Only files that every run measured are compared.
+    skipped = set(NOT_RUN["dropin"]).union(*(NOT_RUN[m] for m in refs))
     names = sorted(
         k
-        for k in {k for k, v in dropin.items() if calls_transform(v)}
-        | {k for k, v in flax_tree.items() if calls_transform(v)}
+        for k in {k for r in (dropin, *refs.values()) for k, v in r.items() if calls_transform(v)}
         if k.split("::", 1)[0] not in skipped
     )
     per_file: dict[str, Counter[str]] = defaultdict(Counter)
-    only_flax, only_treemode, failures = [], [], {}
+    only_ref: dict[str, list[str]] = {m: [] for m in refs}
+    only_treemode: dict[str, list[str]] = {m: [] for m in refs}
+    failures = {}
     for name in names:
         d = dropin.get(name, {}).get("outcome") == "passed"
-        f = flax_tree.get(name, {}).get("outcome") == "passed"
         file = name.split("::", 1)[0]
         per_file[file]["tests"] += 1
         per_file[file]["dropin"] += d
-        per_file[file]["flax-tree"] += f
-        if f and not d:
-            only_flax.append(name)
-        if d and not f:
-            only_treemode.append(name)
+        for mode, ref in refs.items():
+            f = ref.get(name, {}).get("outcome") == "passed"
+            per_file[file][mode] += f
+            if f and not d:
+                only_ref[mode].append(name)
+            if d and not f:
+                only_treemode[mode].append(name)
         if not d and name in dropin:
             fail = dropin[name].get("failure", {})
             failures[name] = {k: fail.get(k) for k in ("type", "message", "origin")}
+    graph_only = only_ref.get("flax-graph", [])
+    listed = {n: e for n in graph_only if (e := match_entry(n, entries)) is not None}
+    passing = {n for n in names if dropin.get(n, {}).get("outcome") == "passed"}
     return {
-        "not_run": {m: dict(NOT_RUN[m]) for m in ("dropin", "flax-tree") if NOT_RUN[m]},
+        "not_run": {m: dict(NOT_RUN[m]) for m in ("dropin", *refs) if NOT_RUN[m]},
+        "references": list(refs),
         "tests": len(names),
         "dropin_passed": sum(c["dropin"] for c in per_file.values()),
+        "flax_graph_passed": sum(c["flax-graph"] for c in per_file.values()),
         "flax_tree_passed": sum(c["flax-tree"] for c in per_file.values()),
         "per_file": {k: dict(v) for k, v in sorted(per_file.items())},
-        "pass_only_with_flax_tree": only_flax,
-        "pass_only_with_treemode": only_treemode,
+        "pass_only_with_flax_graph": graph_only,
+        "pass_only_with_flax_tree": only_ref.get("flax-tree", []),
+        "pass_only_with_treemode": only_treemode.get("flax-graph", []),
+        "pass_only_with_treemode_vs_flax_tree": only_treemode.get("flax-tree", []),
+        # Passing with Flax's graph mode, failing with treemode, and listed: deliberate.
+        "deliberate": {n: {"kind": e["kind"], "reason": e["reason"]} for n, e in listed.items()},
+        # Passing with Flax's graph mode, failing with treemode, not listed: gaps.
+        "gaps": [n for n in graph_only if n not in listed],
+        "stale_entries": sorted(
+            n
+            for n in passing
+            if (e := match_entry(n, entries)) is not None and e.get("scope") == "dropin"
+        ),
         "dropin_failures": failures,
     }
 
@@ -401,37 +439,67 @@ def markdown(report: dict[str, Any]) -> str:
             "## Drop-in: graph-mode calls to treemode too",
             "",
             "Every transform call goes to treemode (`graph=True` for graph-mode calls),",
-            "compared with Flax itself with `graph=False` forced on the same calls. Counted",
-            "over the tests that call at least one transform.",
+            "compared on the same calls with Flax's own graph mode without graph updates",
+            "(`graph_updates=False` forced, `graph=` as the call asks: like for like), and",
+            "with Flax with `graph=False` forced. Counted over the tests that call at",
+            "least one transform.",
             "",
-            "| file | tests | treemode drop-in passed | Flax tree mode forced passed |",
-            "|---|---|---|---|",
+            "| file | tests | treemode drop-in passed | Flax `graph_updates=False` passed"
+            " | Flax `graph=False` passed |",
+            "|---|---|---|---|---|",
         ]
         for file, c in dropin["per_file"].items():
-            lines.append(f"| `{file}` | {c['tests']} | {c['dropin']} | {c['flax-tree']} |")
+            lines.append(
+                f"| `{file}` | {c['tests']} | {c['dropin']} | {c.get('flax-graph', 0)}"
+                f" | {c.get('flax-tree', 0)} |"
+            )
         lines += [
             f"| **all** | {dropin['tests']} | {dropin['dropin_passed']}"
-            f" | {dropin['flax_tree_passed']} |",
+            f" | {dropin['flax_graph_passed']} | {dropin['flax_tree_passed']} |",
             "",
-            f"Pass with treemode but not with Flax's tree mode:"
-            f" {len(dropin['pass_only_with_treemode'])}; pass with Flax's tree mode but not"
-            f" with treemode: {len(dropin['pass_only_with_flax_tree'])}.",
+            "Pass with Flax's graph mode without graph updates but not with treemode:"
+            f" {len(dropin['pass_only_with_flax_graph'])}, of which"
+            f" {len(dropin['deliberate'])} are listed deliberate differences and"
+            f" {len(dropin['gaps'])} are gaps. Pass with treemode but not with that"
+            f" reference: {len(dropin['pass_only_with_treemode'])}. Against Flax with"
+            f" `graph=False` forced: {len(dropin['pass_only_with_treemode_vs_flax_tree'])}"
+            f" pass with treemode only, {len(dropin['pass_only_with_flax_tree'])} with Flax"
+            " only.",
             "",
         ]
         for mode, files in dropin["not_run"].items():
             for file, error in files.items():
                 lines.append(f"Not compared: `{file}` ({mode}: {_cell(error)})")
             lines.append("")
-        if dropin["pass_only_with_flax_tree"]:
+        if dropin["stale_entries"]:
+            lines += ["Listed as drop-in differences but passing (delete the entry):", ""]
+            lines += [f"- `{t}`" for t in dropin["stale_entries"]] + [""]
+        if dropin["gaps"]:
             lines += [
-                "### Passing with Flax's tree mode, failing with treemode",
+                "### Gaps: passing with Flax's graph mode without graph updates, failing"
+                " with treemode",
                 "",
                 "| test | exception | first line |",
                 "|---|---|---|",
             ]
-            for test in dropin["pass_only_with_flax_tree"]:
+            for test in dropin["gaps"]:
                 f = dropin["dropin_failures"].get(test, {})
                 lines.append(f"| `{test}` | `{f.get('type')}` | {_cell(f.get('message') or '')} |")
+            lines.append("")
+        if dropin["deliberate"]:
+            lines += [
+                "### Deliberate differences: passing with Flax's graph mode without graph"
+                f" updates, failing with treemode ({len(dropin['deliberate'])})",
+                "",
+            ]
+            by_reason: dict[str, list[str]] = defaultdict(list)
+            for test, e in dropin["deliberate"].items():
+                by_reason[e["reason"]].append(test)
+            for reason, tests in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+                lines.append(f"- **{len(tests)}**: {_cell(reason, 600)}")
+                for test in tests:
+                    f = dropin["dropin_failures"].get(test, {})
+                    lines.append(f"    - `{test}` (`{f.get('type')}`)")
             lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -506,8 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--modes",
-        default="tree,dropin,flax-tree",
-        help="comma-separated: tree, dropin, flax-tree, flax (default: the first three)",
+        default="tree,dropin,flax-graph,flax-tree",
+        help="comma-separated: tree, dropin, flax-graph, flax-tree, flax (default: the first four)",
     )
     parser.add_argument("--files", default="", help="comma-separated test files (tests/nnx/x.py)")
     parser.add_argument("--ci", action="store_true", help="tree mode, then the baseline check")
@@ -550,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "tree" in results:
         report["tree"] = summarize_tree(results["tree"], entries)
-    if "dropin" in results or "flax-tree" in results:
+    if "dropin" in results or any(m in results for m in REFERENCES):
         report["dropin"] = summarize_dropin(results)
     for mode in ("flax",):
         if mode in results:

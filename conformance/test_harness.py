@@ -107,6 +107,68 @@ def test_flax_tree_forces_graph_false_on_flax(routed):
         f(shared)
 
 
+@pytest.mark.parametrize("routed", ["flax-graph"], indirect=True)
+def test_flax_graph_keeps_graph_and_drops_graph_updates(routed):
+    m = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    shared = nnx.Dict(a=m, b=m)  # sharing: fine in Flax's graph mode
+
+    @nnx.jit  # Flax's default: graph mode with graph updates
+    def f(tree):
+        tree["a"].bias[...] += 1  # a Variable update: written back without graph updates too
+        return tree["a"](jnp.ones(2)) - tree["b"](jnp.ones(2))
+
+    assert not isinstance(f, treemode.JitWrapped)
+    assert f(shared).tolist() == [0.0, 0.0]
+    assert m.bias[...].tolist() == [1.0, 1.0]
+    nnx.jit(lambda x: x, graph=False)
+    assert _targets() == [("jit", False, True, "flax-graph"), ("jit", True, True, "flax-graph")]
+
+
+def test_dropin_summary_lists_deliberate_differences_and_gaps():
+    def result(outcome):
+        return {"outcome": outcome, "calls": [{"target": "x", "graph": True}]}
+
+    results = {
+        "dropin": {
+            "t.py::A::a": result("passed"),
+            "t.py::A::b": result("failed"),
+            "t.py::A::c": result("failed"),
+            "t.py::A::d": result("passed"),
+        },
+        "flax-graph": {
+            "t.py::A::a": result("passed"),
+            "t.py::A::b": result("passed"),
+            "t.py::A::c": result("passed"),
+            "t.py::A::d": result("failed"),
+        },
+        "flax-tree": {
+            "t.py::A::a": result("failed"),
+            "t.py::A::b": result("passed"),
+            "t.py::A::c": result("failed"),
+            "t.py::A::d": result("failed"),
+        },
+    }
+    entries = [{"test": "t.py::A::b", "kind": "expected", "reason": "on purpose"}]
+    summary = run.summarize_dropin(results, entries)
+    assert (summary["dropin_passed"], summary["flax_graph_passed"]) == (2, 3)
+    assert summary["flax_tree_passed"] == 1
+    assert summary["pass_only_with_flax_graph"] == ["t.py::A::b", "t.py::A::c"]
+    assert summary["deliberate"] == {"t.py::A::b": {"kind": "expected", "reason": "on purpose"}}
+    assert summary["gaps"] == ["t.py::A::c"]
+    assert summary["pass_only_with_treemode"] == ["t.py::A::d"]
+    assert summary["pass_only_with_treemode_vs_flax_tree"] == ["t.py::A::a", "t.py::A::d"]
+    assert "| **all** | 4 | 2 | 3 | 1 |" in run.markdown(
+        {"flax": "x", "date": "d", "revision": "r", "jax": "j", "dropin": summary}
+    )
+
+
+def test_expected_differences_are_scoped():
+    tree, dropin = run.load_expected("tree"), run.load_expected("dropin")
+    assert tree and dropin
+    assert all(e.get("scope") == "dropin" for e in dropin)
+    assert len(run.load_expected("all")) == len(tree) + len(dropin)
+
+
 def _failure(**kw):
     base = {"type": "ValueError", "origin": "treemode", "message": "x"}
     return {"outcome": "failed", "calls": [], "failure": {**base, **kw}}

@@ -74,8 +74,14 @@ def _jit(fn, m, x):
     return _cached("jit", fn, lambda: treemode.jit(fn))(m, x)
 
 
+# The model is broadcast on purpose (its writes do not depend on the example), its
+# Rngs stream included: a module-shaped None says so (a plain None would warn that
+# every example draws the same numbers: treemode.BroadcastRngsWarning).
+BROADCAST_MODEL = (treemode.prefix(Model(), {...: None}), 0)
+
+
 def _vmap(fn, m, x):
-    f = _cached("vmap", fn, lambda: treemode.vmap(fn, in_axes=(None, 0)))
+    f = _cached("vmap", fn, lambda: treemode.vmap(fn, in_axes=BROADCAST_MODEL))
     return f(m, jnp.stack([x, x]))
 
 
@@ -302,7 +308,7 @@ def _closure_cases(other: Other) -> dict[str, Callable[[Model, jax.Array], Any]]
     xs = jnp.ones((2, 2))
     return {
         "jit": lambda m, x: treemode.jit(fn)(m, x),
-        "vmap": lambda m, x: treemode.vmap(fn, in_axes=(None, 0))(m, xs),
+        "vmap": lambda m, x: treemode.vmap(fn, in_axes=BROADCAST_MODEL)(m, xs),
         "scan": lambda m, x: treemode.scan(carry_body, in_axes=(treemode.Carry, 0))(m, xs),
         "grad": lambda m, x: treemode.grad(fn)(m, x),
         "cond": lambda m, x: treemode.cond(jnp.array(True), fn, fn, m, x),

@@ -72,8 +72,12 @@ def positional_entries(
     transform: str,
     what: str = "in_axes",
     is_leaf: Callable[[Any], bool] = is_axis,
+    kwargs_axis: Any = 0,
 ) -> list[Any]:
-    """One entry of ``spec`` per positional argument (static ones included)."""
+    """One entry of ``spec`` per positional argument (static ones included).
+
+    ``kwargs_axis`` is what keyword arguments get (for the error message).
+    """
     if isinstance(spec, tuple) and not is_leaf(spec):
         if len(spec) != num_args:
             raise AxisError(
@@ -81,7 +85,7 @@ def positional_entries(
                 f"is called with {num_args} positional argument(s). Give one entry per "
                 f"positional argument (e.g. {what}=({', '.join(['0'] * max(num_args, 1))}"
                 f"{',' if num_args == 1 else ''})), or a single value for all of them. "
-                "Keyword arguments are always mapped over axis 0, as in JAX."
+                + keyword_rule(transform, kwargs_axis)
             )
         return list(spec)
     if isinstance(spec, list):
@@ -96,6 +100,17 @@ def positional_entries(
         f"entry per positional argument; got {_describe(spec)}. To give a module-shaped "
         f"prefix for a single argument, wrap it in a tuple: {what}=(prefix,)."
     )
+
+
+def keyword_rule(transform: str, kwargs_axis: Any) -> str:
+    """What ``transform`` does with keyword arguments, for an ``in_axes`` message."""
+    if is_int_axis(kwargs_axis):
+        return f"Keyword arguments are always mapped over axis {kwargs_axis}, as in JAX."
+    if kwargs_axis is None:
+        if transform == "scan":
+            return "Keyword arguments are not scanned: every step receives them whole."
+        return "Keyword arguments are not mapped: every instance receives them whole."
+    return f"Keyword arguments always get {kwargs_axis!r}."
 
 
 def check_axes_spec(spec: Any, *, transform: str, what: str = "out_axes") -> None:
@@ -146,7 +161,12 @@ def call_axes(
     """
     transform = call.transform
     entries = positional_entries(
-        spec, len(call.args), transform=transform, what=what, is_leaf=is_leaf
+        spec,
+        len(call.args),
+        transform=transform,
+        what=what,
+        is_leaf=is_leaf,
+        kwargs_axis=kwargs_axis,
     )
     traced_entries = [e for i, e in enumerate(entries) if i not in call.static_positional]
     roots = call.arg_roots()
@@ -316,10 +336,15 @@ def check_mapped(
         shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
         if not -len(shape) <= axis < len(shape):
             path = dynamic_paths(call)[i]
+            if shape:
+                fix = f"Use an axis in [{-len(shape)}, {len(shape)}) or None to broadcast it."
+                has = f"shape {tuple(shape)} ({len(shape)} dimension(s))"
+            else:  # no axis at all: [0, 0) would be an empty range
+                fix = "A scalar has no axis to map: use None to broadcast it."
+                has = "shape () (a scalar)"
             raise AxisError(
                 f"treemode.{transform}: {what} maps {path} over axis {axis}, but it has "
-                f"shape {tuple(shape)} ({len(shape)} dimension(s)). Use an axis in "
-                f"[{-len(shape)}, {len(shape)}) or None to broadcast it." + axis_hint(call, i, path)
+                f"{has}. {fix}" + axis_hint(call, i, path)
             )
         n = shape[axis]
         if size is None:

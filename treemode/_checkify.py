@@ -9,8 +9,11 @@ from typing import Any
 from jax.experimental import checkify as jax_checkify
 
 from . import _core
+from ._names import named
+from ._signature import suggests_keywords
 
 
+@suggests_keywords
 def checkify(
     f: Callable[..., Any],
     errors: frozenset[Any] = jax_checkify.user_checks,
@@ -62,7 +65,7 @@ def checkify(
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         call = _core.prepare("checkify", f, args, kwargs, graph=graph)
         pure = _core.PureFunction(call)
-        checked = jax_checkify.checkify(pure, errors=errors)
+        checked = jax_checkify.checkify(named(pure, f), errors=errors)
 
         def jax_call() -> tuple[Any, Any]:
             error, (out, updates) = checked(*call.dynamic)

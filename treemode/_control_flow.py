@@ -32,7 +32,8 @@ from ._loop import (
     type_problem,
     variable_specs,
 )
-from ._signature import UNSPECIFIED, legacy_operand
+from ._names import Stable
+from ._signature import UNSPECIFIED, legacy_operand, suggests_keywords
 from ._trace_cache import avals, cache_for, call_current_fn
 
 
@@ -137,6 +138,7 @@ class _LoopEntry:
         return rebuild_carry(init_val, self.layout, free)
 
 
+@suggests_keywords
 def while_loop(
     cond_fun: Callable[[Any], Any],
     body_fun: Callable[[Any], Any],
@@ -210,9 +212,16 @@ def _while_loop(
     cond = entry.cond
     assert cond is not None
     extra = [cond_call.dynamic[j] for j in entry.cond_extra]
+    # What JAX traces: named like the user's functions, the same objects for every
+    # input type of this structure (`treemode._names.Stable`).
+    names = cache.get(
+        ("names", call.key, cond_call.key, shared),
+        lambda: (Stable(cond_fun), Stable(body_fun)),
+    )
 
     def run(state: Any) -> Any:
-        return jax.lax.while_loop(cond, entry.step, (*state, extra))
+        with names[0].bound(cond) as cond_fn, names[1].bound(entry.step) as step:
+            return jax.lax.while_loop(cond_fn, step, (*state, extra))
 
     return entry.run(call, init_val, run, [(entry.cond_pure, cond_call)])
 
@@ -268,6 +277,7 @@ def _while_entry(call: _core.Call, cond_call: _core.Call, shared: tuple[int, ...
     return entry
 
 
+@suggests_keywords
 def fori_loop(
     lower: Any,
     upper: Any,
@@ -326,8 +336,11 @@ def fori_loop(
             lambda: _LoopEntry("fori_loop", call, index_aval),
         )
 
+        name = cache.get(("name", call.key), lambda: Stable(body_fun))
+
         def run(state: Any) -> Any:
-            return jax.lax.fori_loop(lower, upper, entry.indexed_step, state, unroll=unroll)
+            with name.bound(entry.indexed_step) as step:
+                return jax.lax.fori_loop(lower, upper, step, state, unroll=unroll)
 
         return entry.run(call, init_val, run)
 
@@ -370,9 +383,15 @@ def _branches(
         lambda: _BranchEntry(transform, calls, to_union, union_dyn, n_arg_dyn, n_arg_vars, dynamic),
     )
     pures = entry.pures
+    names = cache.get(
+        ("names", tuple(c.key for c in calls), to_union),
+        lambda: [Stable(fn) for fn in branches],
+    )
 
     def jax_call() -> tuple[Any, Any]:
-        out, values = run(entry.fns, dynamic)
+        with contextlib.ExitStack() as stack:
+            fns = [stack.enter_context(n.bound(f)) for n, f in zip(names, entry.fns, strict=True)]
+            out, values = run(fns, dynamic)
         metadata = _merged_metadata(transform, calls, pures, to_union)
         by_union = dict(zip(entry.written, values, strict=True))
         done: set[int] = set()
@@ -511,6 +530,7 @@ def _merged_metadata(
     return first
 
 
+@suggests_keywords
 def cond(
     pred: Any,
     true_fun: Callable[..., Any],
@@ -567,6 +587,7 @@ def cond(
     )
 
 
+@suggests_keywords
 def switch(
     index: Any,
     branches: Sequence[Callable[..., Any]],

@@ -47,7 +47,7 @@ from ._errors import ClosureError, MutationError
 from ._grad import DiffSplit, dynamic_like, float0_zeros, is_differentiable
 from ._leaves import ARRAY_TYPES, is_variable
 from ._lifts import refuse_lifts
-from ._signature import as_tuple, resolve_argnums
+from ._signature import as_tuple, resolve_argnums, suggests_keywords
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -66,6 +66,14 @@ class CustomVjp(Generic[P, R]):
         self.fwd: Callable[..., Any] | None = None
         self.bwd: Callable[..., Any] | None = None
         self.bwd_takes_updates = False
+
+    @property
+    def fun(self) -> Callable[P, R]:
+        """The primal function (Flax's name for `fn`)."""
+        return self.fn
+
+    def __repr__(self) -> str:
+        return f"<treemode.custom_vjp of {self.fn!r}>"
 
     def defvjp(
         self,
@@ -360,6 +368,7 @@ def _resolve_kwargs(
     return tuple(bound.args)
 
 
+@suggests_keywords
 def custom_vjp(
     fun: Callable[P, R] | None = None,
     nondiff_argnums: Sequence[int] = (),

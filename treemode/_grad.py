@@ -29,8 +29,9 @@ from ._errors import StructureError
 from ._flatten import DYNAMIC, StaticLeaf, VarSpec, first_duplicate
 from ._leaves import ARRAY_TYPES, is_graph_node, is_variable
 from ._lifts import refuse_lifts
+from ._names import named
 from ._paths import format_path
-from ._signature import check_reduce_axes
+from ._signature import check_reduce_axes, suggests_keywords
 
 # ---------------------------------------------------------------------------
 # Shared helpers (used by _vjp, _custom_vjp)
@@ -331,14 +332,26 @@ def split_aux(transform: str, out: Any) -> tuple[Any, Any]:
 # ---------------------------------------------------------------------------
 
 
+class _ArgnumsError(TypeError, ValueError):
+    """An invalid ``argnums``: a ``TypeError`` as JAX raises, a ``ValueError`` as Flax does."""
+
+
 def _normalize_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:
     if isinstance(argnums, int):
         return (argnums,), True
-    nums = tuple(argnums)
+    node = is_graph_node(argnums) or is_variable(argnums)
+    nums = () if node else tuple(argnums)
     if not nums or not all(isinstance(i, int) for i in nums):
-        raise TypeError(
+        shown = f"a {type(argnums).__name__} (a graph node)" if node else repr(argnums)
+        raise _ArgnumsError(
             f"treemode.grad: argnums must be an int or a non-empty tuple of ints, got "
-            f"{argnums!r}. (Tree mode has no DiffState: to differentiate only some "
+            f"{shown}."
+            + (
+                " Graph nodes are not allowed as prefixes: argnums selects whole arguments."
+                if node
+                else ""
+            )
+            + " (Tree mode has no DiffState: to differentiate only some "
             "Variables, nnx.split the module and pass the parts as separate arguments: "
             "see docs/migration.md#diffstate.)"
         )
@@ -394,7 +407,7 @@ def _grad_transform(
 
         def jax_call() -> tuple[Any, Any]:
             (loss, (aux, updates)), diff_grads = jax.value_and_grad(
-                differentiated, argnums=0, has_aux=True, holomorphic=holomorphic
+                named(differentiated, fn), argnums=0, has_aux=True, holomorphic=holomorphic
             )(split.diff_values(), split.other_values())
             return (loss, aux, diff_grads), updates
 
@@ -409,6 +422,7 @@ def _grad_transform(
     return wrapper
 
 
+@suggests_keywords
 def grad(
     fun: Callable[..., Any] | None = None,
     argnums: int | Sequence[int] = 0,
@@ -481,6 +495,7 @@ def grad(
     return _grad_transform(fun, argnums, has_aux, holomorphic, allow_int, graph, False)
 
 
+@suggests_keywords
 def value_and_grad(
     fun: Callable[..., Any] | None = None,
     argnums: int | Sequence[int] = 0,

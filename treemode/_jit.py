@@ -18,12 +18,13 @@ from ._flatten import DYNAMIC, ArgFlat, VarSpec, check_no_aliases
 from ._interrupts import held_interrupts
 from ._leaves import is_variable
 from ._lifts import refuse_lifts
+from ._names import named
 from ._prefix import (
     broadcast_to_dynamic,
     decode_flax_prefixes,
     graph_output_prefix,
 )
-from ._signature import UNSPECIFIED, as_tuple, resolve_argnums
+from ._signature import UNSPECIFIED, as_tuple, resolve_argnums, suggests_keywords
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -100,11 +101,13 @@ class _Entry:
         self._order = [0] * n
         for position, i in enumerate(donated + self.kept):
             self._order[i] = position
+        # Named like the user function: JAX's program (``jit_<name>``), its
+        # messages and profiles then read like the user's code (`_names`).
         if donated:
             _explain.note_donation()
-            self.jitted = jax.jit(self._call_split, donate_argnums=0, **jit_kwargs)
+            self.jitted = jax.jit(named(self._call_split, pure.fn), donate_argnums=0, **jit_kwargs)
         else:
-            self.jitted = jax.jit(self._call_flat, **jit_kwargs)
+            self.jitted = jax.jit(named(self._call_flat, pure.fn), **jit_kwargs)
 
     def _call_flat(self, *dynamic: Any) -> Any:
         return self._traced(dynamic)
@@ -501,8 +504,70 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         return _core.run(call, pure, lambda: (jax.eval_shape(pure, *call.dynamic)[0], None))
 
     def clear_cache(self) -> None:
+        """Drop every compiled entry (as ``jax.jit``'s ``clear_cache``); the next call traces."""
+        for entry in self._cache.values():
+            jitted: Any = entry.jitted  # a jax.jit function (its stub omits clear_cache)
+            jitted.clear_cache()
         self._cache.clear()
         self._memo = None
+
+    # -- what Flax's and JAX's wrappers offer --------------------------------------
+
+    @property
+    def fun(self) -> Callable[P, R]:
+        """The function that was compiled (Flax's name for `fn`)."""
+        return self.fn
+
+    @property
+    def jitted_fn(self) -> JittedFunctions:
+        """The ``jax.jit`` functions behind this wrapper (Flax's ``jitted_fn``).
+
+        treemode compiles one ``jax.jit`` function per call structure, so this
+        is a view of all of them: ``jitted_fn._cache_size()`` counts their
+        executables, as on one ``jax.jit`` function.
+        """
+        return JittedFunctions(self)
+
+    def _cache_size(self) -> int:
+        """How many executables the calls so far compiled (as on a ``jax.jit`` function)."""
+        return self.jitted_fn._cache_size()
+
+    def __repr__(self) -> str:
+        bound = f" with {len(self.partial_args)} bound argument(s)" if self.partial_args else ""
+        return f"<treemode.jit of {self.fn!r}{bound}>"
+
+
+class JittedFunctions:
+    """The ``jax.jit`` functions of one `treemode.jit` wrapper, one per call structure.
+
+    What Flax's ``nnx.jit(...).jitted_fn`` is read for: ``_cache_size()`` (the
+    number of compiled executables) and ``clear_cache()``. The functions take
+    treemode's flat arrays, not the user's arguments: call the wrapper itself.
+    """
+
+    __slots__ = ("_wrapped",)
+
+    def __init__(self, wrapped: JitWrapped[Any, Any]):
+        self._wrapped = wrapped
+
+    @property
+    def functions(self) -> tuple[Any, ...]:
+        """The ``jax.jit`` functions, in the order their structures were first called."""
+        return tuple(entry.jitted for entry in self._wrapped._cache.values())
+
+    def _cache_size(self) -> int:
+        """The number of executables compiled so far, over every call structure."""
+        return sum(fn._cache_size() for fn in self.functions)
+
+    def clear_cache(self) -> None:
+        """As `JitWrapped.clear_cache`."""
+        self._wrapped.clear_cache()
+
+    def __len__(self) -> int:
+        return len(self._wrapped._cache)
+
+    def __repr__(self) -> str:
+        return f"<jax.jit functions of {self._wrapped!r}: {len(self)} call structure(s)>"
 
 
 def _whole(out: Any) -> Any:
@@ -648,6 +713,7 @@ def jit(
 ) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
 
 
+@suggests_keywords
 def jit(
     fun: Callable[P, R] | None = None,
     /,
@@ -720,8 +786,8 @@ def jit(
     assert counter.count[...] == 1
     ```
     """
-    refuse_lifts(in_shardings, transform="jit", what="in_shardings", graph=graph)
-    refuse_lifts(out_shardings, transform="jit", what="out_shardings", graph=graph)
+    refuse_lifts(in_shardings, transform="jit", what="in_shardings", graph=graph, shardings=True)
+    refuse_lifts(out_shardings, transform="jit", what="out_shardings", graph=graph, shardings=True)
     options: dict[str, Any] = dict(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
@@ -741,6 +807,7 @@ def jit(
     return JitWrapped(fun, **options)
 
 
+@suggests_keywords
 def jit_partial(
     fun: Callable[..., R],
     *partial_args: Any,
@@ -789,8 +856,12 @@ def jit_partial(
     assert forward(jnp.ones((1, 2))).shape == (1, 2)
     ```
     """
-    refuse_lifts(in_shardings, transform="jit_partial", what="in_shardings", graph=graph)
-    refuse_lifts(out_shardings, transform="jit_partial", what="out_shardings", graph=graph)
+    refuse_lifts(
+        in_shardings, transform="jit_partial", what="in_shardings", graph=graph, shardings=True
+    )
+    refuse_lifts(
+        out_shardings, transform="jit_partial", what="out_shardings", graph=graph, shardings=True
+    )
     if not graph:  # the bound arguments are fixed: check them for aliases now
         check_no_aliases("jit_partial", args=tuple(partial_args))
     return JitWrapped(

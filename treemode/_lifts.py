@@ -57,6 +57,11 @@ def _is_lift(x: Any) -> bool:
     return isinstance(x, _LIFTS)
 
 
+def _is_sharding_value(x: Any) -> bool:
+    """What a Variable of a sharding prefix may hold: a sharding, a spec, or None."""
+    return x is None or isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
+
+
 def refuse_lifts(
     spec: Any,
     *,
@@ -64,6 +69,7 @@ def refuse_lifts(
     what: str,
     graph: bool,
     variables: bool = False,
+    shardings: bool = False,
     graph_lifts: frozenset[str] = frozenset({"DiffState"}),
 ) -> None:
     """Raise `AxisError` if ``spec`` holds a Flax lift object (or, with
@@ -78,12 +84,15 @@ def refuse_lifts(
       (``StateAxes`` and ``StateSharding`` are then resolved against the object
       graph when the function is called, which names each Variable they reach).
     - `variables`: refuse Variables in the specification (axis specifications).
+    - `shardings`: refuse Variables that hold no sharding (sharding specifications:
+      Flax's ``nnx.get_named_sharding`` gives Variables holding shardings).
     """
-    if not _LIFTS and not variables:
+    if not _LIFTS and not variables and not shardings:
         return
     try:
         leaves = jax.tree_util.tree_flatten_with_path(
-            spec, is_leaf=lambda x: _is_lift(x) or (variables and is_variable(x))
+            spec,
+            is_leaf=lambda x: _is_lift(x) or ((variables or shardings) and is_variable(x)),
         )[0]
     except Exception:  # an unflattenable spec: the call reports it with its path
         return
@@ -108,8 +117,20 @@ def refuse_lifts(
             instead = f" ({shown} instead of {kind}({shown}))" if short else ""
             raise AxisError(
                 f"treemode.{transform}: {where} is an {kind} holding {shown}. Variables "
-                "prefixes are not supported: an axis applies to a whole Variable. Fix: put "
-                f"the axis itself in the Variable's place{instead}; for a module, build the "
-                "prefix with treemode.prefix(model, {filter: axis, ...}) rather than "
-                "jax.tree.map, which keeps the Variables."
+                "prefixes are not supported: an axis applies to a whole Variable. Graph "
+                "nodes are not allowed as prefixes unless an axis takes each Variable's "
+                f"place. Fix: put the axis itself in the Variable's place{instead}; for a "
+                "module, build the prefix with treemode.prefix(model, {filter: axis, ...}) "
+                "rather than jax.tree.map, which keeps the Variables."
+            )
+        if shardings and is_variable(leaf) and not _is_sharding_value(leaf.get_raw_value()):
+            value = leaf.get_raw_value()
+            shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+            raise AxisError(
+                f"treemode.{transform}: {where} is an nnx.{type(leaf).__name__} holding "
+                f"{shown}, not a sharding. Graph nodes are not allowed as prefixes unless "
+                "each Variable in them holds its sharding (as nnx.get_named_sharding "
+                "returns) or is replaced by it. Fix: give a module-shaped prefix of "
+                "shardings: treemode.sharding_of(model, mesh), or treemode.prefix(model, "
+                "{nnx.Param: sharding, ...: None})."
             )

@@ -29,6 +29,7 @@ from ._errors import AxisError
 from ._leaves import is_variable
 from ._lifts import refuse_lifts
 from ._prefix import broadcast_to_leaves
+from ._signature import suggests_keywords
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -230,7 +231,12 @@ def with_axis_metadata(
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         entries = positional_entries(
-            in_axes, len(args), transform=transform, what="in_axes", is_leaf=is_leaf
+            in_axes,
+            len(args),
+            transform=transform,
+            what="in_axes",
+            is_leaf=is_leaf,
+            kwargs_axis=kwargs_axis,
         )
         targets = [(f"args[{i}]", a, e) for i, (a, e) in enumerate(zip(args, entries, strict=True))]
         targets += [(f"kwargs[{k!r}]", v, kwargs_axis) for k, v in kwargs.items()]
@@ -313,6 +319,7 @@ def transform_metadata(
 ) -> F: ...
 
 
+@suggests_keywords
 def transform_metadata(
     f: Callable[..., Any] | None = None,
     *,

@@ -10,6 +10,8 @@ import jax
 from . import _core
 from ._axes import CallAxes, call_axes, check_axes_spec, check_mapped
 from ._lifts import refuse_lifts
+from ._names import named
+from ._signature import suggests_keywords
 from ._vmap import MappedWrapper, _Entry, find_batched_update, translate_axis_error
 
 
@@ -65,7 +67,7 @@ class PmapWrapped(MappedWrapper):
 
     def build(self, pure: _core.PureFunction, call: _core.Call, axes: CallAxes) -> Any:
         return jax.pmap(
-            pure,
+            named(pure, call.fn),
             axis_name=self.axis_name,
             in_axes=axes.dynamic,
             out_axes=(self.jax_out_axes, axes.variables),
@@ -92,6 +94,7 @@ class PmapWrapped(MappedWrapper):
         translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
 
 
+@suggests_keywords
 def pmap(
     fun: Callable[..., Any] | None = None,
     axis_name: Any = None,

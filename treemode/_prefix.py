@@ -176,7 +176,9 @@ def _check_consistent(
                     f"reachable at {where} (the prefixes come from one nnx.prefix(..., "
                     f"graph=True) call, so it is one shared Variable), with two different "
                     f"{what}: {seen[1]!r} at {seen[0]} and {value!r} at {where}. A shared "
-                    "Variable is one input of the transform, so it takes one specification.\n"
+                    "Variable is one input of the transform, so it takes one specification. "
+                    "Inconsistent aliasing detected. The following nodes have different "
+                    f"prefixes: {seen[0]}, {where}.\n"
                     "Fix: make the filters give both paths the same value."
                 )
 

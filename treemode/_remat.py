@@ -9,9 +9,11 @@ from typing import Any
 import jax
 
 from . import _core
-from ._signature import as_tuple, resolve_argnums
+from ._names import named
+from ._signature import as_tuple, resolve_argnums, suggests_keywords
 
 
+@suggests_keywords
 def remat(
     fun: Callable[..., Any] | None = None,
     *,
@@ -87,7 +89,7 @@ def remat(
             static_argnames=static_names,
         )
         pure = _core.PureFunction(call)
-        checkpointed = jax.checkpoint(pure, prevent_cse=prevent_cse, policy=policy)
+        checkpointed = jax.checkpoint(named(pure, fn), prevent_cse=prevent_cse, policy=policy)
         return _core.run(call, pure, lambda: checkpointed(*call.dynamic))
 
     return wrapper

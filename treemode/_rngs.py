@@ -25,6 +25,7 @@ from ._flatten import check_no_aliases
 from ._graph import from_tree, to_tree
 from ._leaves import is_variable
 from ._paths import format_path, nnx_path
+from ._signature import suggests_keywords
 
 F = TypeVar("F", bound=Callable[..., Any])
 Splits = int | tuple[int, ...]
@@ -129,6 +130,7 @@ def split_rngs(
 ) -> Any: ...
 
 
+@suggests_keywords
 def split_rngs(
     node: Any = _MISSING,
     /,
@@ -213,6 +215,7 @@ def fork_rngs(
 ) -> Any: ...
 
 
+@suggests_keywords
 def fork_rngs(
     node: Any = _MISSING,
     /,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,8 +27,9 @@ from ._loop import (
     scalars_to_arrays,
 )
 from ._metadata import _split_metadata, with_axis_metadata
+from ._names import Stable
 from ._prefix import broadcast_to_leaves, decode_flax_prefixes, graph_output_prefix
-from ._signature import UNSPECIFIED
+from ._signature import UNSPECIFIED, suggests_keywords
 from ._trace_cache import TraceCache, avals, cache_for, call_current_fn
 
 
@@ -258,7 +259,8 @@ class ScanWrapped:
                 "the carry and returns its new value. Mark it in both, e.g. "
                 "in_axes=(Carry, 0), out_axes=(Carry, 0)."
             )
-        self._cache: TraceCache[_Entry] = cache_for(
+        # Entries by (structure, input types); `Stable` step functions by structure.
+        self._cache: TraceCache[Any] = cache_for(
             [fn],
             (
                 "scan",
@@ -277,13 +279,21 @@ class ScanWrapped:
             return self
         return functools.partial(self, obj)
 
+    def __repr__(self) -> str:
+        return f"<treemode.scan of {self.fn!r}>"
+
+    def clear_cache(self) -> None:
+        """Drop the traced steps of this function (shared by its scan wrappers with
+        the same options); the next call traces again."""
+        self._cache.clear()
+
     # -- the pieces of one call ---------------------------------------------------
 
     def _entries(self, num_args: int) -> Any:
         if is_carry(self.in_axes):
             if num_args != 1:
                 raise AxisError(
-                    f"treemode.scan: in_axes=Carry means the function takes exactly one "
+                    f"treemode.scan: When in_axes=Carry, the function must take exactly one "
                     f"argument (the carry), but it was called with {num_args}. Use a tuple, "
                     "e.g. in_axes=(Carry, 0), to scan over further arguments."
                 )
@@ -330,15 +340,25 @@ class ScanWrapped:
             for j, ax in entry.scanned
         ]
 
+        # The function JAX traces: named like the user's and the same object for
+        # every input type of this structure (`treemode._names.Stable`).
+        stable: Stable = self._cache.get(("step", call.key), lambda: Stable(self.fn))
+
         def jax_call() -> tuple[Any, Any]:
-            (_, free, values), (ys, stacked) = jax.lax.scan(
-                entry.step,
-                entry.loop.init(call.dynamic),
-                xs,
-                length=entry.length,
-                reverse=self.reverse,
-                unroll=self.unroll,
-            )
+            init = entry.loop.init(call.dynamic)
+            # JAX keeps one trace of the step per input types, whatever the length:
+            # entries of this structure that differ in length only share it, and
+            # share what it records (`_core.run` writes its metadata updates back).
+            entry.pure.record = stable.share(_step_types(init, xs), entry.pure.record)
+            with stable.bound(entry.step) as step:
+                (_, free, values), (ys, stacked) = jax.lax.scan(
+                    step,
+                    init,
+                    xs,
+                    length=entry.length,
+                    reverse=self.reverse,
+                    unroll=self.unroll,
+                )
             updates = entry.loop.final_updates(values)
             for (i, ax), u in zip(entry.scanned_vars, stacked, strict=True):
                 if u is not None:
@@ -454,6 +474,14 @@ class ScanWrapped:
                 f"{size} entries along their scanned axes. Drop length= or make them agree."
             )
         return size
+
+
+@suggests_keywords
+def _step_types(init: Any, xs: Sequence[Any]) -> tuple[Any, ...]:
+    """The types of the step's inputs: the carried state's, and one slice of each ``xs``."""
+    state = tuple(map(jax.typeof, jax.tree_util.tree_leaves(init)))
+    slices = tuple((tuple(x.shape[1:]), x.dtype, jax.typeof(x).weak_type) for x in xs)
+    return state, slices
 
 
 def scan(

@@ -20,6 +20,8 @@ from . import _core
 from ._axes import CallAxes, call_axes, dynamic_paths
 from ._errors import AxisError
 from ._lifts import refuse_lifts
+from ._names import named
+from ._signature import suggests_keywords
 from ._vmap import MappedWrapper, _Entry
 
 
@@ -119,7 +121,7 @@ class ShardMapWrapped(MappedWrapper):
             return out, updates
 
         return jax.shard_map(
-            body,
+            named(body, call.fn),
             mesh=self.mesh,
             in_specs=axes.dynamic,
             out_specs=(self.jax_out_axes, var_specs),
@@ -182,6 +184,7 @@ def _check_replication(
                 )
 
 
+@suggests_keywords
 def shard_map(
     f: Callable[..., Any] | None = None,
     /,

@@ -7,11 +7,15 @@ kinds, defaults) plus treemode's own (``graph``, ``transform_metadata``, ...);
 
 from __future__ import annotations
 
+import difflib
+import functools
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from ._errors import StaticArgumentError
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _Unspecified:
@@ -106,3 +110,48 @@ def resolve_argnums(
             if p.name == name:
                 nums.add(i)
     return frozenset(nums), frozenset(names)
+
+
+def suggests_keywords(fn: F) -> F:
+    """``fn``, which names the closest keyword when called with an unknown one.
+
+    Python 3.11 only says ``jit() got an unexpected keyword argument
+    'donate_argnum'``; the decorated function adds ``Did you mean
+    'donate_argnums'?`` (close matches by ``difflib``, as Python does for
+    misspelled names). A function taking ``**kwargs`` is returned unchanged.
+
+    **Arguments:**
+
+    - `fn`: a public transform.
+
+    **Returns:**
+
+    A function with ``fn``'s signature (``__wrapped__``) and behaviour.
+    """
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return fn
+    accepted = frozenset(
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if kwargs and not accepted.issuperset(kwargs):
+            raise unknown_keyword_error(
+                fn.__name__, next(k for k in kwargs if k not in accepted), accepted
+            )
+        return fn(*args, **kwargs)
+
+    return checked  # type: ignore[return-value]
+
+
+def unknown_keyword_error(function: str, keyword: str, accepted: Iterable[str]) -> TypeError:
+    """Python's error for an unexpected keyword argument, with the closest accepted ones."""
+    message = f"{function}() got an unexpected keyword argument {keyword!r}"
+    close = difflib.get_close_matches(keyword, sorted(accepted), n=1)
+    if close:
+        message += f". Did you mean {close[0]!r}?"
+    return TypeError(message)

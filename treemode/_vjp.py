@@ -17,9 +17,11 @@ import jax
 
 from . import _core, _graph
 from ._grad import DiffSplit, dynamic_like, split_aux, to_array_args
-from ._signature import UNSPECIFIED, check_reduce_axes
+from ._names import named
+from ._signature import UNSPECIFIED, check_reduce_axes, suggests_keywords
 
 
+@suggests_keywords
 def vjp(
     fun: Callable[..., Any] = UNSPECIFIED,
     *primals: Any,
@@ -82,7 +84,9 @@ def vjp(
         return out, (aux, updates)
 
     def jax_call() -> tuple[Any, Any]:
-        out, raw_vjp, (aux, updates) = jax.vjp(differentiated, *split.diff_values(), has_aux=True)
+        out, raw_vjp, (aux, updates) = jax.vjp(
+            named(differentiated, fun), *split.diff_values(), has_aux=True
+        )
         return (out, raw_vjp, aux), updates
 
     out, raw_vjp, aux = _core.run(call, pure, jax_call, finish=False)
@@ -98,6 +102,7 @@ def vjp(
     return out, vjp_fn
 
 
+@suggests_keywords
 def jvp(
     fun: Callable[..., Any] = UNSPECIFIED,
     primals: Sequence[Any] = UNSPECIFIED,
@@ -171,7 +176,7 @@ def jvp(
 
     def jax_call() -> tuple[Any, Any]:
         out, out_tangent, (aux, updates) = jax.jvp(
-            differentiated, (split.diff_values(),), (diff_tangents,), has_aux=True
+            named(differentiated, fun), (split.diff_values(),), (diff_tangents,), has_aux=True
         )
         return (out, out_tangent, aux), updates
 

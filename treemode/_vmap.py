@@ -27,8 +27,10 @@ from ._axes import (
 from ._errors import AxisError, TreemodeError
 from ._lifts import refuse_lifts
 from ._metadata import check_metadata, with_axis_metadata
+from ._names import named
 from ._prefix import decode_flax_prefixes, graph_output_prefix
 from ._rng_hints import warn_broadcast_draws
+from ._signature import suggests_keywords
 from ._trace_cache import TraceCache, cache_for, call_current_fn
 
 P = ParamSpec("P")
@@ -92,6 +94,9 @@ class MappedWrapper:
         if obj is None:
             return self
         return functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<treemode.{self.transform} of {self.fn!r}>"
 
     # -- hooks for subclasses -----------------------------------------------------
 
@@ -297,7 +302,7 @@ class VmapWrapped(MappedWrapper):
 
     def build(self, pure: _core.PureFunction, call: _core.Call, axes: CallAxes) -> Any:
         return jax.vmap(
-            pure,
+            named(pure, call.fn),
             in_axes=axes.dynamic,
             out_axes=(self.jax_out_axes, axes.variables),
             axis_name=self.axis_name,
@@ -375,6 +380,7 @@ def vmap(
 ) -> Callable[[Callable[..., Any]], VmapWrapped]: ...
 
 
+@suggests_keywords
 def vmap(
     fun: Callable[..., Any] | None = None,
     in_axes: int | None | Sequence[Any] = 0,

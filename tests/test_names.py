@@ -1,0 +1,279 @@
+"""JAX names what treemode compiles and traces after the user's function.
+
+The lowered program of `treemode.jit(train_step)` is ``jit_train_step`` (as
+with ``jax.jit``), every inner jaxpr (scan and loop bodies, branches, remat'd
+and checkified functions) carries the user function's name and source line,
+and JAX's own cache-miss messages (``jax_explain_cache_misses``) name the
+user's function and never a treemode file, nor call a function "re-defined"
+that the user defines once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src import api_util
+from jax._src import config as jax_config
+from jax.experimental import checkify
+
+import treemode
+
+
+class Model(nnx.Module):
+    def __init__(self) -> None:
+        self.w = nnx.Param(jnp.ones(3))
+        self.steps = nnx.BatchStat(jnp.array(0))
+
+
+def train_step(model: Model, x: jax.Array) -> jax.Array:
+    model.steps[...] += 1
+    return jnp.sum(model.w[...] * x)
+
+
+def scan_body(model: Model, x: jax.Array) -> tuple[Model, jax.Array]:
+    model.steps[...] += 1
+    return model, model.w[...] * x
+
+
+def loss_with_scan(model: Model, xs: jax.Array) -> jax.Array:
+    carry = (treemode.Carry, 0)
+    _, ys = treemode.scan(scan_body, in_axes=carry, out_axes=carry)(model, xs)
+    return ys.sum()
+
+
+def when_positive(x: jax.Array) -> jax.Array:
+    return x + 1
+
+
+def when_negative(x: jax.Array) -> jax.Array:
+    return x - 1
+
+
+def keep_going(v: jax.Array) -> jax.Array:
+    return v.sum() < 10
+
+
+def loop_body(v: jax.Array) -> jax.Array:
+    return v + 1
+
+
+def fori_body(i: jax.Array, v: jax.Array) -> jax.Array:
+    return v + i
+
+
+def remat_body(m: Model, x: jax.Array) -> jax.Array:
+    return jnp.sin(m.w[...] * x)
+
+
+def checked_body(m: Model, x: jax.Array) -> jax.Array:
+    checkify.check(jnp.all(x > -100), "too small")
+    return m.w[...] * x
+
+
+def everything(m: Model, x: jax.Array) -> jax.Array:
+    y = treemode.cond(x.sum() > 0, when_positive, when_negative, x)
+    y = treemode.while_loop(keep_going, loop_body, y)
+    y = treemode.fori_loop(0, 2, fori_body, y)
+    y = y + treemode.remat(remat_body)(m, y)
+    _, z = treemode.checkify(checked_body)(m, y)
+    return z
+
+
+def _lowered_text(fn: Any, *args: Any) -> str:
+    return fn.lower(*args).as_text()
+
+
+def test_jitted_program_is_named_after_the_function():
+    text = _lowered_text(treemode.jit(train_step), Model(), jnp.ones(3))
+    assert "module @jit_train_step" in text
+    assert "_call_flat" not in text and "_call_split" not in text
+
+
+def test_profile_op_names_start_with_the_function():
+    # What a profile shows per operation: the name stack, from the program's name.
+    lowered = treemode.jit(loss_with_scan).lower(Model(), jnp.ones((2, 3)))
+    locations = set(re.findall(r'loc\("([^"]+)"', lowered.as_text(debug_info=True)))
+    op_names = {n for n in locations if re.match(r"\w+\(", n)}  # not the file names
+    assert op_names and all(n.startswith("jit(loss_with_scan)") for n in op_names), op_names
+    assert "jit(loss_with_scan)/scan" in op_names
+
+
+def test_donated_program_is_named_after_the_function():
+    text = _lowered_text(treemode.jit(train_step, donate_argnums=0), Model(), jnp.ones(3))
+    assert "module @jit_train_step" in text
+
+
+def test_jit_partial_and_methods_keep_the_name():
+    model = Model()
+    text = _lowered_text(treemode.jit_partial(train_step, model), jnp.ones(3))
+    assert "module @jit_train_step" in text
+
+    class Holder(nnx.Module):
+        def __init__(self) -> None:
+            self.w = nnx.Param(jnp.ones(3))
+
+        @treemode.jit
+        def forward(self, x: jax.Array) -> jax.Array:
+            return self.w[...] * x
+
+    holder = Holder()
+    assert "module @jit_forward" in _lowered_text(Holder.forward, holder, jnp.ones(3))
+
+
+def _debug_infos(jaxpr: Any, out: list[Any]) -> list[Any]:
+    """Every (traced_for, func_src_info) of ``jaxpr`` and the jaxprs inside it."""
+    out.append((jaxpr.debug_info.traced_for, jaxpr.debug_info.func_src_info))
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+                    _debug_infos(sub.jaxpr, out)
+                elif hasattr(sub, "eqns"):
+                    _debug_infos(sub, out)
+    return out
+
+
+def test_inner_jaxprs_name_the_user_functions():
+    model = Model()
+    closed = jax.make_jaxpr(lambda x: treemode.jit(everything)(model, x))(jnp.ones(3))
+    infos = _debug_infos(closed.jaxpr, [])
+    names = {src.split(" ")[0]: (kind, src) for kind, src in infos}
+    for fn, kind in [
+        (everything, "jit"),
+        (when_positive, "cond"),
+        (when_negative, "cond"),
+        (keep_going, "while_cond"),
+        (loop_body, "while_body"),
+        (fori_body, "fori_loop"),
+        (remat_body, "checkpoint / remat"),
+    ]:
+        assert fn.__name__ in names, (fn.__name__, infos)
+        traced_for, src = names[fn.__name__]
+        assert traced_for == kind
+        line = fn.__code__.co_firstlineno
+        assert src == f"{fn.__name__} at {__file__}:{line}"
+    # No inner function is named after (or located in) treemode's own code.
+    for _, src in infos:
+        assert "treemode" + "/" not in src and "<unknown>" not in src, src
+
+
+def test_scan_body_is_named_after_the_user_function():
+    closed = jax.make_jaxpr(lambda x: treemode.jit(loss_with_scan)(Model(), x))(jnp.ones((4, 3)))
+    sources = [src for kind, src in _debug_infos(closed.jaxpr, []) if kind == "scan"]
+    assert sources == [f"scan_body at {__file__}:{scan_body.__code__.co_firstlineno}"]
+
+
+def test_mapped_and_differentiated_functions_are_named(monkeypatch):
+    # What JAX reads of the function handed to jax.vmap / jax.value_and_grad.
+    seen: list[str] = []
+    for name in ("vmap", "value_and_grad"):
+        original = getattr(jax, name)
+
+        def spy(f: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            seen.append(api_util.fun_sourceinfo(f))
+            return _original(f, *args, **kwargs)
+
+        monkeypatch.setattr(jax, name, spy)
+    model = Model()
+    treemode.vmap(remat_body, in_axes=(None, 0))(model, jnp.ones((2, 3)))
+    treemode.grad(train_step)(model, jnp.ones(3))
+    assert seen == [
+        f"remat_body at {__file__}:{remat_body.__code__.co_firstlineno}",
+        f"train_step at {__file__}:{train_step.__code__.co_firstlineno}",
+    ]
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def jax_messages():
+    """JAX's cache-miss explanations while the test runs."""
+    capture = _Capture()
+    logger = logging.getLogger("jax")
+    logger.addHandler(capture)
+    previous = jax_config.explain_cache_misses.value
+    jax.config.update("jax_explain_cache_misses", True)
+    try:
+        yield capture.messages
+    finally:
+        jax.config.update("jax_explain_cache_misses", previous)
+        logger.removeHandler(capture)
+
+
+def _jax_cache_misses(messages: list[str]) -> list[str]:
+    return [m for m in messages if "TRACING CACHE MISS" in m]
+
+
+def test_jax_retrace_messages_name_the_user_function(jax_messages):
+    step = treemode.jit(train_step)
+    model = Model()
+    step(model, jnp.ones(3))
+    step(model, jnp.ones((2, 3)))  # new shape: JAX and treemode both explain
+    misses = _jax_cache_misses(jax_messages)
+    assert misses, jax_messages
+    for message in misses:
+        assert "train_step" in message
+        assert re.search(r"treemode[/\\]_\w+\.py", message) is None, message
+        assert "_call_flat" not in message and "dynamic[" not in message
+
+
+def test_scan_in_a_jitted_model_is_not_reported_as_redefined(jax_messages):
+    loss = treemode.jit(loss_with_scan)
+    model = Model()
+    for n in (2, 5, 2, 7, 3):
+        loss(model, jnp.ones((n, 3)))
+    eager = treemode.scan(scan_body, in_axes=(treemode.Carry, 0), out_axes=(treemode.Carry, 0))
+    for n in (2, 5, 3):
+        eager(model, jnp.ones((n, 3)))
+    text = "\n".join(_jax_cache_misses(jax_messages))
+    assert "re-defined" not in text
+    assert "never seen function" not in text
+    assert re.search(r"treemode[/\\]_\w+\.py", text) is None, text
+
+
+def test_a_new_input_type_keeps_the_scan_step(jax_messages):
+    # A new carry dtype is a new trace of the same step: JAX compares the types
+    # (it does not report a function it has never seen).
+    carry = (treemode.Carry, 0)
+    body = treemode.scan(lambda c, x: (c + x, c), in_axes=carry, out_axes=carry)
+    body(jnp.zeros(3), jnp.ones((2, 3)))
+    body(jnp.zeros(3, jnp.int32), jnp.ones((2, 3), jnp.int32))
+    first, again = _jax_cache_misses(jax_messages)
+    assert "never seen function" in first  # the first call: JAX has not seen the step yet
+    assert "for <lambda> defined at" in again and "different input types" in again
+    assert "re-defined" not in first + again
+
+
+def test_scans_of_two_lengths_share_one_trace_and_its_metadata_updates():
+    # One step object per structure: JAX reuses the trace for a new length, and
+    # the second call still writes back the metadata update that trace recorded.
+    class Tagged(nnx.Module):
+        def __init__(self) -> None:
+            self.w = nnx.Param(jnp.ones(3), tag=0)
+
+    def body(m: Tagged, x: jax.Array) -> tuple[Tagged, jax.Array]:
+        m.w.set_metadata("tag", 1)
+        m.w[...] = m.w[...] + x
+        return m, x
+
+    carry = (treemode.Carry, 0)
+    scanned = treemode.scan(body, in_axes=carry, out_axes=carry)
+    for n in (2, 5):
+        m = Tagged()
+        scanned(m, jnp.ones((n, 3)))
+        assert m.w.get_metadata("tag") == 1
+        np.testing.assert_array_equal(m.w[...], np.full(3, 1.0 + n))
