@@ -31,7 +31,9 @@ EXPLAINED_OR_NAMING = (*EXPLAINED, *NAMING)
 
 # JAX's names for the arrays of treemode's executables (``jax.jit`` of
 # ``_Entry._call_flat(*dynamic)`` or ``_Entry._call_split(donated, kept)``).
-_INTERNAL_ARGUMENT = re.compile(r"\b(dynamic|donated|kept)\[(\d+)\]")
+_INTERNAL_ARGUMENT = re.compile(
+    r"\b(dynamic|donated|kept|flat_args|donated_args|kept_args)\[(\d+)\]"
+)
 _INTERNAL_FUNCTION = re.compile(r"_Entry\._call_(?:flat|split)")
 
 
@@ -79,10 +81,10 @@ def name_internal_paths(
 
     def path_of(match: re.Match[str]) -> str:
         kind, i = match.group(1), int(match.group(2))
-        if kind != "dynamic":
+        if kind not in ("dynamic", "flat_args"):
             if layout is None:
                 return match.group(0)
-            indices = layout[0] if kind == "donated" else layout[1]
+            indices = layout[0] if kind.startswith("donated") else layout[1]
             if i >= len(indices):
                 return match.group(0)
             i = indices[i]

@@ -18,7 +18,7 @@ from ._flatten import DYNAMIC, ArgFlat, VarSpec, check_no_aliases
 from ._interrupts import held_interrupts
 from ._leaves import is_variable
 from ._lifts import refuse_lifts
-from ._names import named
+from ._names import FLAT_ARGUMENTS, SPLIT_ARGUMENTS, named
 from ._prefix import (
     broadcast_to_dynamic,
     decode_flax_prefixes,
@@ -105,9 +105,10 @@ class _Entry:
         # messages and profiles then read like the user's code (`_names`).
         if donated:
             _explain.note_donation()
-            self.jitted = jax.jit(named(self._call_split, pure.fn), donate_argnums=0, **jit_kwargs)
+            split = named(self._call_split, pure.fn, SPLIT_ARGUMENTS)
+            self.jitted = jax.jit(split, donate_argnums=0, **jit_kwargs)
         else:
-            self.jitted = jax.jit(named(self._call_flat, pure.fn), **jit_kwargs)
+            self.jitted = jax.jit(named(self._call_flat, pure.fn, FLAT_ARGUMENTS), **jit_kwargs)
 
     def _call_flat(self, *dynamic: Any) -> Any:
         return self._traced(dynamic)

@@ -110,13 +110,30 @@ _VARIADIC = inspect.Signature(
 )
 
 
-def named(fn: Callable[..., Any], like: Any) -> Callable[..., Any]:
+# What `treemode.jit`'s executables take, as JAX names them in its messages;
+# `treemode._explain` puts the user's paths in their place.
+FLAT_ARGUMENTS = inspect.Signature(
+    [inspect.Parameter("flat_args", inspect.Parameter.VAR_POSITIONAL)]
+)
+SPLIT_ARGUMENTS = inspect.Signature(
+    [
+        inspect.Parameter("donated_args", inspect.Parameter.POSITIONAL_ONLY),
+        inspect.Parameter("kept_args", inspect.Parameter.POSITIONAL_ONLY),
+    ]
+)
+
+
+def named(
+    fn: Callable[..., Any], like: Any, signature: inspect.Signature = _VARIADIC
+) -> Callable[..., Any]:
     """A function calling ``fn``, named for JAX like the user function ``like``.
 
     **Arguments:**
 
     - `fn`: what treemode hands to a JAX transform.
     - `like`: the user function (or its `source`).
+    - `signature`: the signature JAX reads the arguments' names from (in its
+      error messages); ``(*args, **kwargs)`` unless given.
 
     **Returns:**
 
@@ -135,7 +152,7 @@ def named(fn: Callable[..., Any], like: Any) -> Callable[..., Any]:
     if src.__module__ is not None:
         traced.__module__ = src.__module__
     traced.__wrapped__ = src  # type: ignore[attr-defined]
-    traced.__signature__ = _VARIADIC  # type: ignore[attr-defined]
+    traced.__signature__ = signature  # type: ignore[attr-defined]
     return traced
 
 

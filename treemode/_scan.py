@@ -476,7 +476,6 @@ class ScanWrapped:
         return size
 
 
-@suggests_keywords
 def _step_types(init: Any, xs: Sequence[Any]) -> tuple[Any, ...]:
     """The types of the step's inputs: the carried state's, and one slice of each ``xs``."""
     state = tuple(map(jax.typeof, jax.tree_util.tree_leaves(init)))
@@ -484,6 +483,7 @@ def _step_types(init: Any, xs: Sequence[Any]) -> tuple[Any, ...]:
     return state, slices
 
 
+@suggests_keywords
 def scan(
     f: Callable[..., Any] | None = None,
     init: Any = _MISSING,
