@@ -29,7 +29,7 @@ from . import _closure, _compiled
 from ._closure import closure_snapshot, unchanged_closure_objects
 from ._compat import raw_value_of as _raw_value_of
 from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, variables_of
-from ._interrupts import held_interrupts
+from ._interrupts import held
 from ._leaves import CONCRETE_ARRAY_TYPES, is_traced
 
 if TYPE_CHECKING:
@@ -314,9 +314,10 @@ def run_plan(plan: _compiled.MemoPlan, args: tuple[Any, ...]) -> Any:
     donated, kept, check = donation
     check(call)
     arrays = (tuple(map(dynamic.__getitem__, donated)), tuple(map(dynamic.__getitem__, kept)))
-    # From the executable's start to the end of the write, the new values are the
-    # only whole state: a Ctrl-C waits for the write (docs/guides/jit.md).
-    with held_interrupts():
+    # Once the executable consumed the donated buffers, the new values are the only
+    # whole state until written: a signal's handler waits for the write
+    # (treemode._interrupts, as the compiled ``MemoCall`` does).
+    with held(arrays[0]):
         return _execute(jitted, binding, call, arrays, entry)
 
 

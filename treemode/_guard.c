@@ -1426,6 +1426,63 @@ write_in_c(PyObject *record, PyObject *sources, PyObject *updates)
     return ok;
 }
 
+/* The signal hold of a donated call (treemode._interrupts `hold` and `release`,
+ * the functions the Python call path runs): `hold(donated)` before the
+ * executable consumes the donated buffers, `release(token)` once the new values
+ * are written (or the call failed). Imported on the first donated call. */
+static PyObject *interrupts_hold, *interrupts_release;
+
+static PyObject *
+hold_signals(PyObject *donated)
+{
+    if (interrupts_release == NULL) {
+        PyObject *module = PyImport_ImportModule("treemode._interrupts");
+        if (module == NULL)
+            return NULL;
+        PyObject *hold = PyObject_GetAttrString(module, "hold");
+        PyObject *release = hold == NULL ? NULL : PyObject_GetAttrString(module, "release");
+        Py_DECREF(module);
+        if (release == NULL) {
+            Py_XDECREF(hold);
+            return NULL;
+        }
+        interrupts_hold = hold;
+        interrupts_release = release;
+    }
+    return PyObject_CallOneArg(interrupts_hold, donated);
+}
+
+/* Ends the hold `token` (stolen). An exception already set stays the one raised,
+ * unless the release raises (a deferred signal's handler): that one is raised,
+ * with the first as its context. Returns -1 when an exception is set after. */
+static int
+release_signals(PyObject *token)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *released = PyObject_CallOneArg(interrupts_release, token);
+    Py_DECREF(token);
+    if (released != NULL) {
+        Py_DECREF(released);
+        PyErr_Restore(type, value, traceback);
+        return type == NULL ? 0 : -1;
+    }
+    if (type != NULL) {
+        PyErr_NormalizeException(&type, &value, &traceback);
+        if (traceback != NULL)
+            PyException_SetTraceback(value, traceback);
+        PyObject *type2, *value2, *traceback2;
+        PyErr_Fetch(&type2, &value2, &traceback2);
+        PyErr_NormalizeException(&type2, &value2, &traceback2);
+        PyException_SetContext(value2, value); /* steals `value` */
+        value = NULL;
+        PyErr_Restore(type2, value2, traceback2);
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+    }
+    return -1;
+}
+
 /* A memo plan's records (treemode._compiled.SitePlan, EntryPlan), checked once
  * when the memo is set (see `memo_set`); `fast_call` trusts their shape. */
 enum { SITE_SITE, SITE_SLOTS, SITE_PARTIAL, SITE_READS, SITE_FOUND, SITE_LIFTED, SITE_FIELDS };
@@ -1482,7 +1539,7 @@ fast_call(PyObject *plan, PyObject *args)
     PyObject *donation = PyTuple_GET_ITEM(entry_part, ENTRY_DONATION);
 
     PyObject *roots = NULL, *dynamic = NULL, *sources = NULL, *kwargs = NULL, *call = NULL;
-    PyObject *result = NULL, *out = NULL, *split[2] = {NULL, NULL};
+    PyObject *result = NULL, *out = NULL, *split[2] = {NULL, NULL}, *held = NULL;
     Gathered gathered_dynamic, gathered_sources;
     gathered_init(&gathered_dynamic);
     gathered_init(&gathered_sources);
@@ -1525,6 +1582,11 @@ fast_call(PyObject *plan, PyObject *args)
     else {
         if (split_donated(donation, dynamic, call, split) < 0)
             goto done;
+        /* From here to the end of the write, a signal's handler that raises would
+         * leave deleted buffers once the executable ran: held (see hold_signals). */
+        held = hold_signals(split[0]);
+        if (held == NULL)
+            goto done;
         result = run_bound(jitted, binding, call, split, 2, cfg_raise_failure);
     }
     if (result == NULL)
@@ -1552,6 +1614,8 @@ fast_call(PyObject *plan, PyObject *args)
 done:
     if (ok < 0 && out == NULL && !PyErr_Occurred())
         PyErr_SetString(PyExc_SystemError, "treemode: the memo call failed without an error");
+    if (held != NULL && release_signals(held) < 0)
+        Py_CLEAR(out); /* a deferred signal's exception, raised after the write */
     Py_XDECREF(result);
     Py_XDECREF(split[0]);
     Py_XDECREF(split[1]);

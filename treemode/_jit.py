@@ -15,7 +15,7 @@ from ._axes import graph_prefix_values
 from ._callsite import CallSite
 from ._errors import DonationError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec, check_no_aliases
-from ._interrupts import held_interrupts
+from ._interrupts import held
 from ._leaves import is_variable
 from ._lifts import refuse_lifts
 from ._prefix import (
@@ -136,13 +136,10 @@ class _Entry:
     def write_back(self, call: _core.PreparedCall, updates: Sequence[Any]) -> None:
         """Store a call's updates (and any metadata update its trace recorded).
 
-        The compiled call path calls it for updates it does not write itself.
+        The compiled call path calls it for updates it does not write itself (for
+        a donated call, inside the call's `treemode._interrupts` hold).
         """
-        if self.donated:
-            with held_interrupts():
-                _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
-        else:
-            _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
+        _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
 
 
 class _EntryRecord:
@@ -456,9 +453,11 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             return out, _core.WriteBack(call, updates, entry.metadata_for(call.dynamic))
 
         if entry.donated:
-            # From the executable's start to the end of the write, the new values are
-            # the only whole state: a Ctrl-C waits for the write (docs/guides/jit.md).
-            with held_interrupts():
+            # Once the executable consumed the donated buffers, the new values are the
+            # only whole state until written: a signal's handler waits for the write
+            # (treemode._interrupts; one raised during the trace or compilation, before
+            # anything was consumed, is raised at once).
+            with held(arrays[0]):
                 return _core.run(call, entry.pure, jax_call)
         return _core.run(call, entry.pure, jax_call)
 
