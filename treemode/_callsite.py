@@ -25,11 +25,10 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _closure, _compiled
+from . import _closure, _compiled, _interrupts
 from ._closure import closure_snapshot, unchanged_closure_objects
 from ._compat import raw_value_of as _raw_value_of
 from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, variables_of
-from ._interrupts import held
 from ._leaves import CONCRETE_ARRAY_TYPES, is_traced
 
 if TYPE_CHECKING:
@@ -317,8 +316,13 @@ def run_plan(plan: _compiled.MemoPlan, args: tuple[Any, ...]) -> Any:
     # Once the executable consumed the donated buffers, the new values are the only
     # whole state until written: a signal's handler waits for the write
     # (treemode._interrupts, as the compiled ``MemoCall`` does).
-    with held(arrays[0]):
+    token = _interrupts.hold(arrays[0])
+    try:
         return _execute(jitted, binding, call, arrays, entry)
+    finally:
+        if token is not None:
+            _interrupts.close()
+            _interrupts.release(token)
 
 
 def _execute(jitted: Any, binding: Any, call: SiteCall, arrays: Sequence[Any], entry: Any) -> Any:

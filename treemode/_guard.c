@@ -1426,11 +1426,12 @@ write_in_c(PyObject *record, PyObject *sources, PyObject *updates)
     return ok;
 }
 
-/* The signal hold of a donated call (treemode._interrupts `hold` and `release`,
- * the functions the Python call path runs): `hold(donated)` before the
- * executable consumes the donated buffers, `release(token)` once the new values
- * are written (or the call failed). Imported on the first donated call. */
-static PyObject *interrupts_hold, *interrupts_release;
+/* The signal hold of a donated call (treemode._interrupts `hold`, `close` and
+ * `release`, the functions the Python call path runs): `hold(donated)` before
+ * the executable consumes the donated buffers; once the new values are written
+ * (or the call failed), `close()` then `release(token)`. Imported on the first
+ * donated call. */
+static PyObject *interrupts_hold, *interrupts_close, *interrupts_release;
 
 static PyObject *
 hold_signals(PyObject *donated)
@@ -1440,27 +1441,38 @@ hold_signals(PyObject *donated)
         if (module == NULL)
             return NULL;
         PyObject *hold = PyObject_GetAttrString(module, "hold");
-        PyObject *release = hold == NULL ? NULL : PyObject_GetAttrString(module, "release");
+        PyObject *close = hold == NULL ? NULL : PyObject_GetAttrString(module, "close");
+        PyObject *release = close == NULL ? NULL : PyObject_GetAttrString(module, "release");
         Py_DECREF(module);
         if (release == NULL) {
             Py_XDECREF(hold);
+            Py_XDECREF(close);
             return NULL;
         }
         interrupts_hold = hold;
+        interrupts_close = close;
         interrupts_release = release;
     }
     return PyObject_CallOneArg(interrupts_hold, donated);
 }
 
-/* Ends the hold `token` (stolen). An exception already set stays the one raised,
- * unless the release raises (a deferred signal's handler): that one is raised,
- * with the first as its context. Returns -1 when an exception is set after. */
+/* Ends the hold `token` (stolen; None: there was none). An exception already
+ * set stays the one raised, unless the release raises (a held signal's
+ * handler): that one is raised, with the first as its context. Returns -1
+ * when an exception is set after. */
 static int
 release_signals(PyObject *token)
 {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    PyObject *released = PyObject_CallOneArg(interrupts_release, token);
+    PyObject *released = Py_None;
+    Py_INCREF(released);
+    if (token != Py_None) {
+        PyObject *closed = PyObject_CallNoArgs(interrupts_close);
+        Py_XDECREF(closed);
+        Py_DECREF(released);
+        released = closed == NULL ? NULL : PyObject_CallOneArg(interrupts_release, token);
+    }
     Py_DECREF(token);
     if (released != NULL) {
         Py_DECREF(released);

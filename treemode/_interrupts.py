@@ -7,10 +7,11 @@ handler in that window (``KeyboardInterrupt`` from SIGINT, ``SystemExit``
 from a SIGTERM handler, anything a SIGALRM timeout raises) would leave the
 module holding deleted buffers.
 
-`held` (or `hold` ... `release`, for the compiled call path) brackets the call
-of the executable and the write-back. Python runs signal handlers only in the
-main thread, between bytecodes, so the hold replaces, for the duration of the
-call, every handler that is a Python callable by a deferring one. When a
+`hold`, then `close` and `release` in a ``finally``, bracket the call of the
+executable and the write-back (the compiled call path calls the same three).
+Python runs signal handlers only in the main thread, between bytecodes, so
+the hold replaces, for the duration of the call, every handler that is a
+Python callable by a deferring one. When a
 signal arrives, the deferring handler looks at the donated arrays:
 
 - none is deleted yet (the executable has not run: JAX is still tracing or
@@ -32,13 +33,12 @@ Cost: the handler table is read with ``_signal.getsignal`` (the C functions;
 the ``signal`` module's enum-converting wrappers cost ten times more) and two
 ``signal()`` calls per Python handler (SIGINT's alone, usually). Elsewhere
 than the main thread the hold does nothing: no handler runs there. A hold
-inside a hold (a donated call traced by a donated call) is the outer one's.
+inside a hold (a donated call made while another one traces) adds its arrays
+to the open one.
 
-If a handler that ran at once raises while the window is open, the window is
-abandoned (nothing was consumed: the call is unwinding) and later signals run
-their handlers at once. A deferring handler left installed (a second signal
-interrupted the restore) behaves as the original and is replaced at the next
-hold.
+A deferring handler left installed (a second signal cut `release` short)
+behaves as the original outside a hold and is replaced at the next hold, which
+also delivers any signal that release did not.
 """
 
 from __future__ import annotations
@@ -63,17 +63,15 @@ _SIGNALS = tuple(
 )
 
 
-class _Window:
-    """The open hold's donated arrays (``None``: no hold) and the signals it deferred."""
+# The donated arrays of each open hold (one, or more for a donated call made while
+# another traces), and the signals held back meanwhile. A hold opens with a store
+# and closes with `close` (``list.pop``, in C): no bytecode between those and the
+# caller's ``try``/``finally`` runs a handler, so a hold never stays open.
+_open: list[Sequence[Any]] = []
+_deferred: list[int] = []
+close = _open.pop  # ends the innermost hold: call it first in the ``finally``, then `release`
 
-    __slots__ = ("donated", "deferred")
-
-    def __init__(self) -> None:
-        self.donated: Sequence[Any] | None = None
-        self.deferred: list[int] = []
-
-
-_window = _Window()
+_NESTED: Any = ()  # the token of a hold inside a hold (the outer one restores the handlers)
 
 
 def _consumed(donated: Sequence[Any]) -> bool:
@@ -92,17 +90,10 @@ class _Deferring:
         self.original = original
 
     def __call__(self, signum: int, frame: Any) -> Any:
-        window = _window
-        donated = window.donated
-        if donated is not None and _consumed(donated):
-            window.deferred.append(signum)
+        if any(map(_consumed, _open)):
+            _deferred.append(signum)
             return None
-        try:
-            return self.original(signum, frame)
-        except BaseException:
-            # The call unwinds before anything was consumed: the window is over.
-            window.donated = None
-            raise
+        return self.original(signum, frame)  # nothing consumed (or no hold): now
 
     def __repr__(self) -> str:
         return f"<treemode held signal handler for {self.original!r}>"
@@ -128,28 +119,36 @@ def _swaps(handlers: tuple[Any, ...]) -> tuple[tuple[int, Any, _Deferring], ...]
 
 
 def hold(donated: Sequence[Any]) -> Any:
-    """Start holding signals for a call donating ``donated``; the token for `release`.
+    """Start holding signals for a call donating ``donated``.
 
-    ``None`` (nothing to release) outside the main thread and inside a hold.
-    May raise a pending signal's exception: nothing was consumed yet.
+    Returns ``None`` outside the main thread (nothing to end), else a token: the
+    caller runs the call in ``try`` and, in its ``finally``, `close` then
+    ``release(token)``. May raise a pending signal's exception: nothing was
+    consumed yet, and no hold is open.
     """
-    if _get_ident() != _MAIN_IDENT or _window.donated is not None:
+    if _get_ident() != _MAIN_IDENT:
         return None
-    swaps = _swaps(tuple(map(_getsignal, _SIGNALS)))
-    for signum, _, deferring in swaps:
-        _setsignal(signum, deferring)
-    _window.donated = donated  # the last step: the window is open
-    return swaps
+    if _open:
+        token = _NESTED
+    else:
+        if _deferred:  # left by a release a second signal cut short: deliver them now
+            leftover = list(_deferred)
+            _deferred.clear()
+            _deliver(leftover)
+        token = _swaps(tuple(map(_getsignal, _SIGNALS)))
+        for signum, _, deferring in token:
+            _setsignal(signum, deferring)
+    _open[len(_open) :] = (donated,)  # open: a store, no call after it
+    return token
 
 
 def release(token: Any) -> None:
-    """End a hold: put the original handlers back, then deliver what was deferred."""
-    if token is None:
+    """End a hold `close` closed: put the original handlers back, then deliver the
+    signals it held back (their handlers run here, after the write-back)."""
+    if token is None or token is _NESTED:
         return
-    window = _window
-    window.donated = None
-    deferred = window.deferred
-    window.deferred = []
+    deferred = list(_deferred)
+    _deferred.clear()
     try:
         for signum, original, _ in token:
             _setsignal(signum, original)
@@ -182,20 +181,4 @@ def _deliver(deferred: list[int]) -> None:
             block(_signal.SIG_SETMASK, old)
 
 
-class held:
-    """``with held(donated):`` holds signals over a call donating ``donated`` (`hold`)."""
-
-    __slots__ = ("_donated", "_token")
-
-    def __init__(self, donated: Sequence[Any]):
-        self._donated = donated
-        self._token: Any = None
-
-    def __enter__(self) -> None:
-        self._token = hold(self._donated)
-
-    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
-        release(self._token)
-
-
-__all__ = ["held", "hold", "release"]
+__all__ = ["close", "hold", "release"]

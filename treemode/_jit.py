@@ -10,12 +10,11 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from jax.core import Tracer
 
-from . import _callsite, _compiled, _core, _explain, _retrace, _writeback
+from . import _callsite, _compiled, _core, _explain, _interrupts, _retrace, _writeback
 from ._axes import graph_prefix_values
 from ._callsite import CallSite
 from ._errors import DonationError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec, check_no_aliases
-from ._interrupts import held
 from ._leaves import is_variable
 from ._lifts import refuse_lifts
 from ._prefix import (
@@ -457,8 +456,13 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             # only whole state until written: a signal's handler waits for the write
             # (treemode._interrupts; one raised during the trace or compilation, before
             # anything was consumed, is raised at once).
-            with held(arrays[0]):
+            token = _interrupts.hold(arrays[0])
+            try:
                 return _core.run(call, entry.pure, jax_call)
+            finally:
+                if token is not None:
+                    _interrupts.close()
+                    _interrupts.release(token)
         return _core.run(call, entry.pure, jax_call)
 
     # -- AOT ---------------------------------------------------------------------
