@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
 
 import treemode
 from treemode import _compat
@@ -740,13 +742,13 @@ class Counted(nnx.Module):
         self.count = nnx.BatchStat(jnp.array(0, jnp.int32))
 
 
-def _bump(m: Counted, x: jax.Array) -> jax.Array:
+def _step_counted(m: Counted, x: jax.Array) -> jax.Array:
     m.count[...] += 1
     m.w[...] = m.w[...] + 1.0
     return jnp.sum(x)
 
 
-def _bump_dict(d: dict[str, Any], x: jax.Array) -> jax.Array:
+def _step_counted_dict(d: dict[str, Any], x: jax.Array) -> jax.Array:
     d["count"][...] += 1
     d["w"][...] = d["w"][...] + 1.0
     return jnp.sum(x)
@@ -780,10 +782,10 @@ class _Forms:
     """Each way of making a donated call, as ``call()`` on a fresh or warm model."""
 
     def __init__(self):
-        self.positional = treemode.jit(_bump, donate_argnums=0)
-        self.keyword = treemode.jit(_bump, donate_argnames="m")
-        self.batch = treemode.jit(_bump_dict, donate_argnums=0)
-        self.retraced = treemode.jit(_bump, donate_argnums=0)
+        self.positional = treemode.jit(_step_counted, donate_argnums=0)
+        self.keyword = treemode.jit(_step_counted, donate_argnames="m")
+        self.batch = treemode.jit(_step_counted_dict, donate_argnums=0)
+        self.retraced = treemode.jit(_step_counted, donate_argnums=0)
         self.length = 1
         x = jnp.ones(2)
         for f in (self.positional, self.batch, self.retraced):
@@ -811,7 +813,7 @@ class _Forms:
             return d, lambda: self.batch(d, x)
         if form == "first call":
             m = Counted()
-            fresh = treemode.jit(_bump, donate_argnums=0)
+            fresh = treemode.jit(_step_counted, donate_argnums=0)
             return m, lambda: fresh(m, x)
         assert form == "retrace"  # a new input shape: traced and compiled again
         m = Counted()
@@ -933,7 +935,7 @@ def test_an_interrupt_during_a_slow_trace_is_raised_at_once(kind, when, implemen
     def step(m: Counted, x: jax.Array) -> jax.Array:
         if slow[0]:
             time.sleep(2.0)  # a long trace, in Python
-        return _bump(m, x)
+        return _step_counted(m, x)
 
     f = treemode.jit(step, donate_argnums=0)
     model = Counted()
@@ -997,3 +999,61 @@ def test_a_hold_runs_a_handler_at_once_until_the_donated_buffers_are_consumed():
         assert _interrupts._open == [] and _interrupts._deferred == []
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+# The same property, drawn by hypothesis: any kind, any call form, any point of the
+# call, after any number of earlier steps; the model then matches the eager program
+# run for the steps that happened (``w`` is ``count`` everywhere).
+_DURATIONS: dict[str, float] = {}
+
+
+@st.composite
+def interrupts(draw: Any) -> tuple[str, str, float, int]:
+    """(kind, call form, when in the call as a fraction of its duration, earlier steps)."""
+    kind = draw(st.sampled_from(sorted(INTERRUPT_KINDS)))
+    form = draw(st.sampled_from(list(INTERRUPT_FORMS)))
+    return kind, form, draw(st.floats(0.0, 1.2)), draw(st.integers(0, 2))
+
+
+@main_thread_only
+@given(interrupts())
+def test_interrupted_donated_calls_match_eager(case: tuple[str, str, float, int]) -> None:
+    kind, form, when, earlier = case
+    signum, handler, raised = INTERRUPT_KINDS[kind]
+    forms = _FORMS.get("forms")
+    if forms is None:
+        forms = _FORMS["forms"] = _Forms()
+    if form not in _DURATIONS:
+        _, call = forms.make(form)
+        started = time.perf_counter()
+        call()
+        _DURATIONS[form] = time.perf_counter() - started
+    node, call = forms.make(form)
+    for _ in range(earlier):
+        call()
+    before = _state(node)[0]
+    assert before == earlier
+    previous = signal.signal(signum, handler)
+    sender = _Sender(signum)
+    try:
+        try:
+            sender.start(when * _DURATIONS[form])
+            call()
+            sender.wait(when * _DURATIONS[form])
+        except raised:
+            pass
+        finally:
+            sender.stop()
+    finally:
+        signal.signal(signum, previous)
+    assert _broken(node, before) is None, _broken(node, before)
+    count = _state(node)[0]
+    call()
+    eager = Counted()
+    for _ in range(count + 1):
+        _step_counted(eager, jnp.ones(2))
+    assert _state(node)[0] == _state(eager)[0]
+    np.testing.assert_array_equal(_state(node)[1], _state(eager)[1])
+
+
+_FORMS: dict[str, _Forms] = {}

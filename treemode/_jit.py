@@ -670,7 +670,11 @@ def jit(
       key instead of traced (must be hashable).
     - `donate_argnums`, `donate_argnames`: arguments whose buffers XLA may reuse.
       Their Variables are refreshed with the output buffers, so the modules stay
-      usable.
+      usable. An exception a signal handler raises in the main thread (Ctrl-C,
+      `SystemExit` from a SIGTERM handler, ...) leaves the old values when it
+      lands before the executable consumed the buffers (it is raised at once,
+      even during a long trace or compilation) and the new values after (it is
+      raised once they are written): never deleted buffers.
     - `keep_unused`, `device`, `backend`, `inline`, `compiler_options`: as in
       `jax.jit`.
     - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).
