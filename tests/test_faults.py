@@ -759,8 +759,11 @@ def _counted_variables(node: Any) -> tuple[Any, Any]:
 
 
 def _state(node: Any) -> tuple[int, np.ndarray]:
+    """(the step count, ``w``); a pmapped model holds one copy per device."""
     w, count = _counted_variables(node)
-    return int(np.asarray(count.get_raw_value())), np.asarray(w.get_raw_value()).copy()
+    counts = np.asarray(count.get_raw_value()).reshape(-1)
+    assert (counts == counts[0]).all(), counts
+    return int(counts[0]), np.asarray(w.get_raw_value()).copy()
 
 
 def _broken(node: Any, before: int) -> str | None:
@@ -773,9 +776,17 @@ def _broken(node: Any, before: int) -> str | None:
     count, w = _state(node)
     if count not in (before, before + 1):
         return f"count {count}, expected {before} or {before + 1}"
-    if not np.array_equal(w, np.full(3, float(count))):
+    if not np.array_equal(w, np.full(w.shape, float(count))):
         return f"torn: count {count} with w {w}"
     return None
+
+
+def _per_device(m: Counted) -> Counted:
+    """``m`` with a copy of each value per local device (a pmapped argument)."""
+    n = jax.local_device_count()
+    for v in (m.w, m.count):
+        v.set_raw_value(jnp.stack([v.get_raw_value()] * n))
+    return m
 
 
 class _Forms:
@@ -786,11 +797,13 @@ class _Forms:
         self.keyword = treemode.jit(_step_counted, donate_argnames="m")
         self.batch = treemode.jit(_step_counted_dict, donate_argnums=0)
         self.retraced = treemode.jit(_step_counted, donate_argnums=0)
+        self.pmapped = treemode.pmap(_step_counted, donate_argnums=0)
         self.length = 1
         x = jnp.ones(2)
         for f in (self.positional, self.batch, self.retraced):
             f(self.node(f), x)
         self.keyword(m=Counted(), x=x)
+        self.pmapped(_per_device(Counted()), jnp.ones((jax.local_device_count(), 2)))
 
     def node(self, f: Any) -> Any:
         return (
@@ -811,6 +824,10 @@ class _Forms:
         if form == "dict batch":
             d = self.node(self.batch)
             return d, lambda: self.batch(d, x)
+        if form == "pmap":
+            m = _per_device(Counted())
+            xs = jnp.ones((jax.local_device_count(), 2))
+            return m, lambda: self.pmapped(m, xs)
         if form == "first call":
             m = Counted()
             fresh = treemode.jit(_step_counted, donate_argnums=0)
@@ -827,6 +844,7 @@ INTERRUPT_FORMS = {
     "positional (memo hit)": 40,
     "keyword arguments": 40,
     "dict batch": 40,
+    "pmap": 20,
     "first call": 6,
     "retrace": 6,
 }
@@ -1053,7 +1071,8 @@ def test_interrupted_donated_calls_match_eager(case: tuple[str, str, float, int]
     for _ in range(count + 1):
         _step_counted(eager, jnp.ones(2))
     assert _state(node)[0] == _state(eager)[0]
-    np.testing.assert_array_equal(_state(node)[1], _state(eager)[1])
+    w = _state(node)[1]  # (one copy per device under pmap)
+    np.testing.assert_array_equal(w, np.broadcast_to(_state(eager)[1], w.shape))
 
 
 _FORMS: dict[str, _Forms] = {}
