@@ -1426,34 +1426,168 @@ write_in_c(PyObject *record, PyObject *sources, PyObject *updates)
     return ok;
 }
 
-/* The signal hold of a donated call (treemode._interrupts `hold`, `close` and
- * `release`, the functions the Python call path runs): `hold(donated)` before
+/* The signal hold of a donated call: treemode._interrupts `hold`, `close` and
+ * `release`, the functions the Python call path runs: `hold(donated)` before
  * the executable consumes the donated buffers; once the new values are written
- * (or the call failed), `close()` then `release(token)`. Imported on the first
- * donated call. */
-static PyObject *interrupts_hold, *interrupts_close, *interrupts_release;
+ * (or the call failed), `close()` then `release(token)`.
+ *
+ * The common case runs here, on the module's own state, as the Python
+ * functions would: the main thread, no hold open, nothing deferred, and the
+ * handler table the same as when `hold` last planned its swaps (the
+ * `_cache`); each handler is read with `_signal.getsignal`'s C function and
+ * swapped with `_signal.signal`. Anything else calls the Python functions.
+ * Imported on the first donated call. */
+static PyObject *interrupts_module, *interrupts_hold, *interrupts_release;
+static PyObject *interrupts_open, *interrupts_deferred, *interrupts_nested, *interrupts_signums;
+static PyObject *interrupts_getsignal, *interrupts_setsignal, *interrupts_cache_name;
+static unsigned long interrupts_main;
+
+static int
+interrupts_import(void)
+{
+    PyObject *module = PyImport_ImportModule("treemode._interrupts");
+    if (module == NULL)
+        return -1;
+    PyObject *objects[9] = {NULL};
+    static const char *names[9] = {"hold", "release", "_open", "_deferred", "_NESTED",
+                                   "_SIGNALS", "_getsignal", "_setsignal", "_MAIN_IDENT"};
+    int ok = 1;
+    for (int i = 0; i < 9 && ok; i++) {
+        objects[i] = PyObject_GetAttrString(module, names[i]);
+        ok = objects[i] != NULL;
+    }
+    unsigned long main_ident = ok ? PyLong_AsUnsignedLong(objects[8]) : 0;
+    if (ok && PyErr_Occurred())
+        ok = 0;
+    if (ok && (!PyList_Check(objects[2]) || !PyList_Check(objects[3]) ||
+               !PyTuple_Check(objects[5]))) {
+        PyErr_SetString(PyExc_TypeError, "treemode: unexpected treemode._interrupts layout");
+        ok = 0;
+    }
+    if (ok && interrupts_cache_name == NULL) {
+        interrupts_cache_name = PyUnicode_InternFromString("_cache");
+        ok = interrupts_cache_name != NULL;
+    }
+    if (!ok) {
+        for (int i = 0; i < 9; i++)
+            Py_XDECREF(objects[i]);
+        Py_DECREF(module);
+        return -1;
+    }
+    interrupts_hold = objects[0];
+    interrupts_release = objects[1];
+    interrupts_open = objects[2];
+    interrupts_deferred = objects[3];
+    interrupts_nested = objects[4];
+    interrupts_signums = objects[5];
+    interrupts_getsignal = objects[6];
+    interrupts_setsignal = objects[7];
+    Py_DECREF(objects[8]);
+    interrupts_main = main_ident;
+    interrupts_module = module;
+    return 0;
+}
+
+/* The planned swaps, a new reference, when the handler table is still the one
+ * `_cache` planned them for; NULL without an exception when it changed. */
+static PyObject *
+interrupts_planned_swaps(void)
+{
+    PyObject *cache = PyObject_GetAttr(interrupts_module, interrupts_cache_name);
+    if (cache == NULL)
+        return NULL;
+    PyObject *swaps = NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(interrupts_signums);
+    if (PyTuple_Check(cache) && PyTuple_GET_SIZE(cache) == 2 &&
+        PyTuple_Check(PyTuple_GET_ITEM(cache, 0)) && PyTuple_Check(PyTuple_GET_ITEM(cache, 1)) &&
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(cache, 0)) == n) {
+        PyObject *handlers = PyTuple_GET_ITEM(cache, 0);
+        /* `_signal.getsignal` takes one argument (METH_O): its C function, called
+         * directly; through the generic call otherwise. */
+        int direct = PyCFunction_Check(interrupts_getsignal) &&
+                     PyCFunction_GET_FLAGS(interrupts_getsignal) == METH_O;
+        PyCFunction getsignal = direct ? PyCFunction_GET_FUNCTION(interrupts_getsignal) : NULL;
+        PyObject *self = direct ? PyCFunction_GET_SELF(interrupts_getsignal) : NULL;
+        Py_ssize_t i = 0;
+        for (; i < n; i++) {
+            PyObject *signum = PyTuple_GET_ITEM(interrupts_signums, i);
+            PyObject *handler = direct ? getsignal(self, signum)
+                                       : PyObject_CallOneArg(interrupts_getsignal, signum);
+            if (handler == NULL)
+                break;
+            Py_DECREF(handler); /* only compared; the signal module holds it */
+            if (handler != PyTuple_GET_ITEM(handlers, i))
+                break;
+        }
+        if (i == n) {
+            swaps = PyTuple_GET_ITEM(cache, 1);
+            Py_INCREF(swaps);
+        }
+    }
+    Py_DECREF(cache);
+    return swaps;
+}
 
 static PyObject *
 hold_signals(PyObject *donated)
 {
-    if (interrupts_release == NULL) {
-        PyObject *module = PyImport_ImportModule("treemode._interrupts");
-        if (module == NULL)
+    if (interrupts_module == NULL && interrupts_import() < 0)
+        return NULL;
+    if (PyThread_get_thread_ident() != interrupts_main)
+        Py_RETURN_NONE;
+    if (PyList_GET_SIZE(interrupts_open) != 0 || PyList_GET_SIZE(interrupts_deferred) != 0)
+        return PyObject_CallOneArg(interrupts_hold, donated); /* nested, or leftovers */
+    PyObject *swaps = interrupts_planned_swaps();
+    if (swaps == NULL) {
+        if (PyErr_Occurred())
             return NULL;
-        PyObject *hold = PyObject_GetAttrString(module, "hold");
-        PyObject *close = hold == NULL ? NULL : PyObject_GetAttrString(module, "close");
-        PyObject *release = close == NULL ? NULL : PyObject_GetAttrString(module, "release");
-        Py_DECREF(module);
-        if (release == NULL) {
-            Py_XDECREF(hold);
-            Py_XDECREF(close);
+        return PyObject_CallOneArg(interrupts_hold, donated); /* plans again */
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(swaps); i++) {
+        PyObject *swap = PyTuple_GET_ITEM(swaps, i); /* (signum, original, deferring) */
+        PyObject *args[2] = {PyTuple_GET_ITEM(swap, 0), PyTuple_GET_ITEM(swap, 2)};
+        PyObject *old = PyObject_Vectorcall(interrupts_setsignal, args, 2, NULL);
+        if (old == NULL) { /* a pending signal's handler raised: nothing consumed yet */
+            Py_DECREF(swaps);
             return NULL;
         }
-        interrupts_hold = hold;
-        interrupts_close = close;
-        interrupts_release = release;
+        Py_DECREF(old);
     }
-    return PyObject_CallOneArg(interrupts_hold, donated);
+    if (PyList_Append(interrupts_open, donated) < 0) { /* open */
+        Py_DECREF(swaps);
+        return NULL;
+    }
+    return swaps;
+}
+
+/* `close()` then `release(token)`, in C where `hold_signals` held in C (no
+ * signal deferred): the original handlers back. 0, or -1 with an exception. */
+static int
+close_and_release(PyObject *token)
+{
+    Py_ssize_t n = PyList_GET_SIZE(interrupts_open);
+    if (n == 0) {
+        PyErr_SetString(PyExc_SystemError, "treemode: a signal hold closed twice");
+        return -1;
+    }
+    if (PyList_SetSlice(interrupts_open, n - 1, n, NULL) < 0) /* close */
+        return -1;
+    if (token == interrupts_nested)
+        return 0;
+    if (PyList_GET_SIZE(interrupts_deferred) != 0 || !PyTuple_Check(token)) {
+        PyObject *released = PyObject_CallOneArg(interrupts_release, token);
+        Py_XDECREF(released);
+        return released == NULL ? -1 : 0;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(token); i++) {
+        PyObject *swap = PyTuple_GET_ITEM(token, i); /* (signum, original, deferring) */
+        PyObject *args[2] = {PyTuple_GET_ITEM(swap, 0), PyTuple_GET_ITEM(swap, 1)};
+        PyObject *old = PyObject_Vectorcall(interrupts_setsignal, args, 2, NULL);
+        if (old == NULL) /* a new signal's handler raised; the rest pass through */
+            return -1;
+        Py_DECREF(old);
+    }
+    return 0;
 }
 
 /* Ends the hold `token` (stolen; None: there was none). An exception already
@@ -1465,17 +1599,9 @@ release_signals(PyObject *token)
 {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    PyObject *released = Py_None;
-    Py_INCREF(released);
-    if (token != Py_None) {
-        PyObject *closed = PyObject_CallNoArgs(interrupts_close);
-        Py_XDECREF(closed);
-        Py_DECREF(released);
-        released = closed == NULL ? NULL : PyObject_CallOneArg(interrupts_release, token);
-    }
+    int released = token == Py_None ? 0 : close_and_release(token);
     Py_DECREF(token);
-    if (released != NULL) {
-        Py_DECREF(released);
+    if (released == 0) {
         PyErr_Restore(type, value, traceback);
         return type == NULL ? 0 : -1;
     }

@@ -8,7 +8,10 @@ from a SIGTERM handler, anything a SIGALRM timeout raises) would leave the
 module holding deleted buffers.
 
 `hold`, then `close` and `release` in a ``finally``, bracket the call of the
-executable and the write-back (the compiled call path calls the same three).
+executable and the write-back. The compiled ``MemoCall`` runs their common
+case in C on this module's state (``_open``, ``_deferred``, the ``_cache`` of
+planned swaps: the same handler table, the same swaps) and calls these
+functions for anything else.
 Python runs signal handlers only in the main thread, between bytecodes, so
 the hold replaces, for the duration of the call, every handler that is a
 Python callable by a deferring one. When a
