@@ -1076,3 +1076,37 @@ def test_interrupted_donated_calls_match_eager(case: tuple[str, str, float, int]
 
 
 _FORMS: dict[str, _Forms] = {}
+
+
+@main_thread_only
+@pytest.mark.parametrize("kind", sorted(INTERRUPT_KINDS))
+def test_a_handler_installed_after_the_first_calls_is_held_too(kind, hooks, implementation):
+    """The memo's calls (in C where the extension is on) read the handler table on
+    every call: a handler installed after the first calls waits for the write too."""
+    signum, handler, raised = INTERRUPT_KINDS[kind]
+    f = treemode.jit(_step_counted, donate_argnums=0)
+    model = Counted()
+    for _ in range(3):
+        f(model, jnp.ones(2))
+    old = [v.get_raw_value() for v in _counted_variables(model)]
+    previous = signal.signal(signum, handler)
+    try:
+        real, sent = hooks.real_store, []
+
+        def store(var: Any, value: Any, metadata: Any = None) -> None:
+            if not sent:  # the first write: the executable consumed the buffers
+                sent.append(signum)
+                signal.raise_signal(signum)
+            real(var, value, metadata)
+
+        hooks.store(store)
+        with pytest.raises(raised):
+            f(model, jnp.ones(2))
+        hooks.undo()
+    finally:
+        signal.signal(signum, previous)
+    assert all(x.is_deleted() for x in old)
+    assert _broken(model, 3) is None and _state(model)[0] == 4  # the step is written
+    assert signal.getsignal(signum) is previous
+    f(model, jnp.ones(2))
+    assert _state(model)[0] == 5
