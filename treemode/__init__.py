@@ -8,6 +8,7 @@ from ._versions import check_installed as _check_installed
 # rather than failing later with an internal error.
 _check_installed()
 
+from ._caches import clear_caches as clear_caches
 from ._capture import capture as capture
 from ._checkify import checkify as checkify
 from ._clone import clone as clone
