@@ -14,8 +14,11 @@ again gives the state the eager program gives.
 from __future__ import annotations
 
 import os
+import random
 import signal
+import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
 
 import treemode
 from treemode import _compat
@@ -702,15 +707,424 @@ def test_ctrl_c_as_a_donated_write_back_starts_arrives_after_the_write(hooks):
     f(model, jnp.ones(2))  # still usable
 
 
-def test_held_interrupts_defers_the_handler_to_the_end_of_the_block():
-    from treemode._interrupts import held_interrupts
+# -- asynchronous exceptions during donated calls ------------------------------------------
+#
+# Python runs signal handlers in the main thread, between bytecodes: anywhere in a call.
+# A donated call must leave its model whole whatever a handler raises, wherever it lands:
+# before the executable consumed the buffers, the exception is raised at once (the old
+# values stay); after, it waits for the write-back (the new values are in place).
 
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signal handlers run in the main thread only")
-    reached = []
-    with pytest.raises(KeyboardInterrupt):
-        with held_interrupts():
-            _ctrl_c()
-            reached.append("end of block")
-    assert reached == ["end of block"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+main_thread_only = pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(),
+    reason="signal handlers run in the main thread only",
+)
+
+
+class Alarm(BaseException):
+    """What a user's SIGALRM timeout handler raises."""
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # what preemption handlers on clusters do
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise Alarm("timeout")
+
+
+# kind -> (signal, its Python handler, what the handler raises)
+INTERRUPT_KINDS = {
+    "KeyboardInterrupt": (signal.SIGINT, signal.default_int_handler, KeyboardInterrupt),
+    "SystemExit": (signal.SIGTERM, _exit_on_sigterm, SystemExit),
+    "Alarm": (signal.SIGALRM, _alarm, Alarm),
+}
+
+
+class Counted(nnx.Module):
+    """Two Variables a step changes together: their values tell old, new and torn apart."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros(3))
+        self.count = nnx.BatchStat(jnp.array(0, jnp.int32))
+
+
+def _step_counted(m: Counted, x: jax.Array) -> jax.Array:
+    m.count[...] += 1
+    m.w[...] = m.w[...] + 1.0
+    return jnp.sum(x)
+
+
+def _step_counted_dict(d: dict[str, Any], x: jax.Array) -> jax.Array:
+    d["count"][...] += 1
+    d["w"][...] = d["w"][...] + 1.0
+    return jnp.sum(x)
+
+
+def _counted_variables(node: Any) -> tuple[Any, Any]:
+    return (node.w, node.count) if isinstance(node, Counted) else (node["w"], node["count"])
+
+
+def _state(node: Any) -> tuple[int, np.ndarray]:
+    """(the step count, ``w``); a pmapped model holds one copy per device."""
+    w, count = _counted_variables(node)
+    counts = np.asarray(count.get_raw_value()).reshape(-1)
+    assert (counts == counts[0]).all(), counts
+    return int(counts[0]), np.asarray(w.get_raw_value()).copy()
+
+
+def _broken(node: Any, before: int) -> str | None:
+    """Why ``node`` is not whole, holding its old values (count ``before``) or the
+    new ones (``before + 1``), both Variables from the same step; ``None``: whole."""
+    for v in _counted_variables(node):
+        raw = v.get_raw_value()
+        if not isinstance(raw, jax.Array) or raw.is_deleted():
+            return f"a deleted buffer: {raw!r}"
+    count, w = _state(node)
+    if count not in (before, before + 1):
+        return f"count {count}, expected {before} or {before + 1}"
+    if not np.array_equal(w, np.full(w.shape, float(count))):
+        return f"torn: count {count} with w {w}"
+    return None
+
+
+def _per_device(m: Counted) -> Counted:
+    """``m`` with a copy of each value per local device (a pmapped argument)."""
+    n = jax.local_device_count()
+    for v in (m.w, m.count):
+        v.set_raw_value(jnp.stack([v.get_raw_value()] * n))
+    return m
+
+
+class _Forms:
+    """Each way of making a donated call, as ``call()`` on a fresh or warm model."""
+
+    def __init__(self):
+        self.positional = treemode.jit(_step_counted, donate_argnums=0)
+        self.keyword = treemode.jit(_step_counted, donate_argnames="m")
+        self.batch = treemode.jit(_step_counted_dict, donate_argnums=0)
+        self.retraced = treemode.jit(_step_counted, donate_argnums=0)
+        self.pmapped = treemode.pmap(_step_counted, donate_argnums=0)
+        self.length = 1
+        x = jnp.ones(2)
+        for f in (self.positional, self.batch, self.retraced):
+            f(self.node(f), x)
+        self.keyword(m=Counted(), x=x)
+        self.pmapped(_per_device(Counted()), jnp.ones((jax.local_device_count(), 2)))
+
+    def node(self, f: Any) -> Any:
+        return (
+            {"w": nnx.Param(jnp.zeros(3)), "count": nnx.BatchStat(jnp.array(0, jnp.int32))}
+            if (f is self.batch)
+            else Counted()
+        )
+
+    def make(self, form: str) -> tuple[Any, Callable[[], Any]]:
+        """A model and the call under test (each call advances it one step)."""
+        x = jnp.ones(2)
+        if form == "positional (memo hit)":
+            m = Counted()
+            return m, lambda: self.positional(m, x)
+        if form == "keyword arguments":
+            m = Counted()
+            return m, lambda: self.keyword(m=m, x=x)
+        if form == "dict batch":
+            d = self.node(self.batch)
+            return d, lambda: self.batch(d, x)
+        if form == "pmap":
+            m = _per_device(Counted())
+            xs = jnp.ones((jax.local_device_count(), 2))
+            return m, lambda: self.pmapped(m, xs)
+        if form == "first call":
+            m = Counted()
+            fresh = treemode.jit(_step_counted, donate_argnums=0)
+            return m, lambda: fresh(m, x)
+        assert form == "retrace"  # a new input shape: traced and compiled again
+        m = Counted()
+        self.length += 1
+        longer = jnp.ones(self.length)
+        return m, lambda: self.retraced(m, longer)
+
+
+def _next_step(form: str, node: Any, call: Callable[[], Any]) -> Callable[[], Any]:
+    """The step after an interrupted call. As with ``jax.jit``, an interrupt that lands
+    inside JAX's tracing caches can leave the entry of the function being traced
+    unusable (JAX then raises ``RecursionError: Recursively calling ...`` for those
+    argument types: 1 in 300 interrupted first calls of a plain ``jax.jit``), so after
+    an interrupted trace the model runs its next step through a new ``treemode.jit``."""
+    if form not in ("first call", "retrace"):
+        return call
+    fresh = treemode.jit(_step_counted, donate_argnums=0)
+    return lambda: fresh(node, jnp.ones(2))
+
+
+# form -> calls tried per kind (the first call and the retrace compile every time)
+INTERRUPT_FORMS = {
+    "positional (memo hit)": 40,
+    "keyword arguments": 40,
+    "dict batch": 40,
+    "pmap": 20,
+    "first call": 6,
+    "retrace": 6,
+}
+
+
+class _Sender:
+    """Sends a signal to this process after a delay: SIGALRM from an interval timer,
+    the others from a thread, with ``os.kill`` (as a terminal or a scheduler does)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.thread: threading.Thread | None = None
+
+    def start(self, delay: float) -> None:
+        if self.signum == signal.SIGALRM:
+            signal.setitimer(signal.ITIMER_REAL, max(delay, 1e-6))
+            return
+
+        def send() -> None:
+            time.sleep(delay)
+            os.kill(os.getpid(), self.signum)
+
+        self.thread = threading.Thread(target=send, daemon=True)
+        self.thread.start()
+
+    def wait(self, delay: float) -> None:
+        """Return once the signal was sent (its handler runs here at the latest)."""
+        if self.thread is not None:
+            self.thread.join()
+        else:
+            time.sleep(delay)
+        for _ in range(1000):  # run bytecode: a pending handler fires
+            pass
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.signum == signal.SIGALRM:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+@main_thread_only
+@pytest.mark.parametrize("kind", sorted(INTERRUPT_KINDS))
+def test_interrupts_at_random_points_never_break_a_donated_model(kind, implementation, monkeypatch):
+    """Every call form, a signal whose handler raises at a random point of the call:
+    afterwards the model holds the old values or the new ones (never a deleted
+    buffer, never half a step), and it runs the next step."""
+    signum, handler, raised = INTERRUPT_KINDS[kind]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the sending thread gets the GIL without waiting
+    previous = signal.signal(signum, handler)
+    rng = random.Random(f"{kind} {implementation}")
+    forms = _Forms()
+    tried = interrupted_calls = 0
+    broken: list[str] = []
+    try:
+        for form, n in INTERRUPT_FORMS.items():
+            sender = _Sender(signum)
+            node, call = forms.make(form)
+            started = time.perf_counter()
+            call()  # how long this form takes (a first call: a fresh one below)
+            duration = time.perf_counter() - started
+            for _ in range(n):
+                node, call = forms.make(form)
+                before = _state(node)[0]
+                delay = rng.uniform(0.0, 1.2 * duration)
+                returned = False
+                tried += 1
+                try:
+                    sender.start(delay)
+                    call()
+                    returned = True
+                    sender.wait(delay)
+                except raised:
+                    interrupted_calls += not returned
+                finally:
+                    sender.stop()
+                why = _broken(node, before)
+                if why is not None:
+                    broken.append(f"{form}: {why}")
+                    continue
+                after = _state(node)[0]
+                _next_step(form, node, call)()  # the model runs the next step
+                assert _state(node)[0] == after + 1, form
+    finally:
+        signal.signal(signum, previous)
+        sys.setswitchinterval(switch)
+    print(
+        f"{kind}, {implementation}: {tried} interrupts tried, {interrupted_calls} calls "
+        f"interrupted, {len(broken)} models broken"
+    )
+    assert broken == [], f"{len(broken)} of {tried} models broken: {broken[:5]}"
+    assert interrupted_calls > tried // 8, (interrupted_calls, tried)  # they did land in calls
+
+
+@main_thread_only
+@pytest.mark.parametrize("kind", ["KeyboardInterrupt", "SystemExit"])
+@pytest.mark.parametrize("when", ["first call", "retrace"])
+def test_an_interrupt_during_a_slow_trace_is_raised_at_once(kind, when, implementation):
+    """A signal during the trace (or the compilation) of a donated call is raised at
+    once, as with ``jax.jit``: nothing was consumed yet, the model is unchanged."""
+    signum, handler, raised = INTERRUPT_KINDS[kind]
+    slow = [False]
+
+    def step(m: Counted, x: jax.Array) -> jax.Array:
+        if slow[0]:
+            time.sleep(2.0)  # a long trace, in Python
+        return _step_counted(m, x)
+
+    f = treemode.jit(step, donate_argnums=0)
+    model = Counted()
+    if when == "retrace":
+        f(model, jnp.ones(2))
+        f(model, jnp.ones(2))  # the memo's plan runs the retrace below
+    snap = Snapshot(model)
+    slow[0] = True
+    previous = signal.signal(signum, handler)
+    sender = _Sender(signum)
+    try:
+        sender.start(0.2)
+        started = time.perf_counter()
+        with pytest.raises(raised):
+            f(model, jnp.ones(3))
+        elapsed = time.perf_counter() - started
+    finally:
+        sender.stop()
+        signal.signal(signum, previous)
+    assert elapsed < 0.2 + 0.5, elapsed
+    snap.assert_unchanged()
+    slow[0] = False
+    count = _state(model)[0]
+    f(model, jnp.ones(3))
+    assert _state(model)[0] == count + 1
+
+
+@main_thread_only
+def test_a_hold_runs_a_handler_at_once_until_the_donated_buffers_are_consumed():
+    """The hold itself: a signal before the executable ran is raised at once; after
+    (a donated buffer deleted), at the end of the hold, by the original handler,
+    which is back in place."""
+    from treemode import _interrupts
+
+    def held(donated: list[Any], body: Callable[[], None]) -> None:
+        token = _interrupts.hold(donated)
+        try:
+            body()
+        finally:
+            _interrupts.close()
+            _interrupts.release(token)
+
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    try:
+        donated = [jnp.ones(2), 1.0]
+        reached = []
+        with pytest.raises(Alarm):
+            held(donated, lambda: (signal.raise_signal(signal.SIGALRM), reached.append(1)))
+        assert reached == []
+
+        def consume_then_signal() -> None:
+            donated[0].delete()  # what running the executable does
+            signal.raise_signal(signal.SIGALRM)
+            reached.append("end of the hold")
+
+        with pytest.raises(Alarm):
+            held(donated, consume_then_signal)
+        assert reached == ["end of the hold"]
+        assert signal.getsignal(signal.SIGALRM) is _alarm
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert _interrupts._open == [] and _interrupts._deferred == []
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+# The same property, drawn by hypothesis: any kind, any call form, any point of the
+# call, after any number of earlier steps; the model then matches the eager program
+# run for the steps that happened (``w`` is ``count`` everywhere).
+_DURATIONS: dict[str, float] = {}
+
+
+@st.composite
+def interrupts(draw: Any) -> tuple[str, str, float, int]:
+    """(kind, call form, when in the call as a fraction of its duration, earlier steps)."""
+    kind = draw(st.sampled_from(sorted(INTERRUPT_KINDS)))
+    form = draw(st.sampled_from(list(INTERRUPT_FORMS)))
+    return kind, form, draw(st.floats(0.0, 1.2)), draw(st.integers(0, 2))
+
+
+@main_thread_only
+@given(interrupts())
+def test_interrupted_donated_calls_match_eager(case: tuple[str, str, float, int]) -> None:
+    kind, form, when, earlier = case
+    signum, handler, raised = INTERRUPT_KINDS[kind]
+    forms = _FORMS.get("forms")
+    if forms is None:
+        forms = _FORMS["forms"] = _Forms()
+    if form not in _DURATIONS:
+        _, call = forms.make(form)
+        started = time.perf_counter()
+        call()
+        _DURATIONS[form] = time.perf_counter() - started
+    node, call = forms.make(form)
+    for _ in range(earlier):
+        call()
+    before = _state(node)[0]
+    assert before == earlier
+    previous = signal.signal(signum, handler)
+    sender = _Sender(signum)
+    try:
+        try:
+            sender.start(when * _DURATIONS[form])
+            call()
+            sender.wait(when * _DURATIONS[form])
+        except raised:
+            pass
+        finally:
+            sender.stop()
+    finally:
+        signal.signal(signum, previous)
+    assert _broken(node, before) is None, _broken(node, before)
+    count = _state(node)[0]
+    _next_step(form, node, call)()
+    eager = Counted()
+    for _ in range(count + 1):
+        _step_counted(eager, jnp.ones(2))
+    assert _state(node)[0] == _state(eager)[0]
+    w = _state(node)[1]  # (one copy per device under pmap)
+    np.testing.assert_array_equal(w, np.broadcast_to(_state(eager)[1], w.shape))
+
+
+_FORMS: dict[str, _Forms] = {}
+
+
+@main_thread_only
+@pytest.mark.parametrize("kind", sorted(INTERRUPT_KINDS))
+def test_a_handler_installed_after_the_first_calls_is_held_too(kind, hooks, implementation):
+    """The memo's calls (in C where the extension is on) read the handler table on
+    every call: a handler installed after the first calls waits for the write too."""
+    signum, handler, raised = INTERRUPT_KINDS[kind]
+    f = treemode.jit(_step_counted, donate_argnums=0)
+    model = Counted()
+    for _ in range(3):
+        f(model, jnp.ones(2))
+    old = [v.get_raw_value() for v in _counted_variables(model)]
+    previous = signal.signal(signum, handler)
+    try:
+        real, sent = hooks.real_store, []
+
+        def store(var: Any, value: Any, metadata: Any = None) -> None:
+            if not sent:  # the first write: the executable consumed the buffers
+                sent.append(signum)
+                signal.raise_signal(signum)
+            real(var, value, metadata)
+
+        hooks.store(store)
+        with pytest.raises(raised):
+            f(model, jnp.ones(2))
+        hooks.undo()
+    finally:
+        signal.signal(signum, previous)
+    assert all(x.is_deleted() for x in old)
+    assert _broken(model, 3) is None and _state(model)[0] == 4  # the step is written
+    assert signal.getsignal(signum) is previous
+    f(model, jnp.ones(2))
+    assert _state(model)[0] == 5

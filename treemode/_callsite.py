@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _closure, _compiled
+from . import _closure, _compiled, _interrupts
 from ._closure import closure_snapshot, unchanged_closure_objects
 from ._compat import raw_value_of as _raw_value_of
 from ._flatten import (
@@ -36,7 +36,6 @@ from ._flatten import (
     still_flattens,
     variables_of,
 )
-from ._interrupts import held_interrupts
 from ._leaves import CONCRETE_ARRAY_TYPES, is_traced
 
 if TYPE_CHECKING:
@@ -324,10 +323,16 @@ def run_plan(plan: _compiled.MemoPlan, args: tuple[Any, ...]) -> Any:
     donated, kept, check = donation
     check(call)
     arrays = (tuple(map(dynamic.__getitem__, donated)), tuple(map(dynamic.__getitem__, kept)))
-    # From the executable's start to the end of the write, the new values are the
-    # only whole state: a Ctrl-C waits for the write (docs/guides/jit.md).
-    with held_interrupts():
+    # Once the executable consumed the donated buffers, the new values are the only
+    # whole state until written: a signal's handler waits for the write
+    # (treemode._interrupts, as the compiled ``MemoCall`` does).
+    token = _interrupts.hold(arrays[0])
+    try:
         return _execute(jitted, binding, call, arrays, entry)
+    finally:
+        if token is not None:
+            _interrupts.close()
+            _interrupts.release(token)
 
 
 def _execute(jitted: Any, binding: Any, call: SiteCall, arrays: Sequence[Any], entry: Any) -> Any:

@@ -1449,6 +1449,201 @@ write_in_c(PyObject *record, PyObject *sources, PyObject *updates)
     return ok;
 }
 
+/* The signal hold of a donated call: treemode._interrupts `hold`, `close` and
+ * `release`, the functions the Python call path runs: `hold(donated)` before
+ * the executable consumes the donated buffers; once the new values are written
+ * (or the call failed), `close()` then `release(token)`.
+ *
+ * The common case runs here, on the module's own state, as the Python
+ * functions would: the main thread, no hold open, nothing deferred, and the
+ * handler table the same as when `hold` last planned its swaps (the
+ * `_cache`); each handler is read with `_signal.getsignal`'s C function and
+ * swapped with `_signal.signal`. Anything else calls the Python functions.
+ * Imported on the first donated call. */
+static PyObject *interrupts_module, *interrupts_hold, *interrupts_release;
+static PyObject *interrupts_open, *interrupts_deferred, *interrupts_nested, *interrupts_signums;
+static PyObject *interrupts_getsignal, *interrupts_setsignal, *interrupts_cache_name;
+static unsigned long interrupts_main;
+
+static int
+interrupts_import(void)
+{
+    PyObject *module = PyImport_ImportModule("treemode._interrupts");
+    if (module == NULL)
+        return -1;
+    PyObject *objects[9] = {NULL};
+    static const char *names[9] = {"hold", "release", "_open", "_deferred", "_NESTED",
+                                   "_SIGNALS", "_getsignal", "_setsignal", "_MAIN_IDENT"};
+    int ok = 1;
+    for (int i = 0; i < 9 && ok; i++) {
+        objects[i] = PyObject_GetAttrString(module, names[i]);
+        ok = objects[i] != NULL;
+    }
+    unsigned long main_ident = ok ? PyLong_AsUnsignedLong(objects[8]) : 0;
+    if (ok && PyErr_Occurred())
+        ok = 0;
+    if (ok && (!PyList_Check(objects[2]) || !PyList_Check(objects[3]) ||
+               !PyTuple_Check(objects[5]))) {
+        PyErr_SetString(PyExc_TypeError, "treemode: unexpected treemode._interrupts layout");
+        ok = 0;
+    }
+    if (ok && interrupts_cache_name == NULL) {
+        interrupts_cache_name = PyUnicode_InternFromString("_cache");
+        ok = interrupts_cache_name != NULL;
+    }
+    if (!ok) {
+        for (int i = 0; i < 9; i++)
+            Py_XDECREF(objects[i]);
+        Py_DECREF(module);
+        return -1;
+    }
+    interrupts_hold = objects[0];
+    interrupts_release = objects[1];
+    interrupts_open = objects[2];
+    interrupts_deferred = objects[3];
+    interrupts_nested = objects[4];
+    interrupts_signums = objects[5];
+    interrupts_getsignal = objects[6];
+    interrupts_setsignal = objects[7];
+    Py_DECREF(objects[8]);
+    interrupts_main = main_ident;
+    interrupts_module = module;
+    return 0;
+}
+
+/* The planned swaps, a new reference, when the handler table is still the one
+ * `_cache` planned them for; NULL without an exception when it changed. */
+static PyObject *
+interrupts_planned_swaps(void)
+{
+    PyObject *cache = PyObject_GetAttr(interrupts_module, interrupts_cache_name);
+    if (cache == NULL)
+        return NULL;
+    PyObject *swaps = NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(interrupts_signums);
+    if (PyTuple_Check(cache) && PyTuple_GET_SIZE(cache) == 2 &&
+        PyTuple_Check(PyTuple_GET_ITEM(cache, 0)) && PyTuple_Check(PyTuple_GET_ITEM(cache, 1)) &&
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(cache, 0)) == n) {
+        PyObject *handlers = PyTuple_GET_ITEM(cache, 0);
+        /* `_signal.getsignal` takes one argument (METH_O): its C function, called
+         * directly; through the generic call otherwise. */
+        int direct = PyCFunction_Check(interrupts_getsignal) &&
+                     PyCFunction_GET_FLAGS(interrupts_getsignal) == METH_O;
+        PyCFunction getsignal = direct ? PyCFunction_GET_FUNCTION(interrupts_getsignal) : NULL;
+        PyObject *self = direct ? PyCFunction_GET_SELF(interrupts_getsignal) : NULL;
+        Py_ssize_t i = 0;
+        for (; i < n; i++) {
+            PyObject *signum = PyTuple_GET_ITEM(interrupts_signums, i);
+            PyObject *handler = direct ? getsignal(self, signum)
+                                       : PyObject_CallOneArg(interrupts_getsignal, signum);
+            if (handler == NULL)
+                break;
+            Py_DECREF(handler); /* only compared; the signal module holds it */
+            if (handler != PyTuple_GET_ITEM(handlers, i))
+                break;
+        }
+        if (i == n) {
+            swaps = PyTuple_GET_ITEM(cache, 1);
+            Py_INCREF(swaps);
+        }
+    }
+    Py_DECREF(cache);
+    return swaps;
+}
+
+static PyObject *
+hold_signals(PyObject *donated)
+{
+    if (interrupts_module == NULL && interrupts_import() < 0)
+        return NULL;
+    if (PyThread_get_thread_ident() != interrupts_main)
+        Py_RETURN_NONE;
+    if (PyList_GET_SIZE(interrupts_open) != 0 || PyList_GET_SIZE(interrupts_deferred) != 0)
+        return PyObject_CallOneArg(interrupts_hold, donated); /* nested, or leftovers */
+    PyObject *swaps = interrupts_planned_swaps();
+    if (swaps == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return PyObject_CallOneArg(interrupts_hold, donated); /* plans again */
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(swaps); i++) {
+        PyObject *swap = PyTuple_GET_ITEM(swaps, i); /* (signum, original, deferring) */
+        PyObject *args[2] = {PyTuple_GET_ITEM(swap, 0), PyTuple_GET_ITEM(swap, 2)};
+        PyObject *old = PyObject_Vectorcall(interrupts_setsignal, args, 2, NULL);
+        if (old == NULL) { /* a pending signal's handler raised: nothing consumed yet */
+            Py_DECREF(swaps);
+            return NULL;
+        }
+        Py_DECREF(old);
+    }
+    if (PyList_Append(interrupts_open, donated) < 0) { /* open */
+        Py_DECREF(swaps);
+        return NULL;
+    }
+    return swaps;
+}
+
+/* `close()` then `release(token)`, in C where `hold_signals` held in C (no
+ * signal deferred): the original handlers back. 0, or -1 with an exception. */
+static int
+close_and_release(PyObject *token)
+{
+    Py_ssize_t n = PyList_GET_SIZE(interrupts_open);
+    if (n == 0) {
+        PyErr_SetString(PyExc_SystemError, "treemode: a signal hold closed twice");
+        return -1;
+    }
+    if (PyList_SetSlice(interrupts_open, n - 1, n, NULL) < 0) /* close */
+        return -1;
+    if (token == interrupts_nested)
+        return 0;
+    if (PyList_GET_SIZE(interrupts_deferred) != 0 || !PyTuple_Check(token)) {
+        PyObject *released = PyObject_CallOneArg(interrupts_release, token);
+        Py_XDECREF(released);
+        return released == NULL ? -1 : 0;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(token); i++) {
+        PyObject *swap = PyTuple_GET_ITEM(token, i); /* (signum, original, deferring) */
+        PyObject *args[2] = {PyTuple_GET_ITEM(swap, 0), PyTuple_GET_ITEM(swap, 1)};
+        PyObject *old = PyObject_Vectorcall(interrupts_setsignal, args, 2, NULL);
+        if (old == NULL) /* a new signal's handler raised; the rest pass through */
+            return -1;
+        Py_DECREF(old);
+    }
+    return 0;
+}
+
+/* Ends the hold `token` (stolen; None: there was none). An exception already
+ * set stays the one raised, unless the release raises (a held signal's
+ * handler): that one is raised, with the first as its context. Returns -1
+ * when an exception is set after. */
+static int
+release_signals(PyObject *token)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    int released = token == Py_None ? 0 : close_and_release(token);
+    Py_DECREF(token);
+    if (released == 0) {
+        PyErr_Restore(type, value, traceback);
+        return type == NULL ? 0 : -1;
+    }
+    if (type != NULL) {
+        PyErr_NormalizeException(&type, &value, &traceback);
+        if (traceback != NULL)
+            PyException_SetTraceback(value, traceback);
+        PyObject *type2, *value2, *traceback2;
+        PyErr_Fetch(&type2, &value2, &traceback2);
+        PyErr_NormalizeException(&type2, &value2, &traceback2);
+        PyException_SetContext(value2, value); /* steals `value` */
+        value = NULL;
+        PyErr_Restore(type2, value2, traceback2);
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+    }
+    return -1;
+}
+
 /* A memo plan's records (treemode._compiled.SitePlan, EntryPlan), checked once
  * when the memo is set (see `memo_set`); `fast_call` trusts their shape. */
 enum { SITE_SITE, SITE_SLOTS, SITE_PARTIAL, SITE_READS, SITE_FOUND, SITE_LIFTED, SITE_FIELDS };
@@ -1505,7 +1700,7 @@ fast_call(PyObject *plan, PyObject *args)
     PyObject *donation = PyTuple_GET_ITEM(entry_part, ENTRY_DONATION);
 
     PyObject *roots = NULL, *dynamic = NULL, *sources = NULL, *kwargs = NULL, *call = NULL;
-    PyObject *result = NULL, *out = NULL, *split[2] = {NULL, NULL};
+    PyObject *result = NULL, *out = NULL, *split[2] = {NULL, NULL}, *held = NULL;
     Gathered gathered_dynamic, gathered_sources;
     gathered_init(&gathered_dynamic);
     gathered_init(&gathered_sources);
@@ -1548,6 +1743,11 @@ fast_call(PyObject *plan, PyObject *args)
     else {
         if (split_donated(donation, dynamic, call, split) < 0)
             goto done;
+        /* From here to the end of the write, a signal's handler that raises would
+         * leave deleted buffers once the executable ran: held (see hold_signals). */
+        held = hold_signals(split[0]);
+        if (held == NULL)
+            goto done;
         result = run_bound(jitted, binding, call, split, 2, cfg_raise_failure);
     }
     if (result == NULL)
@@ -1575,6 +1775,8 @@ fast_call(PyObject *plan, PyObject *args)
 done:
     if (ok < 0 && out == NULL && !PyErr_Occurred())
         PyErr_SetString(PyExc_SystemError, "treemode: the memo call failed without an error");
+    if (held != NULL && release_signals(held) < 0)
+        Py_CLEAR(out); /* a deferred signal's exception, raised after the write */
     Py_XDECREF(result);
     Py_XDECREF(split[0]);
     Py_XDECREF(split[1]);

@@ -10,12 +10,11 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from jax.core import Tracer
 
-from . import _caches, _callsite, _compiled, _core, _explain, _retrace, _writeback
+from . import _caches, _callsite, _compiled, _core, _explain, _interrupts, _retrace, _writeback
 from ._axes import graph_prefix_values
 from ._callsite import CallSite
 from ._errors import DonationError, StructureError
 from ._flatten import DYNAMIC, ArgFlat, VarSpec, check_no_aliases
-from ._interrupts import held_interrupts
 from ._leaves import is_variable
 from ._lifts import refuse_lifts
 from ._names import FLAT_ARGUMENTS, SPLIT_ARGUMENTS, named
@@ -151,13 +150,10 @@ class _Entry:
     def write_back(self, call: _core.PreparedCall, updates: Sequence[Any]) -> None:
         """Store a call's updates (and any metadata update its trace recorded).
 
-        The compiled call path calls it for updates it does not write itself.
+        The compiled call path calls it for updates it does not write itself (for
+        a donated call, inside the call's `treemode._interrupts` hold).
         """
-        if self.donated:
-            with held_interrupts():
-                _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
-        else:
-            _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
+        _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
 
 
 class _EntryRecord:
@@ -475,10 +471,17 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             return out, _core.WriteBack(call, updates, entry.metadata_for(call.dynamic))
 
         if entry.donated:
-            # From the executable's start to the end of the write, the new values are
-            # the only whole state: a Ctrl-C waits for the write (docs/guides/jit.md).
-            with held_interrupts():
+            # Once the executable consumed the donated buffers, the new values are the
+            # only whole state until written: a signal's handler waits for the write
+            # (treemode._interrupts; one raised during the trace or compilation, before
+            # anything was consumed, is raised at once).
+            token = _interrupts.hold(arrays[0])
+            try:
                 return _core.run(call, entry.pure, jax_call, layout=(entry.donated, entry.kept))
+            finally:
+                if token is not None:
+                    _interrupts.close()
+                    _interrupts.release(token)
         return _core.run(call, entry.pure, jax_call)
 
     # -- AOT ---------------------------------------------------------------------
@@ -753,7 +756,11 @@ def jit(
       key instead of traced (must be hashable).
     - `donate_argnums`, `donate_argnames`: arguments whose buffers XLA may reuse.
       Their Variables are refreshed with the output buffers, so the modules stay
-      usable.
+      usable. An exception a signal handler raises in the main thread (Ctrl-C,
+      `SystemExit` from a SIGTERM handler, ...) leaves the old values when it
+      lands before the executable consumed the buffers (it is raised at once,
+      even during a long trace or compilation) and the new values after (it is
+      raised once they are written): never deleted buffers.
     - `keep_unused`, `device`, `backend`, `inline`, `compiler_options`: as in
       `jax.jit`.
     - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).

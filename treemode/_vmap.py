@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 
-from . import _core, _explain
+from . import _core, _explain, _interrupts
 from ._axes import (
     CallAxes,
     batched_update_error,
@@ -188,7 +188,17 @@ class MappedWrapper:
             entry.checked = True
             return result
 
-        return _core.run(call, entry.pure, jax_call)
+        if not self.donate_argnums:
+            return _core.run(call, entry.pure, jax_call)
+        # pmap donates: once the executable consumed the buffers, a signal's handler
+        # waits for the write-back (treemode._interrupts, as for treemode.jit).
+        token = _interrupts.hold([call.dynamic[i] for i in self.donated_dynamic(call)])
+        try:
+            return _core.run(call, entry.pure, jax_call)
+        finally:
+            if token is not None:
+                _interrupts.close()
+                _interrupts.release(token)
 
     def clear_cache(self) -> None:
         self._cache.clear()
