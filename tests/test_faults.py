@@ -905,12 +905,12 @@ class _Sender:
             signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-@main_thread_only
 # A signal at a random moment may land inside a garbage-collection callback, where
 # Python reports the handler's exception as unraisable: expected here, not leaked.
 _RANDOM_SIGNALS = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
+@main_thread_only
 @_RANDOM_SIGNALS
 @pytest.mark.parametrize("kind", sorted(INTERRUPT_KINDS))
 def test_interrupts_at_random_points_never_break_a_donated_model(kind, implementation, monkeypatch):
