@@ -42,6 +42,7 @@ class Config:
     eager_repeats: int
     compile_repeats: int
     instances: int = 1  # independently built sets of peers (dispatch case)
+    decode_layers: tuple[int, ...] = (8, 100, 400)  # decode-step case (10 Variables a layer)
 
 
 FULL = Config(
@@ -62,6 +63,7 @@ QUICK = Config(
     depths=(8, 32, 128),
     eager_repeats=5,
     compile_repeats=3,
+    decode_layers=(8, 100),
 )
 # Only checks that everything runs end to end (tests/test_benchmarks_smoke.py).
 SMOKE = Config(
@@ -73,6 +75,7 @@ SMOKE = Config(
     eager_repeats=1,
     compile_repeats=1,
     instances=2,
+    decode_layers=(1, 2),
 )
 CONFIGS = {c.name: c for c in (FULL, QUICK, SMOKE)}
 
