@@ -28,7 +28,22 @@ from ._paths import format_path, nnx_path
 
 F = TypeVar("F", bound=Callable[..., Any])
 Splits = int | tuple[int, ...]
-_MISSING: Any = object()
+
+
+class _NoNode:
+    """The default of ``node`` in `split_rngs`/`fork_rngs`: none given, so the call
+    returns a decorator. Its repr is its name, so signatures read ``node=NO_NODE``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NO_NODE"
+
+    def __reduce__(self) -> str:
+        return "NO_NODE"
+
+
+NO_NODE: Any = _NoNode()
 
 
 def _is_stream(x: Any) -> bool:
@@ -130,7 +145,7 @@ def split_rngs(
 
 
 def split_rngs(
-    node: Any = _MISSING,
+    node: Any = NO_NODE,
     /,
     *,
     splits: Splits,
@@ -174,7 +189,7 @@ def split_rngs(
             f"treemode.split_rngs: squeeze=True needs splits=1 (got splits={splits!r}); "
             "it produces one fresh key per stream without a batch axis."
         )
-    if node is _MISSING:
+    if node is NO_NODE:
         return _decorator(
             functools.partial(split_rngs, splits=splits, only=only, squeeze=squeeze, graph=graph)
         )
@@ -214,7 +229,7 @@ def fork_rngs(
 
 
 def fork_rngs(
-    node: Any = _MISSING,
+    node: Any = NO_NODE,
     /,
     *,
     split: Mapping[Any, Splits | None] | Splits | None = None,
@@ -249,7 +264,7 @@ def fork_rngs(
     assert forked.params.count[...] == 0 and rngs.params.count[...] == 1
     ```
     """
-    if node is _MISSING:
+    if node is NO_NODE:
         return _decorator(functools.partial(fork_rngs, split=split, graph=graph))
     if split is None or isinstance(split, (int, tuple)):
         split = {...: split}
