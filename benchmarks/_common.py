@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -200,11 +201,18 @@ class Table:
         return "\n".join(out)
 
     def markdown(self) -> str:
-        head = "| case | " + " | ".join(self.columns) + " |\n"
+        head = "| case | " + " | ".join(map(header_cell, self.columns)) + " |\n"
         head += "|---|" + "---:|" * len(self.columns) + "\n"
         body = "".join(f"| {label} | " + " | ".join(c) + " |\n" for label, c in self.rows)
         note = f"\n{self.note}\n" if self.note else ""
         return f"#### {self.title}\n\n{head}{body}{note}"
+
+
+def header_cell(text: str) -> str:
+    """A column header with line-break opportunities after a dot or an opening
+    parenthesis (``nnx.<wbr>jit(<wbr>graph=False)``), so that a narrow column wraps
+    a peer's name between its parts, never inside a word."""
+    return re.sub(r"(?<=[.(])(?=[A-Za-z_])", "<wbr>", text)
 
 
 def ratio_table(

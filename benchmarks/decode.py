@@ -200,9 +200,7 @@ def _label(layers: int) -> str:
 
 def marginal(nvars: list[int], us: list[float]) -> list[float]:
     """Nanoseconds per Variable between consecutive sizes (the slope of each segment)."""
-    return [
-        (us[i] - us[i - 1]) * 1e3 / (nvars[i] - nvars[i - 1]) for i in range(1, len(nvars))
-    ]
+    return [(us[i] - us[i - 1]) * 1e3 / (nvars[i] - nvars[i - 1]) for i in range(1, len(nvars))]
 
 
 def run(config: Config) -> list[Table]:
@@ -252,8 +250,7 @@ def run(config: Config) -> list[Table]:
     slope = Table(
         key="decode_marginal",
         title="Decode step: marginal nanoseconds per Variable (median samples)",
-        columns=[f"ns / Variable, {s}" for s in segments]
-        + [f"over floor, {s}" for s in segments],
+        columns=[f"ns / Variable, {s}" for s in segments] + [f"over floor, {s}" for s in segments],
         rows=cells,
         note="The slope of each segment between two sizes: a peer's own time per added "
         "Variable, then its time per added Variable beyond the floor's.",
