@@ -32,6 +32,8 @@ Run: ``make bench`` (whole suite) or ``python benchmarks/decode.py [--quick]``.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -181,14 +183,18 @@ def python_path_timings(config: Config) -> dict[str, dict[str, list[float]]]:
         out = Path(tmp) / "python.json"
         env = {**os.environ, _compiled.ENV_VAR: "1"}
         cmd = [sys.executable, __file__, "--python-path", config.name, str(out)]
+        cmd += [str(n) for n in config.decode_layers]
         subprocess.run(cmd, env=env, check=True)
         return json.loads(out.read_text())
 
 
-def _python_path_main(config_name: str, out: str) -> None:
+def _python_path_main(config_name: str, out: str, layers: list[int]) -> None:
     assert not _compiled.ENABLED, f"run with {_compiled.ENV_VAR}=1"
     names = ["floor", "treemode.jit"]
-    rows = measure_layers(CONFIGS[config_name], names)
+    config = CONFIGS[config_name]
+    if layers:
+        config = dataclasses.replace(config, decode_layers=tuple(layers))
+    rows = measure_layers(config, names)
     data = {str(L): {p: [t[p].best, t[p].median] for p in names} for L, t in rows}
     Path(out).write_text(json.dumps(data))
 
@@ -260,11 +266,32 @@ def run(config: Config) -> list[Table]:
     return [*tables, slope]
 
 
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        help="numbers of layers to run instead of the configuration's (8 100 400 in full)",
+    )
+
+
+def _with_layers(config: Config) -> Config:
+    layers = _LAYERS.get("layers")
+    return dataclasses.replace(config, decode_layers=tuple(layers)) if layers else config
+
+
+_LAYERS: dict[str, list[int]] = {}
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--python-path"]:
-        _python_path_main(sys.argv[2], sys.argv[3])
+        layers = [int(n) for n in sys.argv[4:]]
+        _python_path_main(sys.argv[2], sys.argv[3], layers)
         return
-    case_main(__doc__, run)
+    if "--layers" in sys.argv:  # read before the run: `run` takes only a Config
+        i = sys.argv.index("--layers")
+        _LAYERS["layers"] = [int(n) for n in sys.argv[i + 1 :] if n.isdigit()]
+    case_main(__doc__, lambda config: run(_with_layers(config)), _add_arguments)
 
 
 if __name__ == "__main__":
