@@ -27,7 +27,8 @@ Two tables: microseconds per call (floor) and ratios to the floor per ``L``; and
 the marginal cost, in nanoseconds per Variable (best samples), between consecutive ``L``:
 each peer's own, and its extra over the floor's.
 
-Run: ``make bench`` (whole suite) or ``python benchmarks/decode.py [--quick]``.
+Run: ``make bench`` (whole suite) or ``python benchmarks/decode.py [--quick] [--layers 8 100]``
+(``--layers`` replaces the configuration's sizes: 400 layers take minutes to compile).
 """
 
 from __future__ import annotations
