@@ -144,6 +144,13 @@ class Hooks:
 
         self._patch.setattr(self._core, "write_back", write_back)
 
+    def donation_seen(self, seen: bool) -> None:
+        """Set whether a treemode transform has donated buffers in this process
+        (it decides how a deleted input buffer is reported)."""
+        from treemode import _explain
+
+        self._patch.setattr(_explain, "_donation_seen", seen)
+
     def pure_check(self, name: str, fn) -> None:
         """Replace one check of the pure function (a method of `PureFunction`)."""
         self._patch.setattr(self._core.PureFunction, name, fn)

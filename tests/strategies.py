@@ -673,3 +673,63 @@ def replace(root: Any, h: Handles, r: Replace) -> None:
     else:
         module = resolve(root, h.modules[r.target])
         object.__setattr__(module, "__class__", Block if type(module) is Node else Node)
+
+
+# -- a Variable's value changing layout between calls ------------------------------------
+
+LAYOUTS = ("array", "scalar", "dict", "tuple", "nested", "none", "string")
+
+
+def layout_value(kind: str, seed: int) -> Any:
+    """A new value of layout ``kind`` (new arrays: a donated call deletes its inputs)."""
+    base = jnp.arange(3.0) + seed
+    if kind == "array":
+        return base
+    if kind == "scalar":
+        return float(seed)
+    if kind == "dict":
+        return {"a": base, "b": jnp.full((2,), float(seed))}
+    if kind == "tuple":
+        return (base * 2,)
+    if kind == "nested":
+        return {"x": (base, {"y": jnp.ones(()) * seed})}
+    if kind == "none":
+        return None
+    if kind == "string":
+        return f"s{seed}"
+    raise AssertionError(kind)  # pragma: no cover
+
+
+@st.composite
+def layout_changes(
+    draw: Any, n_variables: int, n_calls: int = 4
+) -> tuple[tuple[tuple[int, str, int], ...], ...]:
+    """Per call after the first, the ``(variable index, layout, seed)`` changes to make."""
+    calls = []
+    for _ in range(n_calls - 1):
+        k = draw(st.integers(0, n_variables))
+        calls.append(
+            tuple(
+                (
+                    draw(st.integers(0, n_variables - 1)),
+                    draw(st.sampled_from(LAYOUTS)),
+                    draw(st.integers(0, 5)),
+                )
+                for _ in range(k)
+            )
+        )
+    return tuple(calls)
+
+
+def layout_program(root: Any) -> jax.Array:
+    """Reads every Variable of ``root`` whatever its layout; updates its array leaves."""
+    total = jnp.zeros((), jnp.float32)
+    for i, v in enumerate(variables_of(root)):
+        value = v.get_raw_value()
+        leaves = jax.tree_util.tree_leaves(value)
+        arrays = [x for x in leaves if not isinstance(x, str)]
+        total = total + (i + 1) * sum((jnp.sum(jnp.asarray(x, jnp.float32)) for x in arrays), 0.0)
+        total = total + sum(len(x) for x in leaves if isinstance(x, str))
+        if arrays and not any(isinstance(x, str) for x in leaves):
+            v.set_raw_value(jax.tree_util.tree_map(lambda x: x + 1, value))
+    return total

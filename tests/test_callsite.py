@@ -456,7 +456,8 @@ def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(ho
     assert n.count[...] == 3 and len(stores) == 6  # every write went through the hook
 
 
-def test_a_failing_matched_call_names_the_input_and_unbinds():
+def test_a_failing_matched_call_names_the_input_and_unbinds(hooks):
+    hooks.donation_seen(True)
     f = treemode.jit(_step)
     m = Counter()
     f(m, jnp.ones(3))

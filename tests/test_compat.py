@@ -83,8 +83,15 @@ def test_a_missing_slot_is_an_import_error_naming_the_versions(fake_flax):
     report = _compat.check(RenamedVariable, **fake_flax)
     assert report.missing == ("RenamedVariable._raw_value",)
     with pytest.raises(ImportError, match=r"RenamedVariable\._raw_value not found") as raised:
-        _compat.resolve(report)
-    assert _compat.SUPPORTED_VERSIONS in str(raised.value)
+        _compat.resolve(report, installed="jax 0.12.0, jaxlib 0.12.0, flax 0.14.1")
+    message = str(raised.value)
+    assert message.startswith(
+        "treemode does not support the installed Flax/JAX (jax 0.12.0, jaxlib 0.12.0, "
+        "flax 0.14.1): RenamedVariable._raw_value not found. Supported: "
+        "jax 0.9.2 or newer (tested to 0.10.x), jaxlib 0.9.2 or newer (tested to 0.10.x), "
+        "flax 0.12.6 or newer (tested to 0.12.x). Install tested versions: pip install "
+        "'jax>=0.9.2,<0.11'"
+    ), message
 
 
 def test_attributes_outside_slots_turn_the_compiled_path_off_with_one_warning(fake_flax):
@@ -93,12 +100,26 @@ def test_attributes_outside_slots_turn_the_compiled_path_off_with_one_warning(fa
     assert report.layout == tuple(
         f"DictVariable.{name} is not a __slots__ member" for name in _compat.VARIABLE_SLOTS
     )
-    with pytest.warns(RuntimeWarning) as caught:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # _compat only decides; _compiled warns
         assert _compat.resolve(report) is False
+    problem = _compat.layout_problem(report, installed="jax 0.12.0, jaxlib 0.12.0, flax 0.14.1")
+    assert problem == (
+        "; ".join(report.layout)
+        + " (installed: jax 0.12.0, jaxlib 0.12.0, flax 0.14.1; supported: "
+        + _compat.SUPPORTED_VERSIONS
+        + ")"
+    )
+    # ... and the extension is then not loaded, whatever the environment says,
+    # with one ExtensionWarning naming the problem and the versions.
+    module, status = _compiled.resolve(environ={}, layout_problem=problem)
+    assert module is None
+    assert status == _compiled.ExtensionStatus(False, f"layout not supported: {problem}")
+    with pytest.warns(_compiled.ExtensionWarning) as caught:
+        _compiled.announce(status, environ={})
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert "pure-Python call path" in message and _compat.SUPPORTED_VERSIONS in message
-    # ... and the extension is then not loaded, whatever the environment says.
+    assert "flax 0.14.1" in message and "runs the same checks in Python" in message
     assert _compiled.load(environ={}, layout_ok=False) is None
 
 

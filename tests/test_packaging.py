@@ -17,6 +17,7 @@ satisfied by what the venv sees.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -264,3 +265,100 @@ def test_sdist_carries_everything_its_tests_need(tmp_path: Path) -> None:
     assert not missing, f"missing from the sdist: {missing}"
     assert "tests/helpers.py" in names and "tests/conftest.py" in names
     assert not [n for n in names if n.endswith((".so", ".pyc")) or n.startswith(".compat/")]
+
+
+# -- Binary wheels: the cibuildwheel configuration, the release workflow, make wheels --
+
+
+def _cibuildwheel() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"][
+        "cibuildwheel"
+    ]
+
+
+def test_cibuildwheel_covers_three_platforms_and_cpython_3_11_to_3_13() -> None:
+    config = _cibuildwheel()
+    low, high = _versions.PYTHON
+    assert config["build"] == [f"cp3{minor}-*" for minor in range(low[1], high[1])]
+    assert config["linux"]["archs"] == ["x86_64", "aarch64"]
+    assert config["macos"]["archs"] == ["arm64", "x86_64"]
+    assert config["windows"]["archs"] == ["AMD64"]
+    assert config["test-extras"] == ["test"]
+    first, tests = config["test-command"]
+    # The installed wheel's extension must be active, or the build fails ...
+    assert "treemode.extension_status()" in first and "assert s.active" in first
+    assert "-W error::RuntimeWarning" in first  # ... and its ExtensionWarning is an error
+    # ... then a part of the suite runs against it, from the copied test sources.
+    named = [t for t in tests.split() if t.startswith("tests/")]
+    assert "tests/test_extension.py" in named and "tests/test_callsite.py" in named
+    for path in named:
+        assert (ROOT / path).is_file(), path
+    for source in config["test-sources"]:
+        assert (ROOT / source).exists(), source
+
+
+def test_release_workflow_builds_tests_and_publishes_with_trusted_publishing() -> None:
+    workflow = (ROOT / ".github" / "workflows" / "wheels.yml").read_text(encoding="utf-8")
+    for runner in ("ubuntu-24.04", "ubuntu-24.04-arm", "macos-14", "macos-15-intel", "windows"):
+        assert f"os: {runner}" in workflow, runner
+    assert workflow.count("uses: pypa/cibuildwheel@") == 2  # 3.11-3.13, and 3.14 apart
+    assert 'CIBW_BUILD: "cp314-*"' in workflow and "continue-on-error: true" in workflow
+    assert "python -m build --sdist" in workflow
+    assert workflow.count("uses: actions/upload-artifact@") == 3
+    publish = workflow.split("\n  publish:\n")[1]
+    assert "startsWith(github.ref, 'refs/tags/v')" in publish
+    assert "id-token: write" in publish
+    assert "uses: pypa/gh-action-pypi-publish@" in publish
+    assert "password" not in publish and "token:" not in publish.replace("id-token:", "")
+
+
+def test_make_wheels_and_ci_check_the_manylinux_wheel() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "\nwheels: $(STAMP)\n" in makefile and "\nwheel-check: $(STAMP)\n" in makefile
+    assert "tools/wheels.py $(WHEEL_TESTS)" in makefile
+    assert "make wheel-check\n" in ci
+    checked = makefile.split("WHEEL_CHECK_TESTS :=")[1].split("\nwheel-check:")[0]
+    for path in checked.replace("\\", " ").split():
+        assert (ROOT / path).is_file(), path
+    assert 'echo "make test: the whole suite, about' in makefile  # announced before it runs
+
+
+def _load_wheels_tool():
+    spec = importlib.util.spec_from_file_location("_wheels_tool", ROOT / "tools" / "wheels.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_wheel(path: Path, tags: list[str], with_extension: bool = True) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("treemode/__init__.py", "")
+        if with_extension:
+            zf.writestr("treemode/_guard.cpython-311-x86_64-linux-gnu.so", b"\x7fELF")
+        wheel_info = "Wheel-Version: 1.0\n" + "".join(f"Tag: {t}\n" for t in tags)
+        zf.writestr("treemode-0.1.0.dist-info/WHEEL", wheel_info)
+    return path
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="make wheels runs on Linux")
+def test_the_wheel_tag_check_refuses_a_plain_linux_wheel(tmp_path: Path) -> None:
+    tool = _load_wheels_tool()
+    py = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    machine = os.uname().machine
+    good = _fake_wheel(
+        tmp_path / f"treemode-0.1.0-{py}-{py}-manylinux2014_{machine}.manylinux_2_17_{machine}.whl",
+        [f"{py}-{py}-manylinux_2_17_{machine}", f"{py}-{py}-manylinux2014_{machine}"],
+    )
+    tool.check_tag(good)
+    plain = _fake_wheel(
+        tmp_path / f"treemode-0.1.0-{py}-{py}-linux_{machine}.whl", [f"{py}-{py}-linux_{machine}"]
+    )
+    with pytest.raises(SystemExit, match="is not a .* manylinux_2_17"):
+        tool.check_tag(plain)
+    other = tmp_path / "other"
+    other.mkdir()
+    no_extension = _fake_wheel(other / good.name, [f"{py}-{py}-manylinux_2_17_{machine}"], False)
+    with pytest.raises(SystemExit, match="has no compiled extension"):
+        tool.check_tag(no_extension)

@@ -160,12 +160,24 @@ def test_a_leaked_tracer_is_explained_the_same_way(case):
 
 
 @pytest.mark.parametrize("case", BUFFER_CASES)
-def test_a_deleted_buffer_is_explained_the_same_way(case):
+def test_a_deleted_buffer_is_explained_the_same_way(case, hooks):
+    hooks.donation_seen(True)  # a donating call ran: the likely cause is a shared buffer
     w = jnp.ones(2)
     w.delete()
     message, root = _assert_explained_and_untouched(case, Model(w), reads, treemode.DonationError)
     assert f"the buffer of the Param at {root}.w was deleted" in message
     assert "treemode.clone(module, arrays=True)" in message
+
+
+@pytest.mark.parametrize("case", BUFFER_CASES)
+def test_a_buffer_deleted_without_any_donation_is_blamed_on_the_user(case, hooks):
+    hooks.donation_seen(False)  # no treemode transform ever donated a buffer
+    w = jnp.ones(2)
+    w.delete()
+    message, root = _assert_explained_and_untouched(case, Model(w), reads, RuntimeError)
+    assert f"the buffer of the Param at {root}.w was deleted before this call" in message
+    assert "no treemode transform has donated buffers" in message
+    assert "donate_argnums) while this argument shared it" not in message
 
 
 # -- no import cycle inside the package ----------------------------------------------------

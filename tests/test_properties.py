@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import strategies as S
+from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -496,3 +497,55 @@ def test_replaced_dict_or_class_between_calls_matches_eager(how, data):
         assert [type(v) for v in S.variables_of(root)] == [
             type(v) for v in S.variables_of(eager_root)
         ]
+
+
+# -- layout changes between calls: a Variable's value becomes a pytree, None, ... ---------
+
+
+class _Layouts(nnx.Module):
+    def __init__(self):
+        self.a = nnx.Param(jnp.zeros(3))
+        self.b = nnx.Variable(jnp.ones(2))
+        self.inner = nnx.Dict(c=nnx.BatchStat(jnp.zeros(())))
+
+
+@pytest.mark.parametrize("how", ["jit", "jit graph=True", "jit donate", "jit_partial", "grad"])
+@examples(0.4)
+@given(data=st.data())
+def test_layout_changes_between_calls_match_eager(how, data):
+    """A warm transform retraces when a Variable's value changes layout (an array
+    becomes a dict, a tuple, ``None``, a number, a string, or back) and matches eager."""
+    eager, model = _Layouts(), _Layouts()
+    n = len(S.variables_of(model))
+    changes = data.draw(S.layout_changes(n))
+    if how == "jit_partial":
+        bound = treemode.jit_partial(S.layout_program, model)
+        f = lambda m: bound()  # noqa: E731
+    elif how == "grad":
+        g = treemode.grad(lambda m: S.layout_program(m) * 0 + m.a[...].sum())
+        f = lambda m: g(m).a[...]  # noqa: E731
+    else:
+        f = treemode.jit(
+            S.layout_program,
+            graph=how == "jit graph=True",
+            donate_argnums=0 if how == "jit donate" else (),
+        )
+    program = S.layout_program if how != "grad" else (lambda m: jnp.ones(3))
+    for step in range(len(changes) + 1):
+        if step:
+            for index, kind, seed in changes[step - 1]:
+                if how in ("grad",) and index == 0:
+                    continue  # grad reads ``a`` as an array
+                if how == "jit donate" and kind == "string":
+                    kind = "tuple"  # a donated Variable's value is an output: no strings
+                for root in (eager, model):
+                    S.variables_of(root)[index].set_raw_value(S.layout_value(kind, seed))
+        expected, got = program(eager), f(model)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+        if how != "grad":
+            for x, y in zip(S.variables_of(eager), S.variables_of(model), strict=True):
+                jax.tree.map(
+                    lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                    x.get_raw_value(),
+                    y.get_raw_value(),
+                )

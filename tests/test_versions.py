@@ -1,9 +1,10 @@
 """The supported versions: one source (treemode/_versions.py), checked at import.
 
 pyproject.toml, README.md and docs/install.md must state exactly the ranges of
-``treemode._versions``; importing treemode with a JAX or Flax outside them
-raises (a version known to break) or warns (an untested one), naming the
-installed and the supported versions. Installed versions are simulated with a
+``treemode._versions``: minimums, never an upper bound (a newer JAX or Flax is
+installed as it is). Importing treemode with a JAX or Flax outside the tested
+ranges raises (a version known to break) or warns (an untested one, newer or
+older), naming the installed and the supported versions. Installed versions are simulated with a
 fixture (in-process) and with a fake ``*.dist-info`` put first on the path (in a
 subprocess that really imports treemode).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import treemode
 from treemode import _versions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +49,8 @@ def test_pyproject_declares_the_ranges_of_versions_py() -> None:
     for name in _versions.OPTIONAL:
         assert f"{name}{_versions.specifier(name)}" in test_extra, (name, sorted(test_extra))
     assert not [d for d in deps | test_extra if "==" in d], "declare ranges, never exact pins"
+    capped = [d for d in deps | test_extra if "<" in d]
+    assert not capped, f"minimums only: an upper bound would downgrade a newer JAX: {capped}"
     low, high = _versions.PYTHON
     assert project["requires-python"] == ">=" + ".".join(map(str, low))
     classifiers = [c for c in project["classifiers"] if c.startswith("Programming Language")]
@@ -79,8 +83,12 @@ def test_constraints_pin_versions_inside_the_ranges() -> None:
 
 
 def test_supported_versions_in_words() -> None:
-    assert _versions.specifier("jax") == ">=0.9.2,<0.11"
-    assert _versions.describe("flax") == "0.12.6 to 0.12.x"
+    assert _versions.specifier("jax") == ">=0.9.2"
+    assert _versions.tested_specifier("jax") == ">=0.9.2,<0.11"
+    assert _versions.describe("flax") == "0.12.6 or newer (tested to 0.12.x)"
+    assert _versions.installed_versions({"jax": "0.11.0", "flax": "0.13.1"}.get) == (
+        "jax 0.11.0, jaxlib unknown, flax 0.13.1"
+    )
     assert _versions.parse("0.10.2rc1") == (0, 10, 2)
     assert _versions.parse("0.11.0.dev20260101") == (0, 11, 0)
     assert _versions.parse("0.9.0.1") == (0, 9, 0, 1)
@@ -100,31 +108,34 @@ def test_flax_known_to_break_raises_naming_installed_and_supported(installed, fl
         _versions.check_installed(installed(flax=flax))
     assert str(info.value) == (
         "treemode cannot run with the installed versions: "
-        f"flax {flax} is installed; treemode supports flax>=0.12.6,<0.13 "
-        "(flax before 0.12.1 does not work with it). Install supported versions: "
+        f"flax {flax} is installed; treemode supports flax>=0.12.6 "
+        "(flax before 0.12.1 does not work with it). Install tested versions: "
         "pip install 'jax>=0.9.2,<0.11' 'jaxlib>=0.9.2,<0.11' 'flax>=0.12.6,<0.13'"
     )
 
 
 @pytest.mark.parametrize(
-    ("name", "version"),
+    ("name", "version", "says"),
     [
-        ("jax", "0.11.0"),
-        ("jax", "0.11.0.dev20260101"),
-        ("jax", "0.8.0"),
-        ("jaxlib", "0.7.2"),
-        ("flax", "0.13.0"),
+        ("jax", "0.11.0", "treemode was tested with jax>=0.9.2,<0.11"),
+        ("jax", "0.11.0.dev20260101", "treemode was tested with jax>=0.9.2,<0.11"),
+        ("jax", "1.2.3", "treemode was tested with jax>=0.9.2,<0.11"),
+        ("flax", "0.13.0", "treemode was tested with flax>=0.12.6,<0.13"),
+        ("jax", "0.8.0", "treemode supports jax>=0.9.2"),
+        ("jaxlib", "0.7.2", "treemode supports jaxlib>=0.9.2"),
     ],
 )
-def test_untested_versions_warn_naming_installed_and_supported(installed, name, version) -> None:
+def test_untested_versions_warn_naming_installed_and_supported(
+    installed, name, version, says
+) -> None:
     with pytest.warns(_versions.VersionWarning) as record:
         _versions.check_installed(installed(**{name: version}))
     assert len(record) == 1
     message = str(record[0].message)
     assert message.startswith(
         "treemode was not tested with the installed versions: "
-        f"{name} {version} is installed; treemode supports {name}{_versions.specifier(name)}. "
-        "It may work; if it fails, install supported versions: pip install 'jax>=0.9.2,<0.11'"
+        f"{name} {version} is installed; {says}. "
+        "It may work; if it fails, install tested versions: pip install 'jax>=0.9.2,<0.11'"
     ), message
     assert message.endswith("(set TREEMODE_SKIP_VERSION_CHECK=1 to silence this warning)")
 
@@ -132,12 +143,12 @@ def test_untested_versions_warn_naming_installed_and_supported(installed, name, 
 def test_every_problem_is_named_at_once(installed) -> None:
     errors, warns = _versions.problems(installed(jax="0.11.1", jaxlib="0.11.1", flax="0.12.0"))
     assert errors == [
-        "flax 0.12.0 is installed; treemode supports flax>=0.12.6,<0.13 "
+        "flax 0.12.0 is installed; treemode supports flax>=0.12.6 "
         "(flax before 0.12.1 does not work with it)"
     ]
     assert warns == [
-        "jax 0.11.1 is installed; treemode supports jax>=0.9.2,<0.11",
-        "jaxlib 0.11.1 is installed; treemode supports jaxlib>=0.9.2,<0.11",
+        "jax 0.11.1 is installed; treemode was tested with jax>=0.9.2,<0.11",
+        "jaxlib 0.11.1 is installed; treemode was tested with jaxlib>=0.9.2,<0.11",
     ]
 
 
@@ -155,6 +166,18 @@ def test_the_check_can_be_switched_off(installed, monkeypatch) -> None:
         _versions.check_installed(installed(flax="0.12.0"))
 
 
+_IMPORT_AND_RUN = """
+import jax.numpy as jnp
+from flax import nnx
+
+import treemode
+
+model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+assert treemode.jit(lambda m, x: m(x))(model, jnp.ones((1, 2))).shape == (1, 3)
+print("imported")
+"""
+
+
 def _import_treemode_with(tmp_path: Path, name: str, version: str) -> subprocess.CompletedProcess:
     """``import treemode`` where the package metadata says ``name`` is at ``version``."""
     info = tmp_path / f"{name}-{version}.dist-info"
@@ -163,9 +186,10 @@ def _import_treemode_with(tmp_path: Path, name: str, version: str) -> subprocess
         f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", encoding="utf-8"
     )
     env = {k: v for k, v in os.environ.items() if k != _versions.SKIP_ENV}
-    env["PYTHONPATH"] = str(tmp_path)
+    # The fake metadata first; then the treemode this test imports (a checkout's).
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(Path(treemode.__file__).parent.parent)])
     return subprocess.run(
-        [sys.executable, "-c", "import treemode; print('imported')"],
+        [sys.executable, "-c", _IMPORT_AND_RUN],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -181,14 +205,24 @@ def test_import_treemode_with_flax_0_12_0_raises(tmp_path: Path) -> None:
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(
         "ImportError: treemode cannot run with the installed versions: flax 0.12.0 is installed; "
-        "treemode supports flax>=0.12.6,<0.13"
+        "treemode supports flax>=0.12.6"
     ), proc.stderr
 
 
-def test_import_treemode_with_an_untested_jax_warns_and_imports(tmp_path: Path) -> None:
-    proc = _import_treemode_with(tmp_path, "jax", "0.11.0")
+@pytest.mark.parametrize(
+    ("name", "version"), [("jax", "0.11.0"), ("jaxlib", "0.12.1"), ("flax", "0.13.0")]
+)
+def test_import_treemode_with_a_newer_release_warns_and_imports(
+    tmp_path: Path, name: str, version: str
+) -> None:
+    """A release newer than the tested ones (faked metadata): one VersionWarning, and
+    treemode works (the installed layout is the real one, so the extension stays on)."""
+    proc = _import_treemode_with(tmp_path, name, version)
     assert proc.returncode == 0 and proc.stdout.strip() == "imported", proc.stderr
+    assert proc.stderr.count("VersionWarning") == 1, proc.stderr
     assert (
         "VersionWarning: treemode was not tested with the installed versions: "
-        "jax 0.11.0 is installed; treemode supports jax>=0.9.2,<0.11" in proc.stderr
+        f"{name} {version} is installed; treemode was tested with "
+        f"{name}{_versions.tested_specifier(name)}" in proc.stderr
     ), proc.stderr
+    assert "ExtensionWarning" not in proc.stderr, proc.stderr

@@ -8,10 +8,15 @@ from ._versions import check_installed as _check_installed
 # rather than failing later with an internal error.
 _check_installed()
 
+from . import _compiled
+from ._caches import clear_caches as clear_caches
 from ._capture import capture as capture
 from ._checkify import checkify as checkify
 from ._clone import clone as clone
 from ._closure import ClosureWarning as ClosureWarning
+from ._compiled import ExtensionStatus as ExtensionStatus
+from ._compiled import ExtensionWarning as ExtensionWarning
+from ._compiled import extension_status as extension_status
 from ._control_flow import cond as cond
 from ._control_flow import fori_loop as fori_loop
 from ._control_flow import switch as switch
@@ -57,6 +62,10 @@ from ._shard_map import shard_map as shard_map
 from ._vjp import jvp as jvp
 from ._vjp import vjp as vjp
 from ._vmap import vmap as vmap
+
+# One ExtensionWarning where the compiled extension is off but not by choice
+# (treemode.extension_status() says why).
+_compiled.announce(_compiled.STATUS)
 
 try:
     __version__ = _importlib_metadata.version("treemode")  # declared in pyproject.toml

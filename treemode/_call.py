@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any, Protocol
 
-from . import _graph
+from . import _caches, _graph
 from ._closure import closure_objects
 from ._compat import take_flax_static_cache
 from ._errors import ClosureError, StaticArgumentError, StructureError, TraceContextError
@@ -397,6 +397,7 @@ _has_aliases_of = operator.attrgetter("has_aliases")
 # Whether a combination of Variable-id sets overlaps, memoized: a training loop
 # passes the same cached arguments (so the same frozensets) on every call.
 _overlap_memo: dict[tuple[frozenset[int], ...], bool] = {}
+_caches.register(_overlap_memo.clear)
 _OVERLAP_MEMO_SIZE = 256
 
 

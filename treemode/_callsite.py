@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING, Any
 from . import _closure, _compiled
 from ._closure import closure_snapshot, unchanged_closure_objects
 from ._compat import raw_value_of as _raw_value_of
-from ._flatten import ARRAY_KEY, ArgFlat, current_dynamic, still_flattens, variables_of
+from ._flatten import (
+    ARRAY_KEY,
+    ArgFlat,
+    current_dynamic,
+    one_leaf_values,
+    still_flattens,
+    variables_of,
+)
 from ._interrupts import held_interrupts
 from ._leaves import CONCRETE_ARRAY_TYPES, is_traced
 
@@ -143,7 +150,7 @@ def _match_slow(entry: ArgFlat | None, obj: Any) -> list[Any] | None:
     """
     if entry is None:
         return [obj] if is_traced(obj) else None
-    return current_dynamic(entry) if still_flattens(entry, obj) else None
+    return current_dynamic(entry) if still_flattens(entry, obj) else None  # None: a layout changed
 
 
 def _match_into_python(
@@ -174,7 +181,10 @@ def _match_into_python(
                 guard = entry._guard
                 if guard is None or not guard.holds(entry.variables, obj):
                     return False
-                dynamic += map(_raw_value_of, entry.variables)
+                values = list(map(_raw_value_of, entry.variables))
+                if not one_leaf_values(values):
+                    return False  # a Variable's value changed layout: flattened again
+                dynamic += values
                 continue
             found = slow(entry, obj)
         if found is None:

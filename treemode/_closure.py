@@ -38,6 +38,7 @@ followable function, or neither) once per type.
 
 from __future__ import annotations
 
+import builtins
 import dis
 import functools
 import operator
@@ -46,14 +47,13 @@ import site
 import sys
 import sysconfig
 import types
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from flax import nnx
 
-from . import _compiled
+from . import _caches, _compiled
 from ._leaves import is_variable_or_graph_node
 
 # The compiled checks (treemode._compiled); None where it is off: the same checks below.
@@ -73,6 +73,7 @@ MAX_DEPTH = 4  # function hops followed from the transformed function
 # searched for NNX objects inside it (see `_Walk.search`).
 _IGNORE, _STATE, _FUNCTION, _WRAPPER, _HOLDER = range(5)
 _kinds: dict[type, int] = {}
+_caches.register(_kinds.clear)
 MAX_HOLDER_ITEMS = 256  # bigger lists, dicts and attribute dicts are not searched
 MAX_HOLDER_ENTRIES = 4096  # entries of holders looked at by one search, in all
 
@@ -94,7 +95,16 @@ def _classify(cls: type) -> int:
 
 def _user_class(cls: type) -> bool:
     """A class defined in the user's own code whose instances have attributes."""
-    if issubclass(cls, (type, types.ModuleType, BaseException)) or "__dict__" not in dir(cls):
+    return is_user_class(cls)
+
+
+def is_user_class(cls: type, *, instances_need_dict: bool = True) -> bool:
+    """Whether ``cls`` is defined in the user's own code (not the standard library,
+    an installed package or treemode), and, with ``instances_need_dict``, whether
+    its instances have a ``__dict__``."""
+    if issubclass(cls, (type, types.ModuleType, BaseException)):
+        return False
+    if instances_need_dict and "__dict__" not in dir(cls):
         return False
     module = sys.modules.get(cls.__module__)
     path = getattr(module, "__file__", None)
@@ -128,17 +138,38 @@ _LIBRARY = _library_prefixes()
 class _Plan:
     """What a code object reads: computed once per code object."""
 
-    __slots__ = ("code", "freevars", "global_names", "user_code", "snapshots")
+    __slots__ = ("code", "freevars", "global_names", "aliased", "user_code", "snapshots")
 
     def __init__(self, code: types.CodeType):
         self.code = code  # kept so that the id used as key stays this object's
         self.freevars = code.co_freevars
         self.global_names = _global_names(code)
+        # Names a substituted copy loads from the builtins (`treemode._substitute`).
+        self.aliased = any(n.startswith(ALIAS_PREFIX) for n in self.global_names)
         self.user_code = not code.co_filename.startswith(_LIBRARY)
         self.snapshots = 0  # cache entries made for functions of this code
 
 
 _plans: dict[int, _Plan] = {}
+_caches.register(_plans.clear)
+
+# The prefix of the names under which a function copied for a trace loads the
+# globals that lead to a lifted module; they live in the builtins namespace.
+ALIAS_PREFIX = "<treemode lifted "
+_BUILTINS = builtins.__dict__
+
+
+def globals_read(plan: _Plan, module_globals: dict[str, Any]) -> list[dict[str, Any]]:
+    """The namespace each of ``plan.global_names`` is read from: the globals, or the
+    builtins for an alias of a copy made for a trace."""
+    return [_BUILTINS if n.startswith(ALIAS_PREFIX) else module_globals for n in plan.global_names]
+
+
+def global_values(plan: _Plan, module_globals: dict[str, Any]) -> tuple[Any, ...]:
+    """The value of each of ``plan.global_names`` (``None`` where unbound)."""
+    if plan.aliased:
+        return tuple(map(dict.get, globals_read(plan, module_globals), plan.global_names))
+    return tuple(map(module_globals.get, plan.global_names))
 
 
 def _plan(code: types.CodeType) -> _Plan:
@@ -212,16 +243,9 @@ def closure_objects(fn: Callable[..., Any], transform: str = "jit") -> list[tupl
 
 
 def _answer(walk: _Walk, transform: str) -> list[tuple[str, Any]]:
-    for name in walk.cut:
-        warnings.warn(
-            f"treemode.{transform}: the function reaches NNX objects in {name}, a holder "
-            f"the closure search does not enter (over {MAX_HOLDER_ITEMS} entries, over "
-            f"{MAX_HOLDER_ENTRIES} entries in all, or over {MAX_DEPTH} levels deep). They "
-            "are not lifted: the compiled code keeps their values as constants, and "
-            "writing them raises. Pass them as arguments instead.",
-            ClosureWarning,
-            stacklevel=4,
-        )
+    # What the limits left out (`walk.cut`) is reported once per trace, with every
+    # other route the search does not take (`treemode._unlifted`).
+    del transform
     return walk.found
 
 
@@ -426,9 +450,12 @@ class _Walk:
         module_globals = getattr(f, "__globals__", None) if plan.global_names else None
         if module_globals:
             names = plan.global_names
-            values = tuple(map(module_globals.get, names))
+            values = global_values(plan, module_globals)
             if record:
-                self.dicts.extend([module_globals] * len(names))
+                if plan.aliased:
+                    self.dicts.extend(globals_read(plan, module_globals))
+                else:
+                    self.dicts.extend([module_globals] * len(names))
                 self.names.extend(names)
                 self.values.extend(values)
             for name, obj in zip(names, values, strict=True):
@@ -581,6 +608,11 @@ def reads_hold(reads: tuple[tuple[Any, ...], ...]) -> bool:
     """Whether every read of a closure search (a `_Snapshot`'s ``reads``) still holds."""
     if _reads_hold is not None:
         return _reads_hold(reads, _kinds, _IGNORE, _EMPTY, _IGNORED)
+    return reads_hold_python(reads)
+
+
+def reads_hold_python(reads: tuple[tuple[Any, ...], ...]) -> bool:
+    """The Python twin of the compiled ``reads_hold`` (tests/test_twins.py binds them)."""
     dicts, names, values, functions, codes, cells, attrs = reads
     if names and not all(map(operator.is_, map(dict.get, dicts, names), values)):
         return False
@@ -614,6 +646,7 @@ def read_check_args() -> tuple[dict[type, int], int, object, object]:
 
 
 _snapshots: dict[int, _Snapshot] = {}
+_caches.register(_snapshots.clear)
 # After this many cache entries for one code object, its functions are made per
 # call (a lambda in a loop) or their reads change on every call: the entry would
 # never be hit, so it is no longer made.

@@ -26,29 +26,29 @@ Every other module reads them through the accessors below, never by name.
   `ImportError` naming the supported versions (never an ``AttributeError`` at
   the first call);
 - only the layout the compiled call path relies on differs (the Variable
-  attributes are not plain ``__slots__``, or JAX's per-thread trace state is
-  not the reference Flax compares): treemode warns once and runs its
-  pure-Python path (`COMPILED_OK` is False; see ``treemode._compiled``).
+  attributes are not plain ``__slots__``): treemode runs its pure-Python path
+  (`COMPILED_OK` is False), and ``treemode._compiled`` says so in one
+  ``treemode.ExtensionWarning`` (and in ``treemode.extension_status()``).
+
+Both messages name the installed versions: pyproject.toml declares minimums
+only, so a JAX or Flax newer than the tested ones is installed as it is.
 """
 
 from __future__ import annotations
 
 import operator
 import types
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from flax import nnx
 from flax.nnx import tracers
 
-from ._versions import REQUIRED
+from ._versions import REQUIRED, describe, installed_versions, tested_specifier
 
 # The supported ranges (one source: treemode/_versions.py), named in the messages.
-SUPPORTED_VERSIONS = ", ".join(
-    f"{name}>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
-    for name, (low, high) in REQUIRED.items()
-)
+SUPPORTED_VERSIONS = ", ".join(f"{name} {describe(name)}" for name in REQUIRED)
+_INSTALL_TESTED = " ".join(f"'{name}{tested_specifier(name)}'" for name in REQUIRED)
 
 RAW_VALUE = "_raw_value"
 VAR_METADATA = "_var_metadata"
@@ -129,32 +129,43 @@ def check(
     return Report(tuple(missing), tuple(layout), tuple(fallbacks))
 
 
-def resolve(report: Report) -> bool:
+def resolve(report: Report, installed: str | None = None) -> bool:
     """Act on a `Report`: whether the compiled call path may run.
 
-    Raises `ImportError` (naming the supported versions) for a missing name;
-    warns once (a `RuntimeWarning`) and returns ``False`` for a layout problem.
+    **Arguments:**
+
+    - ``report``: what `check` found.
+    - ``installed``: the installed versions in words, for the message (default:
+      read from the package metadata).
+
+    **Returns:** ``False`` for a layout problem (``treemode._compiled`` then
+    leaves the extension off and warns once, naming `layout_problem`), else ``True``.
+
+    **Raises:** `ImportError` naming the installed and the supported versions
+    for a missing name (the pure-Python path cannot run either).
     """
     if report.missing:
+        installed = installed_versions() if installed is None else installed
         raise ImportError(
-            "treemode does not support the installed Flax/JAX: "
+            f"treemode does not support the installed Flax/JAX ({installed}): "
             + ", ".join(report.missing)
-            + f" not found. Supported: {SUPPORTED_VERSIONS}."
+            + f" not found. Supported: {SUPPORTED_VERSIONS}. Install tested versions:"
+            + f" pip install {_INSTALL_TESTED}"
         )
-    if report.layout:
-        warnings.warn(
-            "treemode: the installed Flax/JAX differ from the supported ones ("
-            + "; ".join(report.layout)
-            + f"); running the pure-Python call path (slower). Supported: {SUPPORTED_VERSIONS}.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return False
-    return True
+    return not report.layout
+
+
+def layout_problem(report: Report, installed: str | None = None) -> str:
+    """Why the compiled path cannot read the installed layout, in words ("" where it can)."""
+    if not report.layout:
+        return ""
+    installed = installed_versions() if installed is None else installed
+    return "; ".join(report.layout) + f" (installed: {installed}; supported: {SUPPORTED_VERSIONS})"
 
 
 REPORT = check()
 COMPILED_OK = resolve(REPORT)
+LAYOUT_PROBLEM = layout_problem(REPORT)
 
 # -- Accessors ---------------------------------------------------------------------
 
@@ -263,4 +274,12 @@ def _flax_graph_prefix() -> tuple[type | None, Any]:
 FLAX_TREE_STATE, flax_from_tree = _flax_graph_prefix()
 
 
-__all__ = ["COMPILED_OK", "Report", "SUPPORTED_VERSIONS", "check", "resolve"]
+__all__ = [
+    "COMPILED_OK",
+    "LAYOUT_PROBLEM",
+    "Report",
+    "SUPPORTED_VERSIONS",
+    "check",
+    "layout_problem",
+    "resolve",
+]

@@ -25,7 +25,7 @@ from typing import Any
 
 from . import _graph
 from ._call import Call, CallKey, PreparedCall, prepare
-from ._explain import EXPLAINED, raise_explained
+from ._explain import EXPLAINED, EXPLAINED_OR_NAMING, raise_explained
 from ._pure import PureFunction, describe_structure_change
 from ._writeback import WriteBack, check_writable, write_all, write_back
 
@@ -45,6 +45,7 @@ def run(
     jax_call: Callable[[], tuple[Any, Any]],
     *,
     finish: bool = True,
+    layout: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> Any:
     """Run one prepared call: bind, call JAX, explain a failure, write back, finish.
 
@@ -56,14 +57,16 @@ def run(
     metadata updates the first pure function's trace recorded), a `WriteBack`
     or `WriteBacks`. Returns ``out``, through ``from_tree`` in graph mode
     unless ``finish`` is false (the transform then finishes what it returns).
+    ``layout`` says how an executable with donated arrays takes them (see
+    `raise_explained`).
     """
     pairs = ((pure, call),) if isinstance(pure, PureFunction) else pure
     for p, c in pairs:
         p.bind(c)
     try:
         out, writes = jax_call()
-    except EXPLAINED as e:
-        raise_explained(call, e)
+    except EXPLAINED_OR_NAMING as e:
+        raise_explained(call, e, layout)
     finally:
         for p, _ in pairs:
             p.bind(None)

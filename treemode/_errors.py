@@ -36,6 +36,15 @@ class DonationError(TreemodeError, ValueError):
     """Donated arguments share a buffer, or a donated argument is static."""
 
 
+class DeletedArrayError(TreemodeError, RuntimeError):
+    """An input's array was deleted before the call, and no treemode transform donated it.
+
+    The user's code deleted it (``array.delete()``) or donated it to a plain
+    ``jax.jit``. A ``RuntimeError``, as JAX's own error for a deleted array.
+    (Not exported yet: caught as ``treemode.TreemodeError`` or ``RuntimeError``.)
+    """
+
+
 class TraceContextError(TreemodeError, ValueError):
     """A transform would write a value into a Variable that belongs to another trace."""
 

@@ -6,8 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from flax import nnx
 
-from . import _core
+from . import _compat, _core
+from ._leaves import is_variable
 
 
 def eval_shape(fun: Callable[..., Any], *args: Any, graph: bool = False, **kwargs: Any) -> Any:
@@ -17,6 +19,16 @@ def eval_shape(fun: Callable[..., Any], *args: Any, graph: bool = False, **kwarg
     function would change are left exactly as they are, and no Variable ever ends
     up holding a tracer. Modules created by `fun` come back with
     `jax.ShapeDtypeStruct` values: the usual way to build an abstract model.
+
+    Under a mesh (``jax.set_mesh(mesh)``, or a ``mesh`` in a Variable's
+    metadata), as with Flax's ``nnx.eval_shape``, each returned Variable whose
+    abstract value has no sharding gets the one its metadata names:
+    ``NamedSharding(mesh, P(...))`` from ``sharding_names`` /
+    ``nnx.with_partitioning`` (``P()`` without one), logical axis rules
+    applied. The abstract model is then a restore target that keeps the
+    sharding each Variable is meant to have (e.g. for Orbax:
+    ``nnx.state(abstract)`` as the target of a restore, then
+    ``nnx.update(abstract, restored)``).
 
     **Arguments:**
 
@@ -41,4 +53,38 @@ def eval_shape(fun: Callable[..., Any], *args: Any, graph: bool = False, **kwarg
     call = _core.prepare("eval_shape", fun, args, kwargs, graph=graph, abstract=True)
     pure = _core.PureFunction(call)
     # The updates' shapes are dropped: nothing is written back.
-    return _core.run(call, pure, lambda: (jax.eval_shape(pure, *call.dynamic)[0], None))
+    out = _core.run(call, pure, lambda: (jax.eval_shape(pure, *call.dynamic)[0], None))
+    return _with_metadata_sharding(out)
+
+
+def _with_metadata_sharding(out: Any) -> Any:
+    """Give each abstract value of ``out``'s Variables the sharding its metadata names.
+
+    Only values without a sharding (JAX gives one under a mesh of explicit
+    axes), and only where there is a mesh: the Variable's ``mesh`` metadata or
+    the current one. The Variables are the ones `eval_shape` made, so they are
+    set in place (a Variable returned twice is set once).
+    """
+    current = jax.sharding.get_abstract_mesh()
+    global_mesh = None if current.empty else current
+    for var in jax.tree_util.tree_leaves(out, is_leaf=is_variable):
+        if not is_variable(var):
+            continue
+        value = _compat.raw_value_of(var)
+        if not isinstance(value, jax.ShapeDtypeStruct) or value.sharding is not None:
+            continue
+        mesh = _compat.metadata_of(var).get("mesh") or global_mesh
+        if mesh is None:
+            continue
+        spec = nnx.get_partition_spec(var)
+        spec = _compat.raw_value_of(spec) if is_variable(spec) else spec
+        if not isinstance(spec, jax.sharding.PartitionSpec):
+            continue
+        sharding = jax.sharding.NamedSharding(mesh, spec)
+        _compat.set_raw_value(
+            var,
+            jax.ShapeDtypeStruct(
+                value.shape, value.dtype, sharding=sharding, weak_type=value.weak_type
+            ),
+        )
+    return out

@@ -24,11 +24,18 @@ from flax.nnx.statelib import State
 from jax.core import Tracer
 from jax.tree_util import PyTreeDef
 
-from . import _compiled
+from . import _caches, _compiled
 from ._compat import metadata_of as _metadata_of
 from ._compat import raw_value_of as _raw_value_of
 from ._errors import AliasError
-from ._leaves import CONCRETE_ARRAY_TYPES, is_graph_node, is_python_scalar, is_variable
+from ._leaves import (
+    CONCRETE_ARRAY_TYPES,
+    is_array,
+    is_graph_node,
+    is_python_scalar,
+    is_variable,
+    is_variable_value_leaf,
+)
 from ._paths import paths_and_leaves
 from ._recursion import CycleFound, find_cycle, recursion_headroom
 from ._specs import (  # noqa: F401  (re-exported: the names every flattening user needs)
@@ -271,6 +278,10 @@ class _Guard:
         """
         if self.compiled_state is not None:
             return _compiled_holds(self.compiled_state, variables, top)  # type: ignore[misc]
+        return self.holds_python(variables, top)
+
+    def holds_python(self, variables: list[Any], top: Any) -> bool:
+        """The Python twin of the compiled ``holds`` (tests/test_twins.py binds them)."""
         if (
             (self.top_type is not None and type(top) is not self.top_type)
             or (self.top_dict is not None and _dict_of(top) is not self.top_dict)
@@ -443,6 +454,7 @@ def _is_plain_leaf(x: Any) -> bool:
 
 
 _cache: dict[int, ArgFlat] = {}
+_caches.register(_cache.clear)
 _ARRAY_FLAT = ArgFlat(jax.tree_util.tree_structure(0), (DYNAMIC,), [None])
 ARRAY_KEY = _ARRAY_FLAT.key  # the structure key of every bare array argument
 
@@ -495,7 +507,9 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     entry = _cache.get(key)
     if entry is not None and entry._ref is not None and entry._ref() is arg:
         if still_flattens(entry, arg):
-            return _refresh(entry)
+            fresh = _refresh(entry)
+            if fresh is not None:
+                return fresh
         _cache.pop(key, None)  # not ``del``: another thread may have removed it
     if is_dynamic(arg) and not is_variable(arg):
         return _array_flat(arg)
@@ -551,8 +565,12 @@ def variables_of(flats: Sequence[ArgFlat]) -> list[Any]:
 _variables_of = operator.attrgetter("variables")
 
 
-def _refresh(entry: ArgFlat) -> ArgFlat:
-    """A copy of ``entry`` with the Variables' current values."""
+def _refresh(entry: ArgFlat) -> ArgFlat | None:
+    """A copy of ``entry`` with the Variables' current values (``None``: a value's
+    layout changed, see `current_dynamic`)."""
+    dynamic = current_dynamic(entry)
+    if dynamic is None:
+        return None
     fresh = ArgFlat.__new__(ArgFlat)
     fresh.treedef = entry.treedef
     fresh.specs = entry.specs
@@ -569,22 +587,57 @@ def _refresh(entry: ArgFlat) -> ArgFlat:
     fresh._variable_specs = None
     fresh.values_only = entry.values_only
     fresh._fast = None
-    fresh.dynamic = current_dynamic(entry)
+    fresh.dynamic = dynamic
     return fresh
 
 
-def current_dynamic(entry: ArgFlat) -> list[Any]:
-    """The dynamic arrays of a cached flattening, with the Variables' current values."""
+def current_dynamic(entry: ArgFlat) -> list[Any] | None:
+    """The dynamic arrays of a cached flattening, with the Variables' current values.
+
+    ``None`` if a Variable's value is no longer one array (it became a dict, a
+    tuple, ``None``, a string, ...): the flattening's structure key no longer
+    describes the argument, which must be flattened again.
+    """
     if entry.values_only:
-        return list(map(_raw_value_of, entry.variables))
-    dynamic: list[Any] = []
+        dynamic = list(map(_raw_value_of, entry.variables))
+        return dynamic if one_leaf_values(dynamic) else None
+    dynamic = []
+    values: list[Any] = []
     variables = iter(entry.variables)
     for spec, leaf in zip(entry.specs, entry.leaves, strict=True):
         if type(spec) is VarSpec:
-            dynamic.append(_raw_value_of(next(variables)))
+            value = _raw_value_of(next(variables))
+            dynamic.append(value)
+            values.append(value)
         elif spec is DYNAMIC:
             dynamic.append(leaf)
-    return dynamic
+    return dynamic if one_leaf_values(values) else None
+
+
+# Types seen as a Variable value that is one traced leaf (tracers excluded: see
+# `CONCRETE_ARRAY_TYPES`): a cached flattening reads each value once per call.
+_ONE_LEAF_TYPES: set[type] = {bool, int, float, complex}
+
+
+def one_leaf_values(values: Iterable[Any]) -> bool:
+    """Whether each of ``values`` (Variables' raw values) is one traced leaf.
+
+    A cached flattening holds only Variables whose value was one array when it
+    was made; a value since replaced by a pytree (or a non-array) changes the
+    argument's structure, as a fresh flattening would see.
+    """
+    values = values if isinstance(values, list) else list(values)
+    if _ONE_LEAF_TYPES.issuperset(map(type, values)):
+        return True
+    for value in values:
+        if type(value) in _ONE_LEAF_TYPES:
+            continue
+        if not is_variable_value_leaf(value):
+            return False
+        if not isinstance(value, Tracer):
+            _ONE_LEAF_TYPES.add(type(value))
+            is_array(value)  # an array type: the compiled match then checks it in C
+    return True
 
 
 def check_no_aliases(transform: str = "check_no_aliases", /, **trees: Any) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _core, _graph
 from ._errors import StructureError
-from ._flatten import DYNAMIC, StaticLeaf, VarSpec
+from ._flatten import DYNAMIC, StaticLeaf, VarSpec, first_duplicate
 from ._leaves import ARRAY_TYPES, is_graph_node, is_variable
 from ._lifts import refuse_lifts
 from ._paths import format_path
@@ -179,6 +179,8 @@ def dynamic_like(
         try:
             leaves = flat.treedef.flatten_up_to(tree)
         except (ValueError, TypeError) as e:
+            if call.graph:
+                _raise_unshared(call, k, name, transform, what)
             raise StructureError(
                 f"treemode.{transform}: the {what} for {name} does not have the structure "
                 f"of the argument ({type(tree).__name__} given for a "
@@ -228,6 +230,27 @@ def _checked(
             f"shape {np.shape(x)} where the argument has shape {np.shape(primal)}",
         )
     return x
+
+
+def _raise_unshared(call: _core.Call, k: int, name: str, transform: str, what: str) -> None:
+    """``graph=True``: a tangent/cotangent that does not share objects as its primal does.
+
+    Returns if the primal has no shared Variable (the plain structure error applies).
+    """
+    primal = _graph.original_roots(call)[k][1]
+    shared = first_duplicate([(name, primal)])
+    if shared is None:
+        return
+    var, first, second = shared
+    raise StructureError(
+        f"treemode.{transform}: the {what} for {name} does not share objects as the "
+        f"argument does: in graph mode the {type(var).__name__} at {first} is also at "
+        f"{second}, so the {what} must hold one object at both paths too (a {what} built "
+        f"with jax.tree.map over a {type(primal).__name__} holds two separate copies).\n"
+        f"Build the {what} from a copy that keeps the sharing, e.g. "
+        "`t = nnx.clone(m); nnx.update(t, jax.tree.map(jnp.ones_like, nnx.state(t)))`, "
+        "or pass None for zeros."
+    ) from None
 
 
 def _raise_leaf(

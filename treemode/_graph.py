@@ -254,6 +254,87 @@ def check_one_spec_per_variable(
                 )
 
 
+_NO_SPEC: Any = object()  # `_spec_at`: the prefix does not reach this path
+
+
+def check_one_output_spec_per_variable(
+    transform: str,
+    what: str,
+    out: Any,
+    prefix: Any,
+    is_spec_leaf: Callable[[Any], bool] | None = None,
+    root: str = "output",
+    describe: Callable[[Any], str] = repr,
+) -> None:
+    """``graph=True``: raise if one Variable returned at two paths gets two output specs.
+
+    The output side of `check_one_spec_per_variable`. With sharing, a Variable
+    returned at two paths of ``out`` (the function's output, before `to_tree`)
+    is one output of the JAX transform, which takes it at the first path
+    only: ``prefix`` (``out_axes``, ``out_specs``, ``out_shardings``: a prefix
+    of ``out``, possibly module-shaped, its Variables holding the values) must
+    give every path of it the same specification. Paths the prefix does not
+    reach are left to JAX's own error. ``is_spec_leaf`` marks further prefix
+    leaves (e.g. `treemode.Carry`); ``root`` starts the paths in the message.
+    Runs at trace time only.
+
+    **Raises:**
+
+    `AliasError` naming both paths and both specifications.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_variable)[0]
+    first: dict[int, tuple[Any, Any]] = {}
+    for path, leaf in leaves:
+        if not is_variable(leaf):
+            continue
+        seen = first.get(id(leaf))
+        if seen is None:
+            first[id(leaf)] = (path, _NO_SPEC)
+            continue
+        if seen[1] is _NO_SPEC:
+            seen = first[id(leaf)] = (seen[0], _spec_at(prefix, seen[0], is_spec_leaf))
+        spec = _spec_at(prefix, path, is_spec_leaf)
+        if seen[1] is _NO_SPEC or spec is _NO_SPEC or same_spec(seen[1], spec):
+            continue
+        where = [format_path(seen[0], root), format_path(path, root)]
+        raise AliasError(
+            f"treemode.{transform}: Inconsistent aliasing detected: the "
+            f"{type(leaf).__name__} returned at {where[0]} is also returned at {where[1]} "
+            f"(shared, graph=True), with two different {what}, {where[0]}: "
+            f"{describe(seen[1])} and {where[1]}: {describe(spec)}. Duplicate references "
+            "to one Variable are one output of the transform, so it takes one "
+            "specification.\n"
+            f"Fix: give both places the same {what}, or return the Variable only once."
+        )
+
+
+def _spec_at(prefix: Any, path: tuple[Any, ...], is_spec_leaf: Callable[[Any], bool] | None) -> Any:
+    """The specification ``prefix`` gives the output leaf at ``path`` (`_NO_SPEC`: none)."""
+    node = prefix
+    for key in path:
+        if _is_prefix_leaf(node, is_spec_leaf):
+            break
+        for child_path, child in _one_level(node):
+            if child_path == (key,):
+                node = child
+                break
+        else:
+            return _NO_SPEC
+    if not _is_prefix_leaf(node, is_spec_leaf):
+        return _NO_SPEC
+    return node.get_raw_value() if is_variable(node) else node
+
+
+def _one_level(node: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    return jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+
+
+def _is_prefix_leaf(node: Any, is_spec_leaf: Callable[[Any], bool] | None) -> bool:
+    if node is None or is_variable(node) or (is_spec_leaf is not None and is_spec_leaf(node)):
+        return True
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node))
+
+
 def same_spec(a: Any, b: Any) -> bool:
     """Whether two specifications (axes, shardings, ...) given to one Variable agree:
     the same object, or equal values of the same type."""

@@ -712,13 +712,36 @@ match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *sources,
         result = state_holds(PyTuple_GET_ITEM(fast, 1), variables, obj);
         if (result != 1)
             goto done;
+        /* Each value must still be one array (of a type in `array_types`): a value
+         * that became a pytree, None or a number is decided in Python. */
+        Py_ssize_t start = dynamic->n;
+        int all_arrays = 1;
+        PyTypeObject *seen_type = NULL; /* the last type found in `array_types` */
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(variables); i++) {
             result = gather_raw_value(dynamic, PyTuple_GET_ITEM(variables, i));
             if (result != 1)
                 goto done;
+            PyTypeObject *type = Py_TYPE(dynamic->items[dynamic->n - 1]);
+            if (type == seen_type)
+                continue;
+            int known = PySet_Contains(array_types, (PyObject *)type);
+            seen_type = known == 1 ? type : NULL;
+            if (known < 0) {
+                result = -1;
+                goto done;
+            }
+            if (!known) { /* a Python number, or a value whose layout changed: Python decides */
+                all_arrays = 0;
+                break;
+            }
         }
-        result = gathered_push(sources, entry) < 0 ? -1 : 1;
-        goto done;
+        if (all_arrays) {
+            result = gathered_push(sources, entry) < 0 ? -1 : 1;
+            goto done;
+        }
+        while (dynamic->n > start)
+            Py_DECREF(dynamic->items[--dynamic->n]);
+        result = 0;
     }
     /* Anything else is decided in Python: the new dynamic arrays, or None. */
     PyObject *found = PyObject_CallFunctionObjArgs(slow, entry ? entry : Py_None, obj, NULL);

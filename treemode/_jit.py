@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from jax.core import Tracer
 
-from . import _callsite, _compiled, _core, _explain, _retrace, _writeback
+from . import _caches, _callsite, _compiled, _core, _explain, _retrace, _writeback
 from ._axes import graph_prefix_values
 from ._callsite import CallSite
 from ._errors import DonationError, StructureError
@@ -30,11 +30,21 @@ R = TypeVar("R")
 
 _UNSET: Any = UNSPECIFIED
 
+
+def _raise_failure(call: Any, error: BaseException) -> Any:
+    """A failed memo-matched call (`_callsite.SiteCall`): `_explain.raise_explained`,
+    told how the memo's executable takes donated arrays."""
+    layout = None
+    rebuild = call.site._rebuild()
+    memo = getattr(getattr(rebuild, "__self__", None), "_memo", None)
+    if memo is not None and memo[0] is call.site and memo[1].donated:
+        layout = (memo[1].donated, memo[1].kept)
+    _explain.raise_explained(call, error, layout)
+
+
 # What the compiled call path compares with and calls back (treemode._compiled), once.
 _compiled.configure(
-    _callsite.call_path_config(
-        _explain.raise_explained, _writeback, "store", _writeback.DEFAULT_STORE
-    )
+    _callsite.call_path_config(_raise_failure, _writeback, "store", _writeback.DEFAULT_STORE)
 )
 
 
@@ -91,6 +101,7 @@ class _Entry:
         for position, i in enumerate(donated + self.kept):
             self._order[i] = position
         if donated:
+            _explain.note_donation()
             self.jitted = jax.jit(self._call_split, donate_argnums=0, **jit_kwargs)
         else:
             self.jitted = jax.jit(self._call_flat, **jit_kwargs)
@@ -258,12 +269,14 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         # (one attribute, so threads never pair one call's site with another's
         # entry): a loop calling with the same objects skips ``prepare``.
         self._memo: tuple[CallSite, _Entry, Any] | None = None
+        _caches.track(self)  # treemode.clear_caches() calls clear_cache()
 
     def __copy__(self) -> JitWrapped[P, R]:
         """``copy.copy``: a wrapper of the same function sharing its compiled entries."""
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
         copied._memo = self._memo
+        _caches.track(copied)
         return copied
 
     def __deepcopy__(self, memo: dict[int, Any]) -> JitWrapped[P, R]:
@@ -330,6 +343,8 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             var_offset += len(flat.variables)
             dyn_offset += len(flat.dynamic)
         pure = _core.PureFunction(call, force_updates=frozenset(force))
+        if self.graph and self.out_shardings is not _UNSET:  # one per shared Variable
+            pure.output_spec = ("out_shardings", self.out_shardings, _whole, _is_sharding, "output")
         jit_kwargs: dict[str, Any] = dict(keep_unused=self.keep_unused, inline=self.inline)
         if self.device is not None:
             jit_kwargs["device"] = self.device
@@ -459,7 +474,7 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             # From the executable's start to the end of the write, the new values are
             # the only whole state: a Ctrl-C waits for the write (docs/guides/jit.md).
             with held_interrupts():
-                return _core.run(call, entry.pure, jax_call)
+                return _core.run(call, entry.pure, jax_call, layout=(entry.donated, entry.kept))
         return _core.run(call, entry.pure, jax_call)
 
     # -- AOT ---------------------------------------------------------------------
@@ -488,6 +503,10 @@ class JitWrapped(_MemoCall, Generic[P, R]):
     def clear_cache(self) -> None:
         self._cache.clear()
         self._memo = None
+
+
+def _whole(out: Any) -> Any:
+    return out
 
 
 def _is_sharding(x: Any) -> bool:

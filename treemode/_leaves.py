@@ -15,10 +15,14 @@ from flax import nnx
 from jax.core import Tracer
 from jax.tree_util import PyTreeDef
 
+from . import _caches
+
 Variable = nnx.Variable
 
 _variable_types: dict[type, bool] = {}
 _graph_types: dict[type, bool] = {}
+_caches.register(_variable_types.clear)
+_caches.register(_graph_types.clear)
 
 # Leaf types that are traced (passed to JAX as arrays).
 ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray, np.generic)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +27,7 @@ from ._leaves import (
     is_array,
     is_graph_node,
     is_variable,
+    is_variable_or_graph_node,
     same_static,
     same_treedef,
 )
@@ -35,6 +36,7 @@ from ._recursion import recursion_headroom
 from ._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild
 from ._stale import mark_trace_time
 from ._substitute import Substitution
+from ._unlifted import warn_unlifted
 
 
 @dataclasses.dataclass
@@ -80,6 +82,14 @@ def _rebuild_closure(call: Call, dynamic: Sequence[Any]) -> _Closure:
         closure.variables.extend(variables)
         closure.roots.append((root, obj, tree, key, leaves))
     return closure
+
+
+def _known_objects(call: Call) -> set[int]:
+    """The ids of the NNX objects a call hands the function: lifted or arguments."""
+    known = {id(obj) for _, obj, _ in call.lifted_objects}
+    leaves = jax.tree_util.tree_leaves((call.args, call.kwargs), is_leaf=is_variable_or_graph_node)
+    known.update(id(x) for x in leaves if is_variable_or_graph_node(x))
+    return known
 
 
 def _check_reached(transform: str, closure: _Closure, substitution: Substitution) -> None:
@@ -128,6 +138,11 @@ class PureFunction:
         self.kw_names = call.kw_names
         self.force = force_updates
         self.allow_output_variables = allow_output_variables
+        # ``graph=True``: the transform's output specification, checked against
+        # the outputs at trace time (`_graph.check_one_output_spec_per_variable`):
+        # ``(what, prefix, select, is_spec_leaf, root)``, ``select`` picking from
+        # the function's output the part ``prefix`` describes (named ``root``).
+        self.output_spec: tuple[str, Any, Callable[[Any], Any], Any, str] | None = None
         self.record = TraceRecord()
         # The current Call in ``binding.call``, per thread so concurrent calls do
         # not see each other. `bind` sets it; a hot path may set it directly.
@@ -192,20 +207,27 @@ class PureFunction:
         mark_trace_time(self, all_vars, [root for root, *_ in closure.roots])
         fn = self.fn
         substitution = None
-        if closure.replacements:
-            substitution = Substitution(closure.replacements)
-            user_fn = substitution.callable(call.fn)
-            fn = user_fn if fn is call.fn else substitution.callable(fn)
-            _check_reached(self.transform, closure, substitution)
-            self.binding.fn = user_fn  # what `user_fn` gives wrappers of the user function
         try:
+            if closure.replacements:
+                substitution = Substitution(closure.replacements)
+                user_fn = substitution.callable(call.fn)
+                fn = user_fn if fn is call.fn else substitution.callable(fn)
+                _check_reached(self.transform, closure, substitution)
+                self.binding.fn = user_fn  # what `user_fn` gives wrappers of the user function
             out = fn(*inputs.args, **inputs.kwargs)
         finally:
             if substitution is not None:
                 self.binding.fn = None
                 substitution.finish()
+        # After the call: what it read may have been made on the way (an lru_cache).
+        warn_unlifted(self.transform, call.fn, _known_objects(call))
         self._check_structure(call, inputs, out)
         self._check_closure_structure(closure)
+        if self.graph and self.output_spec is not None:
+            what, prefix, select, is_spec_leaf, root = self.output_spec
+            _graph.check_one_output_spec_per_variable(
+                self.transform, what, select(out), prefix, is_spec_leaf, root
+            )
         out_tree = _graph.to_tree(out) if self.graph else out
         self._check_outputs(call, out_tree, all_vars)
         updates = self._collect_updates(call, all_vars, dynamic)
@@ -334,8 +356,9 @@ class PureFunction:
                 )
             raise AliasError(
                 f"treemode.{self.transform}: {head}\n"
-                "Tree mode does not support Variable aliasing between inputs and outputs: "
-                "the returned one would come back as an independent copy. Return its value "
+                f"{'Graph mode (graph=True)' if self.graph else 'Tree mode'} does not "
+                "support Variable aliasing between inputs and outputs: the returned one "
+                "would come back as an independent copy. Return its value "
                 "instead (e.g. `var[...]`), or return a new module built inside the function."
             )
         raise AliasError(

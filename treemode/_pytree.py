@@ -25,7 +25,7 @@ from flax import nnx
 from jax.core import Tracer
 from jax.tree_util import GetAttrKey
 
-from . import _compat
+from . import _caches, _compat
 from ._errors import ProxyError, TraceContextError
 from ._graph import from_tree, to_tree
 from ._leaves import (
@@ -190,6 +190,7 @@ class PytreeDef(StructureKey):
 
 
 _interned: weakref.WeakValueDictionary[int, PytreeDef] = weakref.WeakValueDictionary()
+_caches.register(_interned.clear)
 
 
 def _unpickle_def(treedef: Any, specs: tuple[Any, ...]) -> PytreeDef:
@@ -360,6 +361,9 @@ class Pytree(Generic[M]):
     is a constant there: calling its stateless methods works, and a call that
     would store that transform's traced values in it (BatchNorm statistics, RNG
     counters) raises `treemode.TraceContextError` and leaves the proxy as it was.
+    The module such a transform builds from the proxy is used inside that trace
+    only: afterwards, eager reads, `with proxy as module:` edits and training
+    calls work on a module built outside any trace.
 
     **Arguments:**
 
@@ -380,7 +384,15 @@ class Pytree(Generic[M]):
     ```
     """
 
-    __slots__ = ("_pt_def", "_pt_leaves", "_pt_module", "_pt_vars", "_pt_watch", "_pt_trace")
+    __slots__ = (
+        "_pt_def",
+        "_pt_leaves",
+        "_pt_module",
+        "_pt_vars",
+        "_pt_watch",
+        "_pt_trace",
+        "_pt_module_trace",
+    )
 
     _pt_def: PytreeDef
     _pt_leaves: tuple[Any, ...]
@@ -388,6 +400,7 @@ class Pytree(Generic[M]):
     _pt_vars: list[Any] | None
     _pt_watch: tuple[int, ...] | list[int]
     _pt_trace: Any  # the JAX trace the proxy was made in (its weak reference)
+    _pt_module_trace: Any  # the JAX trace the cached module was built in
 
     def __init__(self, module: M):
         if isinstance(module, Pytree):
@@ -415,11 +428,25 @@ class Pytree(Generic[M]):
     # -- materialization ------------------------------------------------------
 
     def _pt_materialize(self) -> Any:
+        """The module, cached for the JAX trace it is built in.
+
+        Its Variables belong to that trace (NNX refuses to write them from
+        another), so a module built inside a transform that reads the proxy
+        through its closure is used there only: the next read outside that
+        trace builds the module again from the proxy's leaves.
+        """
         module = self._pt_module
+        trace = current_trace_ref()
+        if module is not None and self._pt_module_trace is not trace:
+            if self._pt_watch and self._pt_module_trace is self._pt_trace:
+                self._pt_sync()  # keep the edits made where the proxy lives
+            module = None
         if module is None:
             module, variables = materialize(self._pt_def, self._pt_leaves, wrap=True)
             _set(self, "_pt_module", module)
             _set(self, "_pt_vars", variables)
+            _set(self, "_pt_watch", ())
+            _set(self, "_pt_module_trace", trace)
         return module
 
     def _pt_drop(self) -> None:
@@ -660,6 +687,7 @@ def _init(p: Pytree[Any], pdef: PytreeDef, leaves: tuple[Any, ...]) -> None:
     _set(p, "_pt_vars", None)
     _set(p, "_pt_watch", ())
     _set(p, "_pt_trace", current_trace_ref())
+    _set(p, "_pt_module_trace", None)
 
 
 def from_parts(pdef: PytreeDef, leaves: Iterable[Any]) -> Pytree[Any]:

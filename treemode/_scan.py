@@ -48,6 +48,10 @@ def is_carry(x: Any) -> bool:
     return x is Carry or x is nnx.Carry
 
 
+def _ys(out: tuple[Any, Any]) -> Any:
+    return out[1]
+
+
 def _is_spec_leaf(x: Any) -> bool:
     return is_axis(x) or is_carry(x)
 
@@ -381,6 +385,8 @@ class ScanWrapped:
             state_vars = probe_changed(probe, call, probe_avals) & candidates
         pure = _core.PureFunction(call, force_updates=state_vars)
         pure.fn = self._body(pure, entries, layout, carry_pos)
+        if self.graph:  # one out_axes per shared Variable of the stacked outputs
+            pure.output_spec = ("out_axes", self.out.ys_axes(), _ys, _is_spec_leaf, "ys")
         loop = LoopState(
             "scan", call, layout.free if layout else [], state_vars, (j for j, _ in scanned)
         )

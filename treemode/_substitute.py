@@ -7,32 +7,45 @@ of the user's classes). Inside a trace, the pure function (``_pure``) rebuilds
 each of them from its structure key, with new Variables holding the traced
 values. `Substitution.callable` then makes a version of the function that reaches the
 rebuilt objects instead of the originals, by the same routes: a new function
-object over the same code with new closure cells, a copy of the globals dict, new
-defaults; a new bound method or ``functools.partial``; copies of the holders on
-the way. Only what leads to a rebuilt object is copied; everything else is shared.
+object with new closure cells and new defaults; a new bound method or
+``functools.partial``; copies of the holders on the way. Only what leads to a
+rebuilt object is copied; everything else is shared.
+
+A copied function keeps its module's real globals dict, so globals behave as
+under eager execution: what a helper sets the function reads, what the
+function sets a helper (or ``sys.modules[__name__]``) reads, at once. The
+globals that lead to a rebuilt object are loaded under aliases instead: the
+copy's code (and the code nested in it) names them ``<treemode lifted NAME
+ID>``, defined in the builtins namespace for the duration of the trace
+(`Substitution.finish` removes them). Where a name cannot be renamed alone (the
+code also uses it as an attribute or import name), that function runs over a
+copy of its globals dict instead, and what it assigns there is copied back.
 
 Nothing the caller can see is written while the function runs: another thread
 reading or writing the module during the trace sees its own values, never a
-tracer. What the function itself assigns while it is traced to a global, or to
-an attribute of a plain object it was reached through, is copied back to the
-original when the function returns (`Substitution.finish`), as if it had run on
-the originals; an attribute or global that held a lifted module keeps the
-original module.
+tracer. What the function itself assigns while it is traced to an attribute of
+a plain object it was reached through is copied back to the original when the
+function returns (`Substitution.finish`), as if it had run on the originals; an
+attribute or global that held a lifted module keeps the original module.
 """
 
 from __future__ import annotations
 
+import builtins
 import copy
+import dis
 import functools
 import types
 from collections.abc import Callable
 from typing import Any
 
 from ._closure import (
+    ALIAS_PREFIX,
     EMPTY,
     MAX_DEPTH,
     MAX_HOLDER_ITEMS,
     cell_value,
+    global_values,
     holder_kind,
     holder_values,
     plan_of,
@@ -41,6 +54,32 @@ from ._closure import (
 
 _FUNCTION, _WRAPPER, _HOLDER = user_function_kinds()
 _MISSING = object()
+_BUILTINS = builtins.__dict__
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"})
+
+
+def _aliased_code(code: types.CodeType, aliases: dict[str, str]) -> types.CodeType | None:
+    """``code`` (and the code objects nested in it) with each global named in
+    ``aliases`` renamed to its alias; ``None`` where a name is also used as an
+    attribute, import or local name in the same code object (renaming would
+    change those too)."""
+    consts = []
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            nested = _aliased_code(const, aliases)
+            if nested is None:
+                return None
+            const = nested
+        consts.append(const)
+    renamed = aliases.keys() & set(code.co_names)
+    if renamed:
+        for instruction in dis.get_instructions(code):
+            if instruction.argval in renamed and instruction.opname not in _GLOBAL_OPS:
+                if instruction.opcode in dis.hasname:
+                    return None
+        co_names = tuple(aliases[n] if n in renamed else n for n in code.co_names)
+        return code.replace(co_names=co_names, co_consts=tuple(consts))
+    return code.replace(co_consts=tuple(consts))
 
 
 class Substitution:
@@ -53,6 +92,9 @@ class Substitution:
         self._followed: set[int] = set()
         self._built: dict[int, Any] = {}
         self._keep: list[Any] = []  # the originals looked at, so their ids stay theirs
+        # (alias, globals, name) still to define; the aliases defined in builtins
+        self._pending: list[tuple[str, dict[str, Any], str]] = []
+        self._defined: list[str] = []
         # (original dict, copy, the names whose value was substituted, the original's
         # items when the copy was made): what the function assigns goes back.
         self._dicts: list[
@@ -105,7 +147,7 @@ class Substitution:
             children += list(obj.__defaults__ or ())
             children += list((obj.__kwdefaults__ or {}).values())
             module_globals = obj.__globals__
-            children += [module_globals.get(name) for name in plan.global_names]
+            children += global_values(plan, module_globals)
             return children
         if kind == _WRAPPER:
             if isinstance(obj, functools.partial):
@@ -162,17 +204,20 @@ class Substitution:
     def _function(self, f: types.FunctionType) -> types.FunctionType:
         plan = plan_of(f)
         module_globals = f.__globals__
-        names = [n for n in plan.global_names if self.reaches(module_globals.get(n))]
-        new_globals = module_globals
-        if names:
-            new_globals = dict(module_globals)
-            self._dicts.append((module_globals, new_globals, frozenset(names), dict(new_globals)))
+        names = [
+            n
+            for n, v in zip(plan.global_names, global_values(plan, module_globals), strict=True)
+            if self.reaches(v)
+        ]
         cells = f.__closure__
         if cells and any(self.reaches(cell_value(c)) for c in cells):
             new_cells = tuple(types.CellType() for _ in cells)
         else:
             new_cells = cells
-        new = types.FunctionType(f.__code__, new_globals, f.__name__, None, new_cells)
+        if names:
+            new = self._with_aliased_globals(f, module_globals, names, new_cells)
+        else:
+            new = types.FunctionType(f.__code__, module_globals, f.__name__, None, new_cells)
         self._built[id(f)] = new  # before the contents: a recursive helper reaches itself
         new.__qualname__ = f.__qualname__
         new.__module__ = f.__module__
@@ -182,8 +227,7 @@ class Substitution:
             new.__defaults__ = tuple(map(self.value, f.__defaults__))
         if f.__kwdefaults__:
             new.__kwdefaults__ = {k: self.value(v) for k, v in f.__kwdefaults__.items()}
-        for name in names:
-            new_globals[name] = self.value(module_globals[name])
+        self._define_aliases()
         if new_cells is not cells:
             assert cells is not None and new_cells is not None
             for old, cell in zip(cells, new_cells, strict=True):
@@ -191,6 +235,58 @@ class Substitution:
                 if contents is not EMPTY:
                     cell.cell_contents = self.value(contents)
         return new
+
+    def _with_aliased_globals(
+        self,
+        f: types.FunctionType,
+        module_globals: dict[str, Any],
+        names: list[str],
+        cells: tuple[Any, ...] | None,
+    ) -> types.FunctionType:
+        """A copy of ``f`` over its *real* globals whose code loads each substituted
+        global under an alias that only the builtins define, for this trace.
+
+        The function runs with its module's own globals dict, so every global it
+        or anything else reads or writes during the trace is the real one (as
+        under eager execution); only the names that lead to a lifted module are
+        looked up elsewhere. A name that cannot be aliased in the code (used
+        there by another kind of instruction as well) falls back to a copy of
+        the globals dict for this function (`_copied_globals`).
+        """
+        aliases = {name: self._alias(name) for name in names}
+        code = _aliased_code(f.__code__, aliases)
+        if code is None:
+            copied = self._copied_globals(module_globals, names)
+            return types.FunctionType(f.__code__, copied, f.__name__, None, cells)
+        for name, alias in aliases.items():
+            self._pending.append((alias, module_globals, name))
+        return types.FunctionType(code, module_globals, f.__name__, None, cells)
+
+    def _alias(self, name: str) -> str:
+        """The builtin name a substituted global is loaded by during this trace: not
+        an identifier (no clash with a real name), unique to this substitution (two
+        threads tracing the same function each see their own)."""
+        return f"{ALIAS_PREFIX}{name} {id(self):x}>"
+
+    def _define_aliases(self) -> None:
+        # Defined in the builtins dict itself, so that functions the copy makes while
+        # it runs (comprehensions, nested functions) resolve them too; removed by
+        # `finish`. They hold traced modules: the names are unique and not
+        # identifiers, so no other code reads them.
+        pending, self._pending = self._pending, []
+        namespace = builtins.__dict__
+        for alias, module_globals, name in pending:
+            value = _BUILTINS[name] if name.startswith(ALIAS_PREFIX) else module_globals[name]
+            namespace[alias] = self.value(value)
+            self._defined.append(alias)
+
+    def _copied_globals(self, module_globals: dict[str, Any], names: list[str]) -> dict[str, Any]:
+        copied = dict(module_globals)
+        for name in names:
+            value = _BUILTINS[name] if name.startswith(ALIAS_PREFIX) else module_globals[name]
+            copied[name] = self.value(value)
+        self._dicts.append((module_globals, copied, frozenset(names), dict(copied)))
+        return copied
 
     def _holder(self, obj: Any) -> Any:
         key = id(obj)
@@ -234,7 +330,12 @@ class Substitution:
 
     def finish(self) -> None:
         """Copy what the function assigned to (or deleted from) the copied globals and
-        attributes back; what another thread wrote to the originals meanwhile stays."""
+        attributes back; what another thread wrote to the originals meanwhile stays.
+        Removes the aliases of the substituted globals from the builtins."""
+        namespace = builtins.__dict__
+        for alias in self._defined:
+            namespace.pop(alias, None)
+        self._defined.clear()
         for original, copied, substituted, before in self._dicts:
             for name, value in list(copied.items()):
                 if name not in substituted and before.get(name, _MISSING) is not value:

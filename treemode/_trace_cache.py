@@ -35,7 +35,7 @@ from typing import Any, Generic, TypeVar
 
 import jax
 
-from . import _core
+from . import _caches, _core
 
 E = TypeVar("E")
 
@@ -47,6 +47,7 @@ class TraceCache(Generic[E]):
 
     def __init__(self) -> None:
         self._entries: dict[Hashable, E] = {}
+        _caches.track(self)
 
     def get(self, key: Hashable, build: Callable[[], E]) -> E:
         """The entry for ``key``; ``build()`` makes it on a miss (errors are not cached)."""
@@ -58,6 +59,8 @@ class TraceCache(Generic[E]):
 
     def clear(self) -> None:
         self._entries.clear()
+
+    clear_cache = clear  # what `treemode.clear_caches` calls
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -102,6 +105,7 @@ class _FunctionCaches:
 _registry: dict[tuple[int, ...], _FunctionCaches] = {}
 # Reentrant: a weakref callback may run (garbage collection) while the lock is held.
 _registry_lock = threading.RLock()
+_caches.register(_registry.clear)
 
 
 def _identity(fn: Any) -> _Parts:

@@ -1,13 +1,16 @@
 """The versions of JAX, Flax and the extras that treemode supports: the one source.
 
-``pyproject.toml`` declares these ranges; ``README.md`` and ``docs/install.md``
-state them; ``tests/test_versions.py`` fails when any of them disagrees with
-this module. ``tools/compat.py`` (``make compat``) installs the lower bounds and
-the newest releases and runs the test suite on each.
+``pyproject.toml`` declares the minimums (never an upper bound: a release of JAX
+or Flax newer than the tested ones is installed as it is, and warned about);
+``README.md`` and ``docs/install.md`` state them; ``tests/test_versions.py``
+fails when any of them disagrees with this module. ``tools/compat.py`` (``make
+compat``) installs the lower bounds and the newest releases and runs the test
+suite on each.
 
 `check_installed` runs when treemode is imported: a version known to break
-treemode raises an `ImportError`, any other version outside a range warns
-(`VersionWarning`); both messages name the installed and the supported versions.
+treemode raises an `ImportError`; any other version below a minimum, or newer
+than the tested ones, warns (`VersionWarning`); both messages name the
+installed and the supported versions.
 
 Keep this module import-light (``importlib.metadata`` only): it runs before
 treemode imports JAX or Flax.
@@ -23,10 +26,14 @@ from importlib import metadata
 
 Version = tuple[int, ...]
 
-# name -> (lowest supported, first unsupported). The lower bounds are the oldest
-# releases the test suite passes on (`make compat`); the upper bounds are the
-# next minor releases, not yet tested: treemode reads a few private attributes
-# of Flax and JAX (treemode/_compat.py) that a minor release may change.
+# name -> (lowest supported, first untested). The lower bounds are the oldest
+# releases the test suite passes on (`make compat`), declared as minimums in
+# pyproject.toml. The second bounds are the next minor releases, not yet tested:
+# they are *not* declared (pip installs newer releases as they come), but a
+# newer version warns at import, since treemode reads a few private attributes
+# of Flax and JAX (treemode/_compat.py) that a minor release may change; where
+# it changed them, `treemode._compat` turns the compiled extension off (one
+# warning) or raises an ImportError naming the versions.
 REQUIRED: dict[str, tuple[Version, Version]] = {
     "jax": ((0, 9, 2), (0, 11)),
     "jaxlib": ((0, 9, 2), (0, 11)),
@@ -57,16 +64,26 @@ def _fmt(version: Version) -> str:
 
 
 def specifier(name: str) -> str:
-    """The pip specifier of a supported range, e.g. ``">=0.9.2,<0.11"``."""
+    """The pip specifier declared for a dependency: its minimum, e.g. ``">=0.9.2"``."""
+    low, _ = {**REQUIRED, **OPTIONAL}[name]
+    return f">={_fmt(low)}"
+
+
+def tested_specifier(name: str) -> str:
+    """The pip specifier of the tested releases, e.g. ``">=0.9.2,<0.11"``."""
     low, high = {**REQUIRED, **OPTIONAL}[name]
     return f">={_fmt(low)},<{_fmt(high)}"
 
 
+def _last_tested(name: str) -> str:
+    _, high = {**REQUIRED, **OPTIONAL}[name]
+    return f"{_fmt((*high[:-1], high[-1] - 1))}.x"
+
+
 def describe(name: str) -> str:
-    """A supported range in words, e.g. ``"0.8.1 to 0.10.x"``."""
-    low, high = {**REQUIRED, **OPTIONAL}[name]
-    last = (*high[:-1], high[-1] - 1)
-    return f"{_fmt(low)} to {_fmt(last)}.x"
+    """A supported range in words, e.g. ``"0.9.2 or newer (tested to 0.10.x)"``."""
+    low, _ = {**REQUIRED, **OPTIONAL}[name]
+    return f"{_fmt(low)} or newer (tested to {_last_tested(name)})"
 
 
 def summary() -> str:
@@ -82,15 +99,18 @@ def summary() -> str:
 
 def table() -> str:
     """The supported versions as a Markdown table (docs/install.md)."""
-    rows = ["| Package | Supported | pip specifier |", "|---|---|---|"]
+    rows = ["| Package | Minimum | Tested up to | pip specifier |", "|---|---|---|---|"]
     py_low, py_high = PYTHON
     py_last = (*py_high[:-1], py_high[-1] - 1)
     rows.append(
-        f"| Python | {_fmt(py_low)} to {_fmt(py_last)} | `requires-python >={_fmt(py_low)}` |"
+        f"| Python | {_fmt(py_low)} | {_fmt(py_last)} | `requires-python >={_fmt(py_low)}` |"
     )
     for name in (*REQUIRED, *OPTIONAL):
         extra = " (test extra)" if name in OPTIONAL else ""
-        rows.append(f"| `{name}`{extra} | {describe(name)} | `{name}{specifier(name)}` |")
+        low, _ = {**REQUIRED, **OPTIONAL}[name]
+        rows.append(
+            f"| `{name}`{extra} | {_fmt(low)} | {_last_tested(name)} | `{name}{specifier(name)}` |"
+        )
     return "\n".join(rows)
 
 
@@ -114,6 +134,11 @@ def _installed(name: str) -> str | None:
         return None
 
 
+def installed_versions(installed: Callable[[str], str | None] = _installed) -> str:
+    """The installed JAX, jaxlib and Flax in words, e.g. ``"jax 0.10.2, jaxlib 0.10.2, ..."``."""
+    return ", ".join(f"{name} {installed(name) or 'unknown'}" for name in REQUIRED)
+
+
 def problems(installed: Callable[[str], str | None] = _installed) -> tuple[list[str], list[str]]:
     """``(errors, warnings)``: one line per installed package outside its range.
 
@@ -133,6 +158,12 @@ def problems(installed: Callable[[str], str | None] = _installed) -> tuple[list[
             continue
         version = parse(have)
         if low <= version < high:
+            continue
+        if version >= high:
+            warns.append(
+                f"{name} {have} is installed; treemode was tested with {name}"
+                f"{tested_specifier(name)}"
+            )
             continue
         line = f"{name} {have} is installed; treemode supports {name}{specifier(name)}"
         broken_below = KNOWN_BROKEN_BELOW.get(name)
@@ -158,18 +189,18 @@ def check_installed(installed: Callable[[str], str | None] = _installed) -> None
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
         return
     errors, warns = problems(installed)
-    install = " ".join(f"'{name}{specifier(name)}'" for name in REQUIRED)
+    install = " ".join(f"'{name}{tested_specifier(name)}'" for name in REQUIRED)
     if errors:
         raise ImportError(
             "treemode cannot run with the installed versions: "
             + "; ".join(errors + warns)
-            + f". Install supported versions: pip install {install}"
+            + f". Install tested versions: pip install {install}"
         )
     if warns:
         warnings.warn(
             "treemode was not tested with the installed versions: "
             + "; ".join(warns)
-            + f". It may work; if it fails, install supported versions: pip install {install}"
+            + f". It may work; if it fails, install tested versions: pip install {install}"
             + f" (set {SKIP_ENV}=1 to silence this warning)",
             VersionWarning,
             stacklevel=2,

@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 import jax
 
-from . import _core
+from . import _core, _explain
 from ._axes import (
     CallAxes,
     batched_update_error,
@@ -24,7 +24,7 @@ from ._axes import (
     check_axes_spec,
     check_mapped,
 )
-from ._errors import AxisError
+from ._errors import AxisError, TreemodeError
 from ._lifts import refuse_lifts
 from ._metadata import check_metadata, with_axis_metadata
 from ._prefix import decode_flax_prefixes, graph_output_prefix
@@ -45,6 +45,10 @@ class _Entry:
         self.axes = axes
         self.mapped = mapped
         self.checked = False
+
+
+def _whole(out: Any) -> Any:
+    return out
 
 
 class MappedWrapper:
@@ -117,9 +121,12 @@ class MappedWrapper:
         axes = self.resolve(call)
         force: frozenset[int] = frozenset()
         if self.donate_argnums:
+            _explain.note_donation()
             force = frozenset(self._donated_variables(call))
         pure = _core.PureFunction(call, force_updates=force)
         pure.fn = call_current_fn(pure)  # the entry may outlive this wrapper
+        if self.graph:  # one out_axes (out_specs) per shared Variable
+            pure.output_spec = (self.spec_names[1], self.out_axes, _whole, None, "output")
         if self.metadata:
             pure.fn = with_axis_metadata(
                 pure.fn,
@@ -168,7 +175,8 @@ class MappedWrapper:
                     self.first_call_check(entry, call)
                 result = entry.mapped(*call.dynamic)
             except ValueError as e:
-                self.translate(e, call, entry)
+                if not isinstance(e, TreemodeError):  # treemode's own errors say it all
+                    self.translate(e, call, entry)
                 raise
             if not entry.checked and self.warn_broadcast_rngs:
                 warn_broadcast_draws(call, entry.axes.variables, result[1], self.in_axes)

@@ -1,0 +1,326 @@
+"""Differential tests: each compiled kernel and its Python twin decide alike.
+
+The compiled extension (``treemode/_guard.c``) and the Python code implement the
+same kernels: the flattening guard (``holds``), the call-site match
+(``match_into``), the closure-read check (``reads_hold``) and the bulk write
+(``write_changed``). Here both are fed the same hypothesis-generated models,
+mutations and call sequences, and must give the same decisions: hit or miss,
+what is collected or written, the error raised. The compiled module is loaded
+directly, so these tests run in both CI modes (with ``TREEMODE_NO_EXTENSION=1``
+too) wherever the extension was built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+import weakref
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from treemode import _callsite, _closure, _compat, _compiled, _flatten, _leaves, _writeback
+
+try:
+    COMPILED = importlib.import_module("treemode._guard")
+except ImportError:  # pragma: no cover - a build without a C compiler
+    COMPILED = None
+
+pytestmark = pytest.mark.skipif(COMPILED is None, reason="the C extension is not built")
+
+
+@pytest.fixture(autouse=True)
+def compiled_kernels(monkeypatch):
+    """Where the extension is off, configure the loaded module and let new
+    flattenings build the compiled guard state too (both twins then exist)."""
+    assert COMPILED is not None
+    call_path = _compiled.call_path()
+    if not issubclass(call_path.site_call, COMPILED.SiteCallFields):  # the extension is off
+        site_call = type("SiteCall", (COMPILED.SiteCallFields,), {"__slots__": ()})
+        call_path = call_path._replace(site_call=site_call)
+    COMPILED.configure(_compiled.layout(), call_path)
+    monkeypatch.setattr(_flatten, "_compiled_holds", COMPILED.holds)
+    monkeypatch.setattr(_flatten, "_version_tags", COMPILED.version_tags)
+    _flatten._cache.clear()
+    yield
+    _flatten._cache.clear()
+
+
+# -- models and mutations -------------------------------------------------------
+
+
+class Custom(nnx.Variable):
+    pass
+
+
+VAR_TYPES = [nnx.Param, nnx.BatchStat, Custom]
+
+
+class Node(nnx.Module):
+    pass
+
+
+@st.composite
+def variables(draw: Any) -> nnx.Variable:
+    cls = draw(st.sampled_from(VAR_TYPES))
+    shape = draw(st.sampled_from([(), (2,), (1, 3)]))
+    meta = draw(st.dictionaries(st.sampled_from(["tag", "scale"]), st.integers(0, 3), max_size=2))
+    return cls(jnp.full(shape, draw(st.integers(-3, 3)), jnp.float32), **meta)
+
+
+@st.composite
+def trees(draw: Any, depth: int = 2) -> Any:
+    kind = draw(st.sampled_from(["module", "module", "dict", "list"] if depth else ["module"]))
+    n = draw(st.integers(1, 3))
+    children = []
+    for _ in range(n):
+        if depth and draw(st.booleans()):
+            children.append(draw(trees(depth - 1)))
+        elif draw(st.integers(0, 4)) == 0:
+            children.append(draw(st.integers(0, 2)))  # a static leaf
+        else:
+            children.append(draw(variables()))
+    if kind == "dict":
+        return {f"k{i}": c for i, c in enumerate(children)}
+    if kind == "list":
+        return children
+    node = Node()
+    for i, c in enumerate(children):
+        setattr(node, f"a{i}", nnx.data(c) if isinstance(c, (dict, list)) else c)
+    return node
+
+
+def _containers(tree: Any) -> list[Any]:
+    """Every module, dict and list in ``tree`` (the places a mutation can hit)."""
+    out = [tree]
+    values = (
+        list(tree.values())
+        if isinstance(tree, dict)
+        else list(tree)
+        if isinstance(tree, list)
+        else [v for k, v in vars(tree).items() if not k.startswith("_")]
+    )
+    for v in values:
+        if isinstance(v, (dict, list, nnx.Module)):
+            out += _containers(v)
+    return out
+
+
+def _leaf_vars(tree: Any) -> list[nnx.Variable]:
+    return [x for x in _flatten.variables_of([_flatten.flatten_arg(tree, _leaves.is_array)])]
+
+
+MUTATIONS = [
+    "none",
+    "new value",
+    "same static again",
+    "replace variable",
+    "change class",
+    "new metadata",
+    "add attribute",
+    "delete attribute",
+    "replace __dict__",
+    "container append",
+    "new static",
+]
+
+
+def _mutate(tree: Any, how: str, pick: int) -> None:
+    """Apply one mutation to ``tree`` (``pick`` chooses where)."""
+    places = _containers(tree)
+    place = places[pick % len(places)]
+    variables_ = _leaf_vars(tree)
+    var = variables_[pick % len(variables_)] if variables_ else None
+
+    def items(c: Any) -> list[tuple[Any, Any]]:
+        if isinstance(c, dict):
+            return list(c.items())
+        if isinstance(c, list):
+            return list(enumerate(c))
+        return [(k, v) for k, v in vars(c).items() if not k.startswith("_")]
+
+    def assign(c: Any, k: Any, v: Any) -> None:
+        if isinstance(c, (dict, list)):
+            c[k] = v
+        else:
+            setattr(c, k, v)
+
+    if how == "new value" and var is not None:
+        var[...] = var[...] + 1
+    elif how == "same static again":
+        for k, v in items(place):
+            if isinstance(v, int):
+                assign(place, k, v)
+    elif how == "replace variable":
+        for k, v in items(place):
+            if isinstance(v, nnx.Variable):
+                assign(place, k, type(v)(v[...]))
+                break
+    elif how == "change class" and var is not None:
+        var.__class__ = nnx.BatchStat if type(var) is not nnx.BatchStat else nnx.Param
+    elif how == "new metadata" and var is not None:
+        var.set_metadata("tag", 99)
+    elif how == "add attribute":
+        if isinstance(place, dict):
+            place["extra"] = 1
+        elif isinstance(place, list):
+            place.append(1)
+        else:
+            place.extra = nnx.Param(jnp.zeros(()))
+    elif how == "delete attribute":
+        for k, _ in items(place)[:1]:
+            if isinstance(place, (dict, list)):
+                del place[k]
+            else:
+                delattr(place, k)
+    elif how == "replace __dict__" and isinstance(place, nnx.Module):
+        object.__setattr__(place, "__dict__", dict(vars(place)))
+    elif how == "container append" and isinstance(place, list):
+        place.append(nnx.Param(jnp.zeros(())))
+    elif how == "new static":
+        for k, v in items(place):
+            if isinstance(v, int):
+                assign(place, k, v + 1000)
+                break
+
+
+# -- holds ------------------------------------------------------------------------
+
+
+@given(tree=trees(), steps=st.lists(st.tuples(st.sampled_from(MUTATIONS), st.integers(0, 50))))
+def test_holds_decides_as_its_python_twin(tree, steps):
+    for how, pick in [("none", 0), *steps]:
+        _flatten._cache.clear()
+        entry = _flatten.flatten_arg(tree, _leaves.is_array)
+        entry = entry.origin or entry
+        guard = entry._guard
+        if guard is None or guard.compiled_state is None:
+            return  # not cacheable (e.g. a dict at the top): no guard to compare
+        vars_before = list(entry.variables)
+        _mutate(tree, how, pick)
+        compiled = COMPILED.holds(guard.compiled_state, vars_before, tree)
+        python = guard.holds_python(vars_before, tree)
+        assert compiled == python, (how, compiled, python)
+        if how in ("none", "new value", "same static again"):
+            assert compiled, how
+
+
+# -- match_into --------------------------------------------------------------------
+
+
+def _slow(entry: Any, obj: Any) -> list[Any] | None:
+    return _callsite._match_slow(entry, obj)
+
+
+@given(
+    trees_=st.lists(trees(), min_size=1, max_size=3),
+    arrays=st.integers(0, 2),
+    steps=st.lists(st.tuples(st.sampled_from(MUTATIONS), st.integers(0, 50)), max_size=3),
+    swap=st.booleans(),
+)
+def test_match_into_decides_as_its_python_twin(trees_, arrays, steps, swap):
+    _flatten._cache.clear()
+    objs: list[Any] = [*trees_, *[jnp.ones(2) * i for i in range(arrays)]]
+    slots: list[Any] = []
+    keep = []
+    for obj in objs:
+        if isinstance(obj, jnp.ndarray):
+            slots.append(None)
+            continue
+        entry = _flatten.flatten_arg(obj, _leaves.is_array)
+        entry = _callsite._cached_entry(entry)
+        if entry is None:
+            return
+        keep.append(entry)
+        slots.append(weakref.ref(entry))
+    for how, pick in steps:
+        _mutate(trees_[pick % len(trees_)], how, pick)
+    if swap and len(objs) > 1:
+        objs = [objs[-1], *objs[:-1]]
+    results = []
+    for match in (COMPILED.match_into, _callsite._match_into_python):
+        dynamic: list[Any] = []
+        sources: list[Any] = []
+        hit = match(tuple(slots), objs, dynamic, sources, _leaves.CONCRETE_ARRAY_TYPES, _slow)
+        results.append((hit, [id(x) for x in dynamic], [id(s) for s in sources]))
+    (c_hit, c_dynamic, c_sources), (p_hit, p_dynamic, p_sources) = results
+    assert c_hit == p_hit
+    if c_hit:
+        assert c_dynamic == p_dynamic and c_sources == p_sources
+
+
+# -- reads_hold ----------------------------------------------------------------------
+
+
+@given(
+    n_globals=st.integers(0, 3),
+    n_cells=st.integers(0, 3),
+    changes=st.lists(st.sampled_from(["global", "cell", "code", "new global", "none"])),
+)
+def test_reads_hold_decides_as_its_python_twin(n_globals, n_cells, changes):
+    namespace: dict[str, Any] = {"__builtins__": __builtins__}
+    for i in range(n_globals):
+        namespace[f"g{i}"] = nnx.Linear(1, 1, rngs=nnx.Rngs(i))
+    cell_values = [nnx.Linear(1, 1, rngs=nnx.Rngs(10 + i)) for i in range(n_cells)]
+    params = ", ".join(f"c{i}" for i in range(n_cells))
+    body = " + ".join([f"g{i}.bias[...].sum()" for i in range(n_globals)] + ["0.0"])
+    body += "".join(f" + c{i}.bias[...].sum()" for i in range(n_cells))
+    exec(f"def outer({params}):\n    def f():\n        return {body}\n    return f\n", namespace)
+    fn = namespace["outer"](*cell_values)
+    _closure._snapshots.pop(id(fn), None)
+    _closure.closure_objects(fn)
+    snapshot = _closure.closure_snapshot(fn)
+    if snapshot is None:
+        return
+    kinds, ignore, empty, ignored = _closure.read_check_args()
+    for change in changes:
+        if change == "global" and n_globals:
+            namespace["g0"] = nnx.Linear(1, 1, rngs=nnx.Rngs(99))
+        elif change == "new global":
+            namespace["unrelated"] = 1
+        elif change == "cell" and n_cells:
+            fn.__closure__[0].cell_contents = nnx.Linear(1, 1, rngs=nnx.Rngs(98))
+        elif change == "code":
+            fn.__code__ = fn.__code__.replace(co_name="f")  # another code object
+        compiled = COMPILED.reads_hold(snapshot.reads, kinds, ignore, empty, ignored)
+        python = _closure.reads_hold_python(snapshot.reads)
+        assert compiled == python, change
+
+
+# -- write_changed -------------------------------------------------------------------
+
+
+@given(
+    tree=trees(),
+    updates=st.lists(st.sampled_from(["none", "new", "new"]), min_size=1, max_size=12),
+)
+def test_write_changed_writes_as_its_python_twin(tree, updates):
+    twin = nnx.clone(tree) if isinstance(tree, nnx.Module) else None
+    if twin is None:
+        return
+    variables_c = _leaf_vars(tree)
+    variables_p = _leaf_vars(twin)
+    new = [
+        None if updates[i % len(updates)] == "none" else jnp.full_like(v[...], 7.0 + i)
+        for i, v in enumerate(variables_c)
+    ]
+    written = COMPILED.write_changed(variables_c, new)
+    call = types.SimpleNamespace(variables=variables_p, sources=[], transform="jit")
+    before = _writeback._write_changed
+    _writeback._write_changed = None
+    try:
+        _writeback.write_back(call, new)  # type: ignore[arg-type]
+    finally:
+        _writeback._write_changed = before
+    assert written == sum(u is not None for u in new)
+    for a, b, u in zip(variables_c, variables_p, new, strict=True):
+        np.testing.assert_array_equal(_compat.raw_value_of(a), _compat.raw_value_of(b))
+        if u is not None:
+            assert _compat.raw_value_of(a) is u and _compat.raw_value_of(b) is u
+    with pytest.raises(ValueError, match="one update per Variable"):
+        COMPILED.write_changed(variables_c, new + [None])
