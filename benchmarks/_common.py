@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +43,7 @@ class Config:
     eager_repeats: int
     compile_repeats: int
     instances: int = 1  # independently built sets of peers (dispatch case)
+    decode_layers: tuple[int, ...] = (8, 100, 400)  # decode-step case (10 Variables a layer)
 
 
 FULL = Config(
@@ -62,6 +64,7 @@ QUICK = Config(
     depths=(8, 32, 128),
     eager_repeats=5,
     compile_repeats=3,
+    decode_layers=(8, 100),
 )
 # Only checks that everything runs end to end (tests/test_benchmarks_smoke.py).
 SMOKE = Config(
@@ -73,6 +76,7 @@ SMOKE = Config(
     eager_repeats=1,
     compile_repeats=1,
     instances=2,
+    decode_layers=(1, 2),
 )
 CONFIGS = {c.name: c for c in (FULL, QUICK, SMOKE)}
 
@@ -197,11 +201,18 @@ class Table:
         return "\n".join(out)
 
     def markdown(self) -> str:
-        head = "| case | " + " | ".join(self.columns) + " |\n"
+        head = "| case | " + " | ".join(map(header_cell, self.columns)) + " |\n"
         head += "|---|" + "---:|" * len(self.columns) + "\n"
         body = "".join(f"| {label} | " + " | ".join(c) + " |\n" for label, c in self.rows)
         note = f"\n{self.note}\n" if self.note else ""
         return f"#### {self.title}\n\n{head}{body}{note}"
+
+
+def header_cell(text: str) -> str:
+    """A column header with line-break opportunities after a dot or an opening
+    parenthesis (``nnx.<wbr>jit(<wbr>graph=False)``), so that a narrow column wraps
+    a peer's name between its parts, never inside a word."""
+    return re.sub(r"(?<=[.(])(?=[A-Za-z_])", "<wbr>", text)
 
 
 def ratio_table(

@@ -34,6 +34,7 @@ SECTIONS = [
     ("4. Memory", "memory", None),
     ("5. Trace count and compile time", "compilation", None),
     ("Where the time goes", "stages", None),
+    ("6. Decoding at scale", "decode", None),
 ]
 
 

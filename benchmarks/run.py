@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import compilation
+import decode
 import dispatch
 import eager
 import memory
@@ -40,6 +41,7 @@ CASES = {
     "memory": memory.run,
     "compilation": compilation.run,
     "stages": stages.run,
+    "decode": decode.run,
 }
 
 

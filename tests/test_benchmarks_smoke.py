@@ -49,6 +49,19 @@ CASES = {
         "stages",
         ["match arguments", "JAX dispatch", "closure", "write back", "whole call"],
     ),
+    "decode": (
+        "decode",
+        [
+            "Decode step: microseconds per call",
+            "floor",
+            "treemode.jit",
+            "nnx.jit (graph)",
+            "nnx.jit(graph=False)",
+            "1 layer (10 Variables)",
+            "2 layers (20 Variables)",
+            "marginal nanoseconds per Variable",
+        ],
+    ),
 }
 
 
@@ -104,3 +117,51 @@ def test_memory_case_and_ratio_is_one(tmp_path: Path) -> None:
     assert data["memory"]["failures"] == []
     for row in data["memory"]["memory"].values():
         assert row["treemode"] == row["hand"]
+
+
+def test_decode_case_has_every_column(tmp_path: Path) -> None:
+    """The decode case (smoke): every peer, the no-extension column when the extension
+    is on, and a marginal cost per Variable for every peer."""
+    data = _check_case(tmp_path, "decode")
+    from treemode import _compiled
+
+    peers = data["decode"]["columns"]
+    assert peers[:4] == ["floor", "treemode.jit", "nnx.jit (graph)", "nnx.jit(graph=False)"]
+    assert ("treemode.jit (no C)" in peers) == _compiled.ENABLED
+    marginal = data["decode_marginal"]["marginal"]
+    assert marginal["nvars"] == [10, 20]
+    for peer in peers:
+        assert len(marginal[peer]["own_ns"]) == 1 and len(marginal[peer]["extra_ns"]) == 1
+
+
+def test_targets_report_a_negative_per_variable_cost_as_noise() -> None:
+    """A negative cost per Variable is noise: "below noise", never "met"."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import targets
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def fits(ours: float, partial: float, extra: list[float]) -> dict:
+        peer = {"nvars": [16, 128, 512], "extra_us": extra}
+        return {
+            "per_variable": {
+                "fits": {
+                    "treemode.jit": {"slope_us": ours, **peer},
+                    "treemode.jit_partial": {"slope_us": partial},
+                    "nnx.jit (graph)": {"slope_us": 37.0},
+                    "nnx.jit_partial": {"slope_us": 0.65},
+                }
+            }
+        }
+
+    def verdicts(data: dict) -> list[str]:
+        (table,) = targets.check(data)
+        return [cells[1] for _, cells in table.rows]
+
+    noisy = verdicts(fits(-0.17, -0.46, [1.0, 3.0, -150.0]))
+    assert all(v.startswith("below noise") for v in noisy), noisy
+    clean = verdicts(fits(0.05, 0.02, [1.0, 6.6, 26.0]))
+    assert clean == ["met", "met", "met"], clean
+    slow = verdicts(fits(0.9, 0.8, [1.0, 6.6, 400.0]))
+    assert slow == ["met", "**not met**", "**not met**"], slow  # ahead of graph mode only

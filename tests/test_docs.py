@@ -538,3 +538,46 @@ def test_code_blocks_fit_the_page() -> None:
         f"wrap these code lines to {CODE_LINE_LIMIT} characters (they scroll sideways at "
         "1280 px): " + ", ".join(long_lines)
     )
+
+
+def _mkdocs_config() -> dict:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    # mkdocs.yml may use !!python/name tags (Material's emoji); read them as strings.
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+    return yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=Loader)
+
+
+def test_site_config_links_out_and_searches_dotted_names() -> None:
+    """repo_url is set, the API page shows one signature per name (no overloads with
+    ``= ...`` defaults), and the search splits dotted names into their parts."""
+    config = _mkdocs_config()
+    assert config["repo_url"].startswith("https://")
+    plugins = {next(iter(p)) if isinstance(p, dict) else p: p for p in config["plugins"]}
+    options = plugins["mkdocstrings"]["mkdocstrings"]["handlers"]["python"]["options"]
+    assert options["show_overloads"] is False
+    separator = plugins["search"]["search"]["separator"]
+    words = [w for w in re.split(separator, "treemode.jit(f) nnx.Rngs jax.random.key") if w]
+    for part in ("treemode", "jit", "nnx", "Rngs", "random", "key"):
+        assert part in words, (part, words)
+    assert "3.14" in [w for w in re.split(separator, "pi is 3.14.") if w]  # numbers stay whole
+    nav = json.dumps(config["nav"])
+    assert "guides/checkpointing.md" in nav
+
+
+def test_flip_5310_is_linked_wherever_it_is_named() -> None:
+    """Every mention of FLIP 5310 in the docs' prose is a link to the FLIP."""
+    unlinked = []
+    for path in _markdown_files():
+        text = path.read_text()
+        if "<!-- results:begin -->" in text:
+            text = text.split("<!-- results:begin -->")[0]
+        prose = re.sub(r"^(`{3,}|~{3,}).*?^\1", "", text, flags=re.S | re.M)
+        for m in re.finditer(r"FLIP 5310", prose):
+            before = prose[: m.start()]
+            if not (before.endswith("[") and prose[m.end() :].startswith("](http")):
+                unlinked.append(f"{path.relative_to(ROOT)}: ...{prose[m.start() - 40 : m.end()]}")
+    assert not unlinked, unlinked

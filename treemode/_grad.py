@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, Protocol, overload
 
 import jax
 import jax.numpy as jnp
@@ -422,6 +422,44 @@ def _grad_transform(
     return wrapper
 
 
+P = ParamSpec("P")
+
+
+class _Differentiating(Protocol):
+    """What ``treemode.grad(argnums=...)`` returns, for type checkers: a decorator whose
+    result takes the decorated function's parameters."""
+
+    def __call__(self, fun: Callable[P, Any], /) -> Callable[P, Any]: ...
+
+
+# The function's parameters are kept for type checkers (the result is the
+# gradients' pytree, or a tuple with it: `Any`), as jax.grad's callers expect.
+@overload
+def grad(
+    fun: Callable[P, Any],
+    argnums: int | Sequence[int] = ...,
+    has_aux: bool = ...,
+    holomorphic: bool = ...,
+    allow_int: bool = ...,
+    reduce_axes: Sequence[Any] = ...,
+    *,
+    graph: bool = ...,
+) -> Callable[P, Any]: ...
+
+
+@overload
+def grad(
+    fun: None = None,
+    argnums: int | Sequence[int] = ...,
+    has_aux: bool = ...,
+    holomorphic: bool = ...,
+    allow_int: bool = ...,
+    reduce_axes: Sequence[Any] = ...,
+    *,
+    graph: bool = ...,
+) -> _Differentiating: ...
+
+
 @suggests_keywords
 def grad(
     fun: Callable[..., Any] | None = None,
@@ -493,6 +531,32 @@ def grad(
             graph=graph,
         )
     return _grad_transform(fun, argnums, has_aux, holomorphic, allow_int, graph, False)
+
+
+@overload
+def value_and_grad(
+    fun: Callable[P, Any],
+    argnums: int | Sequence[int] = ...,
+    has_aux: bool = ...,
+    holomorphic: bool = ...,
+    allow_int: bool = ...,
+    reduce_axes: Sequence[Any] = ...,
+    *,
+    graph: bool = ...,
+) -> Callable[P, tuple[Any, Any]]: ...
+
+
+@overload
+def value_and_grad(
+    fun: None = None,
+    argnums: int | Sequence[int] = ...,
+    has_aux: bool = ...,
+    holomorphic: bool = ...,
+    allow_int: bool = ...,
+    reduce_axes: Sequence[Any] = ...,
+    *,
+    graph: bool = ...,
+) -> _Differentiating: ...
 
 
 @suggests_keywords

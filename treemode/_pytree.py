@@ -659,6 +659,14 @@ class Pytree(Generic[M]):
             inner = f"<{self._pt_def.num_leaves} leaves>"
         return f"treemode.Pytree({inner})"
 
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """Render as the wrapped module in treescope (and so in `nnx.display`).
+
+        The module rendered is `to_module()`: the proxy's own state, and rendering
+        it does not touch the proxy.
+        """
+        return subtree_renderer(self.to_module(), path=path)
+
     def __copy__(self) -> Pytree[M]:
         return from_parts(*self._pt_flatten())
 

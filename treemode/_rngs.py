@@ -29,7 +29,22 @@ from ._signature import suggests_keywords
 
 F = TypeVar("F", bound=Callable[..., Any])
 Splits = int | tuple[int, ...]
-_MISSING: Any = object()
+
+
+class _NoNode:
+    """The default of ``node`` in `split_rngs`/`fork_rngs`: none given, so the call
+    returns a decorator. Its repr is its name, so signatures read ``node=NO_NODE``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NO_NODE"
+
+    def __reduce__(self) -> str:
+        return "NO_NODE"
+
+
+NO_NODE: Any = _NoNode()
 
 
 def _is_stream(x: Any) -> bool:
@@ -132,7 +147,7 @@ def split_rngs(
 
 @suggests_keywords
 def split_rngs(
-    node: Any = _MISSING,
+    node: Any = NO_NODE,
     /,
     *,
     splits: Splits,
@@ -176,7 +191,7 @@ def split_rngs(
             f"treemode.split_rngs: squeeze=True needs splits=1 (got splits={splits!r}); "
             "it produces one fresh key per stream without a batch axis."
         )
-    if node is _MISSING:
+    if node is NO_NODE:
         return _decorator(
             functools.partial(split_rngs, splits=splits, only=only, squeeze=squeeze, graph=graph)
         )
@@ -217,7 +232,7 @@ def fork_rngs(
 
 @suggests_keywords
 def fork_rngs(
-    node: Any = _MISSING,
+    node: Any = NO_NODE,
     /,
     *,
     split: Mapping[Any, Splits | None] | Splits | None = None,
@@ -252,7 +267,7 @@ def fork_rngs(
     assert forked.params.count[...] == 0 and rngs.params.count[...] == 1
     ```
     """
-    if node is _MISSING:
+    if node is NO_NODE:
         return _decorator(functools.partial(fork_rngs, split=split, graph=graph))
     if split is None or isinstance(split, (int, tuple)):
         split = {...: split}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 import jax
 
@@ -360,6 +360,15 @@ def translate_axis_error(
         ) from None
 
 
+class _Vmapping(Protocol):
+    """What ``treemode.vmap(in_axes=...)`` returns, for type checkers: a decorator that
+    keeps the decorated function's signature."""
+
+    def __call__(self, fun: Callable[P, R], /) -> Callable[P, R]: ...
+
+
+# The function's parameters and result type are kept for type checkers, as
+# `jax.vmap` does (at run time the result is a `VmapWrapped`).
 @overload
 def vmap(
     fun: Callable[P, R],
@@ -372,7 +381,7 @@ def vmap(
     *,
     transform_metadata: Mapping[str, Any] | None = ...,
     graph: bool = ...,
-) -> VmapWrapped: ...
+) -> Callable[P, R]: ...
 
 
 @overload
@@ -387,7 +396,7 @@ def vmap(
     *,
     transform_metadata: Mapping[str, Any] | None = ...,
     graph: bool = ...,
-) -> Callable[[Callable[..., Any]], VmapWrapped]: ...
+) -> _Vmapping: ...
 
 
 @suggests_keywords
