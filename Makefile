@@ -15,7 +15,7 @@ INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PIP) install --quiet 
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml setup.py treemode/_guard.c constraints.txt
+$(STAMP): $(PY) pyproject.toml setup.py treemode/_accel/_guard.c constraints.txt
 	$(INSTALL) --upgrade pip
 	$(INSTALL) $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP)

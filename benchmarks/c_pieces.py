@@ -5,12 +5,12 @@ Adam train step), each piece is timed alone on the very inputs a repeated call
 hands it, compiled and in Python, and the whole memo-matched call is timed
 three ways (all in C; matched in C from the Python call; all in Python):
 
-- ``holds``: the flattening guard (`treemode._flatten._Guard.holds`);
-- ``match_into``: the call-site match of the arguments (`treemode._callsite`);
-- ``reads_hold``: the closure-read check (`treemode._closure._Snapshot`);
+- ``holds``: the flattening guard (`treemode._tree._flatten._Guard.holds`);
+- ``match_into``: the call-site match of the arguments (`treemode._pipeline._callsite`);
+- ``reads_hold``: the closure-read check (`treemode._tree._closure._Snapshot`);
 - ``write_changed``: the all-or-nothing write of a train step's new values;
 - ``MemoCall``: the whole call in C against its Python twin
-  (`treemode._callsite.run_plan`, which runs the same memo plan) with the
+  (`treemode._pipeline._callsite.run_plan`, which runs the same memo plan) with the
   compiled helpers (what the call-path type saves on top of them).
 
 Run: ``python benchmarks/c_pieces.py`` (needs the extension; prints a table).
@@ -30,8 +30,10 @@ from _models import BATCH, MLP, WIDTH, train_step, with_optimizer
 from flax import nnx
 
 import treemode
-from treemode import _callsite, _closure, _compiled, _flatten, _writeback
-from treemode._leaves import is_array
+from treemode._accel import _compiled
+from treemode._pipeline import _callsite, _writeback
+from treemode._tree import _closure, _flatten, _leaves
+from treemode._tree._leaves import is_array
 
 
 def per_call_us(fn: Callable[[], Any], n: int = 2000, rounds: int = 7) -> float:
@@ -76,7 +78,7 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
         def run():
             dynamic: list[Any] = []
             sources: list[Any] = []
-            impl(site.slots, (m, x), dynamic, sources, _callsite.CONCRETE_ARRAY_TYPES, _slow)
+            impl(site.slots, (m, x), dynamic, sources, _leaves.CONCRETE_ARRAY_TYPES, _slow)
 
         return run
 

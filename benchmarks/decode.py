@@ -51,7 +51,7 @@ from _common import CONFIGS, Config, Table, Timing, case_main, measure, ratio_ta
 from flax import nnx
 
 import treemode
-from treemode import _compiled
+from treemode._accel import _compiled
 
 WIDTH = 8
 CACHE = 4  # cache positions

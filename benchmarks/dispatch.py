@@ -69,7 +69,7 @@ from _models import (
 from flax import nnx
 
 import treemode
-from treemode import _compiled
+from treemode._accel import _compiled
 
 PEERS = [
     "floor",

@@ -8,7 +8,7 @@ What an eager call costs differs by transform. ``jax.lax.scan`` caches its trace
 on the identity of the body function and the input types, and then reuses the
 compiled loop: the floor's step is a module-level function, and
 ``treemode.scan`` hands JAX the same body for every call of one structure
-(``treemode/_trace_cache.py``), so after the first call neither traces again.
+(``treemode/_pipeline/_trace_cache.py``), so after the first call neither traces again.
 ``jax.vmap`` and ``jax.grad`` have no such cache: called eagerly they run the
 function op by op under a batching or JVP trace on every call, the floor too.
 The ``grad`` and ``vmap`` floors run fewer ops than the module peers

@@ -5,7 +5,7 @@ splits treemode's share of it into the stages of the pipeline, each timed on its
 own (interleaved with the others, minimum of many samples, as every benchmark
 here), for the dispatch models' forward pass and train step. A call with the
 same objects as the previous one takes the compiled call path
-(``treemode/_guard.c``), whose stages are:
+(``treemode/_accel/_guard.c``), whose stages are:
 
 - ``floor``: ``jax.jit`` on a flat tuple of the same arrays (the reference);
 - ``JAX dispatch``: the compiled entry treemode calls, given the prepared arrays
@@ -61,8 +61,9 @@ from _models import (
 from flax import nnx
 
 import treemode
-from treemode import _callsite, _closure, _writeback
-from treemode._leaves import CONCRETE_ARRAY_TYPES
+from treemode._pipeline import _callsite, _writeback
+from treemode._tree import _closure
+from treemode._tree._leaves import CONCRETE_ARRAY_TYPES
 
 STAGES = [
     "floor",

@@ -60,12 +60,14 @@ def _tracer_leak_mode(request):
         yield
 
 
-# The compiled extension (treemode/_compiled.py). `make test` runs the suite with
+# The compiled extension (treemode/_accel/_compiled.py). `make test` runs the suite with
 # it, `make test-python` with TREEMODE_NO_EXTENSION=1 (the pure-Python path).
 # Tests of a piece that has a compiled and a Python implementation take the
 # `implementation` fixture: both where the extension is on, the Python one where
 # it is off; tests of the C code alone take `extension`.
-from treemode import _callsite, _closure, _compiled, _flatten, _writeback  # noqa: E402
+from treemode._accel import _compiled  # noqa: E402
+from treemode._pipeline import _call, _callsite, _writeback  # noqa: E402
+from treemode._tree import _closure, _flatten  # noqa: E402
 
 IMPLEMENTATIONS = ["compiled", "python"] if _compiled.ENABLED else ["python"]
 
@@ -114,13 +116,13 @@ class Hooks:
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
-        from treemode import _core, _writeback
+        from treemode._pipeline import _core, _writeback
 
         self._patch = monkeypatch
         self._core = _core
         self._writeback = _writeback
         self.real_store = _writeback.store
-        self.real_prepare = _core.prepare
+        self.real_prepare = _call.prepare
 
     def store(self, fn) -> None:
         """Route every Variable write through ``fn(var, value, metadata=None)``."""
@@ -128,7 +130,7 @@ class Hooks:
 
     def prepare(self, fn) -> None:
         """Replace call preparation (``fn`` takes `prepare`'s arguments)."""
-        self._patch.setattr(self._core, "prepare", fn)
+        self._patch.setattr(_call, "prepare", fn)
 
     def check_writable(self, fn) -> None:
         """Replace the writability check made before any write."""
@@ -147,7 +149,7 @@ class Hooks:
     def donation_seen(self, seen: bool) -> None:
         """Set whether a treemode transform has donated buffers in this process
         (it decides how a deleted input buffer is reported)."""
-        from treemode import _explain
+        from treemode._pipeline import _explain
 
         self._patch.setattr(_explain, "_donation_seen", seen)
 
@@ -157,11 +159,11 @@ class Hooks:
 
     # What `calls` can count: name -> (module of treemode, function).
     COUNTED = {
-        "prepare": ("_core", "prepare"),  # a transform call prepared in full
-        "store": ("_writeback", "store"),  # one Variable written (by the Python write)
-        "value_spec": ("_specs", "value_spec"),  # one Variable's spec built
-        "proxy_build": ("_pytree", "from_tree"),  # a Pytree proxy's module built
-        "donation_check": ("_jit", "_check_donation"),  # the Python donation check
+        "prepare": ("_pipeline._call", "prepare"),  # a transform call prepared in full
+        "store": ("_pipeline._writeback", "store"),  # one Variable written (by the Python write)
+        "value_spec": ("_tree._specs", "value_spec"),  # one Variable's spec built
+        "proxy_build": ("_tree._pytree", "from_tree"),  # a Pytree proxy's module built
+        "donation_check": ("_transforms._jit", "_check_donation"),  # the Python donation check
     }
 
     def calls(self, name: str) -> list:

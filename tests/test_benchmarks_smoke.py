@@ -123,7 +123,7 @@ def test_decode_case_has_every_column(tmp_path: Path) -> None:
     """The decode case (smoke): every peer, the no-extension column when the extension
     is on, and a marginal cost per Variable for every peer."""
     data = _check_case(tmp_path, "decode")
-    from treemode import _compiled
+    from treemode._accel import _compiled
 
     peers = data["decode"]["columns"]
     assert peers[:4] == ["floor", "treemode.jit", "nnx.jit (graph)", "nnx.jit(graph=False)"]

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _pure
+from treemode._pipeline import _pure
 
 KINDS: dict[str, Callable[[], Any]] = {"threading.local": threading.local}
 

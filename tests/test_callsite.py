@@ -1,4 +1,4 @@
-"""The call-site memo (``treemode._callsite``): a jitted function called again with
+"""The call-site memo (``treemode._pipeline._callsite``): a jitted function called again with
 the same objects skips ``prepare``, and gives exactly what the full path gives.
 
 Each test makes a first call (the full path, which records the memo), then a
@@ -21,7 +21,8 @@ from conftest import IMPLEMENTATIONS
 from flax import nnx
 
 import treemode
-from treemode import _callsite, _compiled
+from treemode._accel import _compiled
+from treemode._pipeline import _callsite
 
 
 class Counter(nnx.Module):
@@ -214,7 +215,7 @@ _GLOBAL_MODEL: Counter | None = None
 
 
 def test_a_cleared_closure_cache_does_not_stale_the_memo():
-    from treemode import _closure
+    from treemode._tree import _closure
 
     global _GLOBAL_MODEL
     _GLOBAL_MODEL = first = Counter()

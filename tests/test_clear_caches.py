@@ -173,7 +173,7 @@ def test_jax_clear_caches_and_treemode_clear_caches_clear_different_things():
     """`jax.clear_caches()` empties the caches of the `jax.jit` wrappers treemode holds
     (the next call traces again) but not treemode's own: the wrapper entries and
     the flattenings stay. `treemode.clear_caches()` drops those (and the wrappers)."""
-    from treemode import _flatten
+    from treemode._tree import _flatten
 
     f = treemode.jit(body)
     m = Model()
@@ -207,7 +207,8 @@ def test_copies_and_memo_are_cleared_too():
 
 
 def test_every_module_level_cache_is_emptied():
-    from treemode import _call, _closure, _flatten, _leaves, _pytree, _trace_cache
+    from treemode._pipeline import _call, _trace_cache
+    from treemode._tree import _closure, _flatten, _leaves, _pytree
 
     f = treemode.jit(body)
     m = Model()

@@ -221,7 +221,7 @@ def test_module_in_a_closure_dict_is_updated():
 
 
 def test_a_closure_search_through_holders_is_redone_every_call():
-    from treemode import _closure
+    from treemode._tree import _closure
 
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     holder = [model]

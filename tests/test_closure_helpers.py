@@ -18,7 +18,7 @@ from flax import nnx
 from helpers import Counter
 
 import treemode
-from treemode._closure import MAX_DEPTH, _plan, closure_objects
+from treemode._tree._closure import MAX_DEPTH, _plan, closure_objects
 
 GLOBAL_STATS = Counter()
 
@@ -26,7 +26,7 @@ GLOBAL_STATS = Counter()
 @pytest.fixture(autouse=True)
 def reads_check(implementation, monkeypatch):
     """Whether cached answers are revalidated by the compiled ``reads_hold`` or in Python."""
-    from treemode import _closure
+    from treemode._tree import _closure
 
     # Each run starts with empty caches (the per-code-object counts are kept there).
     monkeypatch.setattr(_closure, "_plans", {})
@@ -286,7 +286,7 @@ def test_cache_keeps_neither_ignored_values_nor_dead_functions_alive():
     import gc
     import weakref
 
-    from treemode import _closure
+    from treemode._tree import _closure
 
     big = np.ones(3)
     big_ref = weakref.ref(big)
@@ -308,7 +308,7 @@ def test_cache_keeps_neither_ignored_values_nor_dead_functions_alive():
 
 
 def test_functions_made_per_call_stop_being_cached():
-    from treemode import _closure
+    from treemode._tree import _closure
 
     stats = Counter()
     makers = [lambda x, i=i: stats(x) + i for i in range(_closure._MAX_SNAPSHOTS + 4)]
@@ -324,7 +324,7 @@ def test_cache_does_not_keep_a_module_or_a_recursive_function_alive():
     import gc
     import weakref
 
-    from treemode import _closure
+    from treemode._tree import _closure
 
     module = Counter()  # a callable module as the transformed function
     assert [obj for _, obj in closure_objects(module)] == [module]

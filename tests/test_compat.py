@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 from flax.nnx import tracers
 
-from treemode import _compat, _compiled
+from treemode import _compat
+from treemode._accel import _compiled
 
 
 class _Ref:

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _rngs
+from treemode._helpers import _rngs
 
 
 def test_treescope_renders_a_pytree_as_its_module() -> None:

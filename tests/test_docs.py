@@ -420,7 +420,7 @@ def test_docstrings_use_markdown_not_rst_roles() -> None:
     """mkdocstrings renders RST roles (``:func:`x` ``) literally: use backticks."""
     offenders = [
         f"{path.relative_to(ROOT)}:{n}"
-        for path in sorted((ROOT / "treemode").glob("*.py"))
+        for path in sorted((ROOT / "treemode").rglob("*.py"))
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
         if _RST_ROLE.search(line)
     ]

@@ -7,7 +7,7 @@ and ``extension_status()`` says why; ``TREEMODE_NO_EXTENSION=1`` turns it off
 silently, and ``TREEMODE_NO_EXTENSION_WARNING=1`` or a warnings filter set
 before the import silences the warning. A build without the compiled module is
 simulated in subprocesses: once by copying the package without its ``.so``,
-once by refusing the import of ``treemode._guard``.
+once by refusing the import of ``treemode._accel._guard``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from types import ModuleType
 import pytest
 
 import treemode
-from treemode import _compiled
+from treemode._accel import _compiled
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = Path(treemode.__file__).resolve().parent
@@ -55,7 +55,7 @@ BLOCK_GUARD = textwrap.dedent(
     """
     class _NoGuard:  # as if treemode had been installed without a C compiler
         def find_spec(self, name, path=None, target=None):
-            if name == "treemode._guard":
+            if name == "treemode._accel._guard":
                 raise ModuleNotFoundError(f"No module named {name!r}", name=name)
             return None
     sys.meta_path.insert(0, _NoGuard())
@@ -128,11 +128,13 @@ OFF = "disabled by TREEMODE_NO_EXTENSION"
 
 
 def _fake_guard() -> ModuleType:
-    return ModuleType("treemode._guard")
+    return ModuleType("treemode._accel._guard")
 
 
 def _not_built() -> ModuleType:
-    raise ModuleNotFoundError("No module named 'treemode._guard'", name="treemode._guard")
+    raise ModuleNotFoundError(
+        "No module named 'treemode._accel._guard'", name="treemode._accel._guard"
+    )
 
 
 def _wrong_python() -> ModuleType:

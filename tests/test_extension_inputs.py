@@ -1,7 +1,7 @@
 """Every function the compiled extension exports refuses malformed input with an error.
 
 treemode builds the extension's inputs itself, but a malformed one (a bug, or a
-caller reaching into ``treemode._compiled``) must raise ``TypeError`` or
+caller reaching into ``treemode._accel._compiled``) must raise ``TypeError`` or
 ``ValueError``, never crash the interpreter. Runs where the extension is on.
 """
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from treemode import _compiled
+from treemode._accel import _compiled
 
 ERRORS = (TypeError, ValueError)
 

@@ -1010,7 +1010,7 @@ def test_a_hold_runs_a_handler_at_once_until_the_donated_buffers_are_consumed():
     """The hold itself: a signal before the executable ran is raised at once; after
     (a donated buffer deleted), at the end of the hold, by the original handler,
     which is back in place."""
-    from treemode import _interrupts
+    from treemode._pipeline import _interrupts
 
     def held(donated: list[Any], body: Callable[[], None]) -> None:
         token = _interrupts.hold(donated)

@@ -1,10 +1,10 @@
 """The per-argument flattening cache: every change that alters a flattening is seen.
 
-The cache (``treemode._flatten``) revalidates a cached flattening with bulk
+The cache (``treemode._tree._flatten``) revalidates a cached flattening with bulk
 identity checks; each test below changes an argument in one way between two calls
 and asserts the second call sees the change (a new trace where the structure
 differs, the new Variable where one was replaced). Every test runs with the
-compiled guard (``treemode/_guard.c``, where the extension is on) and with the
+compiled guard (``treemode/_accel/_guard.c``, where the extension is on) and with the
 pure-Python one that replaces it where it is off.
 """
 
@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _compiled, _flatten
+from treemode._accel import _compiled
+from treemode._tree import _flatten
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +38,7 @@ def test_the_compiled_guard_is_built():
     assert module is not None, "the compiled extension was not built"
     m = nnx.Module()
     m.w = nnx.Param(jnp.ones(2))
-    flat = _flatten.flatten_arg(m, treemode._leaves.is_array)
+    flat = _flatten.flatten_arg(m, treemode._tree._leaves.is_array)
     assert module.holds is not None
     assert module.match_into is not None and module.reads_hold is not None
     assert flat._guard is not None
@@ -225,7 +226,7 @@ def test_version_tags_skip_unmodified_dicts_and_never_hide_a_change(extension):
     m = nnx.Module()
     m.w = v
     m.label = "a"
-    flat = _flatten.flatten_arg(m, treemode._leaves.is_array)
+    flat = _flatten.flatten_arg(m, treemode._tree._leaves.is_array)
     entry = flat.origin or flat
     state = flat._guard.compiled_state if flat._guard else None
     if state is None:  # the Python guard: no tags
@@ -237,6 +238,6 @@ def test_version_tags_skip_unmodified_dicts_and_never_hide_a_change(extension):
     m.label = "b"
     m.label = "a"  # modified, then restored: compared in full, still the same objects
     assert guard.holds(state, [v], m)
-    assert _flatten.flatten_arg(m, treemode._leaves.is_array).origin is entry
+    assert _flatten.flatten_arg(m, treemode._tree._leaves.is_array).origin is entry
     v.set_metadata("note", "x")  # in place, in the metadata dict
     assert not guard.holds(state, [v], m)

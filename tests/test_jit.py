@@ -316,7 +316,7 @@ def test_flatten_cache_does_not_keep_modules_alive():
     import gc
     import weakref
 
-    from treemode import _flatten
+    from treemode._tree import _flatten
 
     f = treemode.jit(lambda m, x: m(x))
     model = Stateful(nnx.Rngs(0))
@@ -331,7 +331,7 @@ def test_flatten_cache_does_not_keep_modules_alive():
 
 
 def test_optimizer_state_is_cached_and_revalidated():
-    from treemode import _flatten
+    from treemode._tree import _flatten
 
     model = MLP(1, 2, nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)

@@ -37,45 +37,13 @@ EXTENSION = "_guard"  # the compiled extension's module name, in the `_accel` la
 # The layer of each module while the package is still flat (a module at the top level that
 # is not a foundation). The re-layout moves every one of these into its subpackage, whose
 # name then gives the layer, and empties this table.
-_FLAT_LAYERS: dict[str, str] = {
-    "_guard": "_accel",
-    "_compiled": "_accel",
-    **dict.fromkeys(
-        ["_leaves", "_paths", "_recursion", "_hashed", "_specs", "_flatten", "_graph"]
-        + ["_closure", "_pytree"],
-        "_tree",
-    ),
-    **dict.fromkeys(
-        [
-            "_interrupts",
-            "_unlifted",
-            "_call",
-            "_stale",
-            "_retrace",
-            "_substitute",
-            "_callsite",
-            "_explain",
-        ]
-        + ["_writeback", "_pure", "_core", "_trace_cache"],
-        "_pipeline",
-    ),
-    **dict.fromkeys(
-        ["_names", "_signature", "_lifts", "_prefix_helpers", "_prefix", "_rng_hints", "_axes"]
-        + ["_metadata", "_jit", "_vmap", "_pmap", "_shard_map", "_scan", "_loop"]
-        + ["_control_flow", "_grad", "_vjp", "_custom_vjp", "_remat", "_checkify"]
-        + ["_eval_shape"],
-        "_transforms",
-    ),
-    **dict.fromkeys(["_capture", "_clone", "_rngs", "_filter"], "_helpers"),
-}
+_FLAT_LAYERS: dict[str, str] = {}
 
 # What the flat layout still does that the re-layout removes (it empties both sets):
 # (importer, imported) pairs that import upward, and (importer, hub, name) imports through
 # a module that does not define the name.
-_KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset({("treemode._pytree", "treemode._writeback")})
-_KNOWN_HUBS: frozenset[str] = frozenset(
-    {"treemode._core", "treemode._flatten", "treemode._writeback", "treemode._pytree"}
-)
+_KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset()
+_KNOWN_HUBS: frozenset[str] = frozenset()
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -313,3 +281,17 @@ def test_no_import_cycle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_every_treemode_file_is_library_code_for_the_closure_search_and_jax():
+    """The closure search never follows treemode's own functions, and JAX's user frame
+    is never inside treemode, whichever subpackage a module sits in."""
+    import treemode
+    from treemode._tree import _closure
+
+    root = pathlib.Path(treemode.__file__).resolve().parent
+    files = sorted(root.rglob("*.py"))
+    assert any(f.parent != root for f in files)  # there are subpackages
+    for f in files:
+        assert str(f).startswith(_closure._LIBRARY), f
+        assert not _closure._plan(compile("0", str(f), "eval")).user_code, f

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _callsite
+from treemode._pipeline import _callsite
 
 
 class Counter(nnx.Module):

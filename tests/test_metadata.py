@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode._metadata import add_axis, remove_axis
+from treemode._transforms._metadata import add_axis, remove_axis
 
 
 def make_param(rngs):

@@ -42,7 +42,7 @@ def migration_anchors() -> set[str]:
 def source_pointers() -> dict[str, list[str]]:
     """anchor -> the treemode files whose messages point at it."""
     found: dict[str, list[str]] = {}
-    for path in sorted((ROOT / "treemode").glob("*.py")):
+    for path in sorted((ROOT / "treemode").rglob("*.py")):
         for anchor in POINTER.findall(path.read_text(encoding="utf-8")):
             found.setdefault(anchor, []).append(path.name)
     return found

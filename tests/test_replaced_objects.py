@@ -191,7 +191,7 @@ def test_replaced_dict_of_a_class_with_its_own_attribute_lookup(implementation, 
 
 
 def test_unchanged_objects_still_reuse_the_cached_flattening(implementation):
-    from treemode import _flatten
+    from treemode._tree import _flatten
 
     m = Outer()
     f = treemode.jit(step)

@@ -1,6 +1,6 @@
 """Thread safety: concurrent calls of one transform give the sequential results.
 
-The shared state is the flatten cache (``treemode._flatten._cache``), the
+The shared state is the flatten cache (``treemode._tree._flatten._cache``), the
 compiled-entry cache of each wrapper, the thread-local ``Call`` that
 ``PureFunction.bind`` sets, and the recursion-limit headroom.
 """
@@ -133,7 +133,7 @@ def test_other_transforms_from_several_threads():
         f = make()
 
         def call(m, s, x, f=f):
-            x2 = jnp.stack([x, x]) if isinstance(f, treemode._vmap.VmapWrapped) else x
+            x2 = jnp.stack([x, x]) if isinstance(f, treemode._transforms._vmap.VmapWrapped) else x
             return jax.tree_util.tree_map(np.asarray, f(m, s, x2))
 
         expected = _sequential(call, shared)

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import treemode
-from treemode import _flatten
+from treemode._tree import _flatten
 
 
 class Model(nnx.Module):

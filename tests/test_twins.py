@@ -1,6 +1,6 @@
 """Differential tests: each compiled kernel and its Python twin decide alike.
 
-The compiled extension (``treemode/_guard.c``) and the Python code implement the
+The compiled extension (``treemode/_accel/_guard.c``) and the Python code implement the
 same kernels: the flattening guard (``holds``), the call-site match
 (``match_into``), the closure-read check (``reads_hold``) and the bulk write
 (``write_changed``). Here both are fed the same hypothesis-generated models,
@@ -24,10 +24,13 @@ from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from treemode import _callsite, _closure, _compat, _compiled, _flatten, _leaves, _writeback
+from treemode import _compat
+from treemode._accel import _compiled
+from treemode._pipeline import _callsite, _writeback
+from treemode._tree import _closure, _flatten, _leaves
 
 try:
-    COMPILED = importlib.import_module("treemode._guard")
+    COMPILED = importlib.import_module("treemode._accel._guard")
 except ImportError:  # pragma: no cover - a build without a C compiler
     COMPILED = None
 

@@ -107,7 +107,7 @@ def check_tag(wheel: Path) -> None:
         tags = re.findall(r"^Tag: (.+)$", zf.read(wheel_info).decode(), re.M)
     if not any(t.startswith(f"{tag}-{tag}-manylinux_2_17_") for t in tags):
         sys.exit(f"the WHEEL file of {wheel.name} has tags {tags}")
-    if not [n for n in names if re.fullmatch(r"treemode/_guard\..*\.so", n)]:
+    if not [n for n in names if re.fullmatch(r"treemode/_accel/_guard\..*\.so", n)]:
         sys.exit(f"{wheel.name} has no compiled extension: {names}")
     print(f"{wheel.name}: tags {', '.join(tags)}; compiled extension included")
 

@@ -8,21 +8,11 @@ from ._versions import check_installed as _check_installed
 # rather than failing later with an internal error.
 _check_installed()
 
-from . import _compiled
+from ._accel import _compiled
+from ._accel._compiled import ExtensionStatus as ExtensionStatus
+from ._accel._compiled import ExtensionWarning as ExtensionWarning
+from ._accel._compiled import extension_status as extension_status
 from ._caches import clear_caches as clear_caches
-from ._capture import capture as capture
-from ._checkify import checkify as checkify
-from ._clone import clone as clone
-from ._closure import ClosureWarning as ClosureWarning
-from ._compiled import ExtensionStatus as ExtensionStatus
-from ._compiled import ExtensionWarning as ExtensionWarning
-from ._compiled import extension_status as extension_status
-from ._control_flow import cond as cond
-from ._control_flow import fori_loop as fori_loop
-from ._control_flow import switch as switch
-from ._control_flow import while_loop as while_loop
-from ._custom_vjp import CustomVjp as CustomVjp
-from ._custom_vjp import custom_vjp as custom_vjp
 from ._errors import AliasError as AliasError
 from ._errors import AxisError as AxisError
 from ._errors import ClosureError as ClosureError
@@ -33,35 +23,45 @@ from ._errors import StaticArgumentError as StaticArgumentError
 from ._errors import StructureError as StructureError
 from ._errors import TraceContextError as TraceContextError
 from ._errors import TreemodeError as TreemodeError
-from ._eval_shape import eval_shape as eval_shape
-from ._filter import filter as filter
-from ._flatten import check_no_aliases as check_no_aliases
-from ._grad import grad as grad
-from ._grad import value_and_grad as value_and_grad
-from ._graph import from_tree as from_tree
-from ._graph import to_tree as to_tree
-from ._jit import JitWrapped as JitWrapped
-from ._jit import jit as jit
-from ._jit import jit_partial as jit_partial
-from ._metadata import transform_metadata as transform_metadata
-from ._pmap import pmap as pmap
-from ._prefix_helpers import partition_specs as partition_specs
-from ._prefix_helpers import prefix as prefix
-from ._prefix_helpers import sharding_of as sharding_of
-from ._pytree import ModuleKey as ModuleKey
-from ._pytree import Pytree as Pytree
-from ._pytree import PytreeDef as PytreeDef
-from ._remat import checkpoint as checkpoint
-from ._remat import remat as remat
-from ._rng_hints import BroadcastRngsWarning as BroadcastRngsWarning
-from ._rngs import fork_rngs as fork_rngs
-from ._rngs import split_rngs as split_rngs
-from ._scan import Carry as Carry
-from ._scan import scan as scan
-from ._shard_map import shard_map as shard_map
-from ._vjp import jvp as jvp
-from ._vjp import vjp as vjp
-from ._vmap import vmap as vmap
+from ._helpers._capture import capture as capture
+from ._helpers._clone import clone as clone
+from ._helpers._filter import filter as filter
+from ._helpers._rngs import fork_rngs as fork_rngs
+from ._helpers._rngs import split_rngs as split_rngs
+from ._transforms._checkify import checkify as checkify
+from ._transforms._control_flow import cond as cond
+from ._transforms._control_flow import fori_loop as fori_loop
+from ._transforms._control_flow import switch as switch
+from ._transforms._control_flow import while_loop as while_loop
+from ._transforms._custom_vjp import CustomVjp as CustomVjp
+from ._transforms._custom_vjp import custom_vjp as custom_vjp
+from ._transforms._eval_shape import eval_shape as eval_shape
+from ._transforms._grad import grad as grad
+from ._transforms._grad import value_and_grad as value_and_grad
+from ._transforms._jit import JitWrapped as JitWrapped
+from ._transforms._jit import jit as jit
+from ._transforms._jit import jit_partial as jit_partial
+from ._transforms._metadata import transform_metadata as transform_metadata
+from ._transforms._pmap import pmap as pmap
+from ._transforms._prefix_helpers import partition_specs as partition_specs
+from ._transforms._prefix_helpers import prefix as prefix
+from ._transforms._prefix_helpers import sharding_of as sharding_of
+from ._transforms._remat import checkpoint as checkpoint
+from ._transforms._remat import remat as remat
+from ._transforms._rng_hints import BroadcastRngsWarning as BroadcastRngsWarning
+from ._transforms._scan import Carry as Carry
+from ._transforms._scan import scan as scan
+from ._transforms._shard_map import shard_map as shard_map
+from ._transforms._vjp import jvp as jvp
+from ._transforms._vjp import vjp as vjp
+from ._transforms._vmap import vmap as vmap
+from ._tree._closure import ClosureWarning as ClosureWarning
+from ._tree._flatten import check_no_aliases as check_no_aliases
+from ._tree._graph import from_tree as from_tree
+from ._tree._graph import to_tree as to_tree
+from ._tree._pytree import ModuleKey as ModuleKey
+from ._tree._pytree import Pytree as Pytree
+from ._tree._pytree import PytreeDef as PytreeDef
 
 # One ExtensionWarning where the compiled extension is off but not by choice
 # (treemode.extension_status() says why).

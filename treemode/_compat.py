@@ -17,7 +17,7 @@ That needs a few names Flax and JAX do not document:
   raised; where it is missing, nothing is checked);
 - ``flax.nnx.extract.TreeState`` and ``from_tree2``: what ``nnx.prefix(...,
   graph=True)`` returns and how Flax decodes it (optional: where they are
-  missing, such prefixes are not recognized; see ``treemode._prefix``).
+  missing, such prefixes are not recognized; see ``treemode._transforms._prefix``).
 
 Every other module reads them through the accessors below, never by name.
 `check` verifies them once, when treemode is imported:
@@ -27,7 +27,7 @@ Every other module reads them through the accessors below, never by name.
   the first call);
 - only the layout the compiled call path relies on differs (the Variable
   attributes are not plain ``__slots__``): treemode runs its pure-Python path
-  (`COMPILED_OK` is False), and ``treemode._compiled`` says so in one
+  (`COMPILED_OK` is False), and ``treemode._accel._compiled`` says so in one
   ``treemode.ExtensionWarning`` (and in ``treemode.extension_status()``).
 
 Both messages name the installed versions: pyproject.toml declares minimums
@@ -138,7 +138,7 @@ def resolve(report: Report, installed: str | None = None) -> bool:
     - ``installed``: the installed versions in words, for the message (default:
       read from the package metadata).
 
-    **Returns:** ``False`` for a layout problem (``treemode._compiled`` then
+    **Returns:** ``False`` for a layout problem (``treemode._accel._compiled`` then
     leaves the extension off and warns once, naming `layout_problem`), else ``True``.
 
     **Raises:** `ImportError` naming the installed and the supported versions

@@ -1,0 +1,80 @@
+"""``treemode.checkify``: ``jax.experimental.checkify`` with Variable write-back."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from jax.experimental import checkify as jax_checkify
+
+from .._pipeline import _call, _core, _pure
+from ._names import named
+from ._signature import suggests_keywords
+
+
+@suggests_keywords
+def checkify(
+    f: Callable[..., Any],
+    errors: frozenset[Any] = jax_checkify.user_checks,
+    *,
+    graph: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """Functionalize the checks of `f`, like `jax.experimental.checkify.checkify`.
+
+    The wrapped function returns `(error, out)`; `error.throw()` raises if a
+    check failed, `error.get()` gives the message or `None`. Variables that `f`
+    changes are written back, whether or not a check failed (as with JAX, the
+    computation runs to the end).
+
+    **Arguments:**
+
+    - `f`: the function; its arguments may be modules, pytrees and arrays.
+    - `errors`: the error categories to check (`checkify.user_checks`,
+      `checkify.float_checks`, `checkify.all_checks`, ...).
+    - `graph`: if `True`, arguments may share Modules/Variables.
+
+    **Returns:**
+
+    A function returning `(error, output)`.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+    from jax.experimental import checkify
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.count = nnx.BatchStat(jnp.array(0))
+
+    def step(counter, x):
+        checkify.check(x > 0, "x must be positive, got {x}", x=x)
+        counter.count[...] += 1
+        return x * 2
+
+    counter = Counter()
+    err, y = treemode.checkify(step)(counter, jnp.array(3.0))
+    assert err.get() is None and float(y) == 6.0 and int(counter.count[...]) == 1
+    err, _ = treemode.checkify(step)(counter, jnp.array(-1.0))
+    assert "must be positive" in err.get()
+    ```
+    """
+
+    @functools.wraps(f)
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        call = _call.prepare("checkify", f, args, kwargs, graph=graph)
+        pure = _pure.PureFunction(call)
+        checked = jax_checkify.checkify(named(pure, f), errors=errors)
+
+        def jax_call() -> tuple[Any, Any]:
+            error, (out, updates) = checked(*call.dynamic)
+            return (error, out), updates
+
+        error, out = _core.run(call, pure, jax_call, finish=False)
+        return error, _core.finish(call, out)
+
+    return wrapped
+
+
+__all__ = ["checkify"]

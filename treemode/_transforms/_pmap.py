@@ -1,0 +1,175 @@
+"""``treemode.pmap``: ``jax.pmap`` with per-Variable axes and write-back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from .._pipeline import _call, _pure
+from ._axes import CallAxes, call_axes, check_axes_spec, check_mapped
+from ._lifts import refuse_lifts
+from ._names import named
+from ._signature import suggests_keywords
+from ._vmap import MappedWrapper, _Entry, find_batched_update, translate_axis_error
+
+
+def _as_set(x: int | Iterable[int] | None) -> frozenset[int]:
+    if x is None:
+        return frozenset()
+    if isinstance(x, int):
+        return frozenset({x})
+    return frozenset(x)
+
+
+class PmapWrapped(MappedWrapper):
+    """A function parallelized with `treemode.pmap`."""
+
+    transform = "pmap"
+    warn_broadcast_rngs = True
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        axis_name: Any = None,
+        in_axes: Any = 0,
+        out_axes: Any = 0,
+        static_broadcasted_argnums: int | Iterable[int] = (),
+        devices: Sequence[Any] | None = None,
+        backend: str | None = None,
+        axis_size: int | None = None,
+        donate_argnums: int | Iterable[int] = (),
+        transform_metadata: Mapping[str, Any] | None = None,
+        graph: bool = False,
+    ):
+        super().__init__(
+            fn,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            graph=graph,
+            static_argnums=_as_set(static_broadcasted_argnums),
+            donate_argnums=_as_set(donate_argnums),
+            transform_metadata=transform_metadata,
+        )
+        check_axes_spec(self.out_axes, transform=self.transform, what="out_axes")
+        self.axis_name = axis_name
+        self.devices = devices
+        self.backend = backend
+        self.axis_size = axis_size
+
+    def resolve(self, call: _call.Call) -> CallAxes:
+        return call_axes(call, self.in_axes)
+
+    def check(self, call: _call.Call, axes: CallAxes) -> None:
+        check_mapped(call, axes.dynamic, axis_size=self.axis_size)
+
+    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes) -> Any:
+        return jax.pmap(
+            named(pure, call.fn),
+            axis_name=self.axis_name,
+            in_axes=axes.dynamic,
+            out_axes=(self.jax_out_axes, axes.variables),
+            devices=self.devices,
+            backend=self.backend,
+            axis_size=self.axis_size,
+            donate_argnums=self.donated_dynamic(call),
+        )
+
+    def first_call_check(self, entry: _Entry, call: _call.Call) -> None:
+        # jax.pmap silently keeps one device's value of an unmapped output; check
+        # under vmap once that no broadcast Variable gets a per-device value.
+        find_batched_update(
+            entry.pure,
+            call,
+            entry.axes,
+            self.jax_out_axes,
+            axis_name=self.axis_name,
+            axis_size=self.axis_size,
+            check_first=True,
+        )
+
+    def translate(self, error: Exception, call: _call.Call, entry: _Entry) -> None:
+        translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
+
+
+@suggests_keywords
+def pmap(
+    fun: Callable[..., Any] | None = None,
+    axis_name: Any = None,
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    static_broadcasted_argnums: int | Iterable[int] = (),
+    devices: Sequence[Any] | None = None,
+    backend: str | None = None,
+    axis_size: int | None = None,
+    donate_argnums: int | Iterable[int] = (),
+    transform_metadata: Mapping[str, Any] | None = None,
+    graph: bool = False,
+) -> Any:
+    """Parallelize ``f`` over devices with ``jax.pmap``, writing Variable updates back.
+
+    The arguments are split along their `in_axes` over devices, exactly as in
+    `jax.pmap`; Variables may be given per-Variable axes with a module-shaped
+    prefix. A Variable the function changes comes back on its input axis (a
+    replicated Variable, `in_axes=None`, must be changed identically on every
+    device, e.g. through `jax.lax.pmean`; otherwise `AxisError` names it).
+
+    **Arguments:**
+
+    - `fun`: the function; omit it to use `pmap(...)` as a decorator factory.
+    - `axis_name`, `in_axes`, `out_axes`, `static_broadcasted_argnums`,
+      `devices`, `backend`, `axis_size`, `donate_argnums`: as in `jax.pmap`
+      (`in_axes` entries may be module-shaped; keyword arguments use axis 0).
+    - `transform_metadata`: as in `treemode.vmap`.
+    - `graph`: if `True`, arguments may share Modules/Variables.
+
+    **Returns:**
+
+    The parallelized function.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    n = jax.local_device_count()
+
+    class Stats(nnx.Module):
+        def __init__(self):
+            self.total = nnx.BatchStat(jnp.zeros(()))
+
+    stats = Stats()
+
+    @treemode.pmap(axis_name="d", in_axes=(None, 0))
+    def accumulate(stats, x):
+        stats.total[...] += jax.lax.psum(x.sum(), "d")
+        return x * 2
+
+    accumulate(stats, jnp.ones((n, 3)))
+    assert stats.total[...] == 3 * n
+    ```
+    """
+    refuse_lifts(in_axes, transform="pmap", what="in_axes", graph=graph, variables=True)
+    refuse_lifts(out_axes, transform="pmap", what="out_axes", graph=graph, variables=True)
+    options: dict[str, Any] = dict(
+        axis_name=axis_name,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        static_broadcasted_argnums=static_broadcasted_argnums,
+        devices=devices,
+        backend=backend,
+        axis_size=axis_size,
+        donate_argnums=donate_argnums,
+        transform_metadata=transform_metadata,
+        graph=graph,
+    )
+    if fun is None:
+        return lambda f: PmapWrapped(f, **options)
+    return PmapWrapped(fun, **options)
+
+
+__all__ = ["PmapWrapped", "pmap"]

@@ -1,0 +1,98 @@
+"""``treemode.remat`` (alias ``treemode.checkpoint``): ``jax.checkpoint`` with write-back."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+
+from .._pipeline import _call, _core, _pure
+from ._names import named
+from ._signature import as_tuple, resolve_argnums, suggests_keywords
+
+
+@suggests_keywords
+def remat(
+    fun: Callable[..., Any] | None = None,
+    *,
+    prevent_cse: bool | Sequence[bool] = True,
+    policy: Callable[..., bool] | None = None,
+    static_argnums: int | tuple[int, ...] = (),
+    static_argnames: str | Iterable[str] = (),
+    graph: bool = False,
+) -> Callable[..., Any]:
+    """Recompute ``fn``'s intermediates in the backward pass (``jax.checkpoint``).
+
+    Modules and pytrees may be passed freely; Variables changed by `fn` are written
+    back. Works as a function or method decorator.
+
+    **Arguments:**
+
+    - `fun`: the function to rematerialize. Omit it to use
+      `remat(policy=...)` as a decorator.
+    - `prevent_cse`: as in `jax.checkpoint`.
+    - `policy`: which intermediates may be saved instead of recomputed, e.g.
+      `jax.checkpoint_policies.save_only_these_names("h")`.
+    - `static_argnums`, `static_argnames`: arguments that are static (part of
+      the trace, must be hashable), by position or by name, as in
+      `jax.checkpoint`.
+    - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).
+
+    **Returns:**
+
+    The wrapped function, with the same outputs as `fn`.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    model = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    x = jnp.ones((2, 3))
+    forward = treemode.remat(lambda m, x: jnp.tanh(m(x)))
+
+    def loss_fn(model):
+        return jnp.sum(forward(model, x))
+
+    grads = treemode.grad(loss_fn)(model)
+    expected = treemode.grad(lambda m: jnp.sum(jnp.tanh(m(x))))(model)
+    assert jnp.allclose(grads.kernel[...], expected.kernel[...])
+    ```
+    """
+    if fun is None:
+        return functools.partial(
+            remat,
+            prevent_cse=prevent_cse,
+            policy=policy,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            graph=graph,
+        )
+    fn = fun
+    statics, static_names = resolve_argnums(
+        "remat", fn, as_tuple(static_argnums), as_tuple(static_argnames), "static"
+    )
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nums = frozenset(i + len(args) if i < 0 else i for i in statics)
+        call = _call.prepare(
+            "remat",
+            fn,
+            args,
+            kwargs,
+            graph=graph,
+            static_argnums=nums,
+            static_argnames=static_names,
+        )
+        pure = _pure.PureFunction(call)
+        checkpointed = jax.checkpoint(named(pure, fn), prevent_cse=prevent_cse, policy=policy)
+        return _core.run(call, pure, lambda: checkpointed(*call.dynamic))
+
+    return wrapper
+
+
+checkpoint = remat

@@ -1,0 +1,191 @@
+"""``treemode.vjp`` and ``treemode.jvp``.
+
+Both differentiate with respect to the floating-point arrays of all primals (the
+same split as `treemode.grad`); integer and key Variables are carried as
+non-differentiated inputs, and their cotangents are ``float0`` zeros. Variable
+updates made by the function ride along as JAX ``aux`` and are written back to
+the primals after the call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .._pipeline import _call, _core, _pure
+from .._tree import _graph
+from ._grad import DiffSplit, dynamic_like, split_aux, to_array_args
+from ._names import named
+from ._signature import UNSPECIFIED, check_reduce_axes, suggests_keywords
+
+
+@suggests_keywords
+def vjp(
+    fun: Callable[..., Any] = UNSPECIFIED,
+    *primals: Any,
+    has_aux: bool = False,
+    reduce_axes: Sequence[Any] = (),
+    graph: bool = False,
+) -> Any:
+    """``jax.vjp`` over Modules and pytrees, writing Variable updates back.
+
+    **Arguments:**
+
+    - `fun`: the function to differentiate.
+    - `*primals`: its positional arguments (Modules, Variables, pytrees, arrays,
+      Python numbers).
+    - `has_aux`: `fun` returns `(output, aux)`; `aux` is not differentiated.
+    - `reduce_axes`: accepted for `jax.vjp`'s signature; must be empty.
+    - `graph`: if `True`, primals may share Modules/Variables (see `to_tree`).
+
+    Without `fun` (`treemode.vjp(graph=True)`), or with `fun` but no primals,
+    returns `vjp` with these options bound, as Flax's `nnx.vjp` does, so it
+    can decorate a function: `treemode.vjp(has_aux=True)(f, x)`.
+
+    **Returns:**
+
+    `(output, vjp_fn)` or `(output, vjp_fn, aux)`. `vjp_fn(cotangent)` returns a
+    tuple with one cotangent per primal, each of the primal's own type (a Module
+    of the same class for a Module); integer and key Variables get `float0`
+    zeros. Variables changed by `fn` are written back when `vjp` returns.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 2))
+    y, vjp_fn = treemode.vjp(lambda m, x: m(x), model, x)
+    model_ct, x_ct = vjp_fn(jnp.ones_like(y))
+    assert type(model_ct) is nnx.Linear
+    assert x_ct.shape == (1, 2)
+    ```
+    """
+    check_reduce_axes("vjp", reduce_axes)
+    if fun is UNSPECIFIED:
+        return functools.partial(vjp, has_aux=has_aux, graph=graph)
+    if not primals:
+        return functools.partial(vjp, fun, has_aux=has_aux, graph=graph)
+    primals = to_array_args(primals, range(len(primals)))
+    call = _call.prepare("vjp", fun, primals, {}, graph=graph)
+    split = DiffSplit(call, range(len(call.arg_flats)))
+    pure = _pure.PureFunction(call)
+    other = split.other_values()
+
+    def differentiated(*diff: Any) -> tuple[Any, Any]:
+        out, updates = pure(*split.merge(diff, other))
+        if has_aux:
+            out, aux = split_aux("vjp", out)
+        else:
+            aux = None
+        return out, (aux, updates)
+
+    def jax_call() -> tuple[Any, Any]:
+        out, raw_vjp, (aux, updates) = jax.vjp(
+            named(differentiated, fun), *split.diff_values(), has_aux=True
+        )
+        return (out, raw_vjp, aux), updates
+
+    out, raw_vjp, aux = _core.run(call, pure, jax_call, finish=False)
+
+    def vjp_fn(cotangent: Any) -> tuple[Any, ...]:
+        if graph:
+            cotangent = _graph.to_tree(cotangent)
+        return tuple(split.cotangent_trees(raw_vjp(cotangent)))
+
+    out = _core.finish(call, out)
+    if has_aux:
+        return out, vjp_fn, _core.finish(call, aux)
+    return out, vjp_fn
+
+
+@suggests_keywords
+def jvp(
+    fun: Callable[..., Any] = UNSPECIFIED,
+    primals: Sequence[Any] = UNSPECIFIED,
+    tangents: Sequence[Any] = UNSPECIFIED,
+    has_aux: bool = False,
+    *,
+    graph: bool = False,
+) -> Any:
+    """``jax.jvp`` over Modules and pytrees, writing Variable updates back.
+
+    **Arguments:**
+
+    - `fun`: the function to differentiate.
+    - `primals`: tuple of its positional arguments.
+    - `tangents`: tuple with one tangent per primal, of the primal's own type (a
+      Module of the same class for a Module, e.g. `jax.tree.map(jnp.ones_like,
+      model)`); `None` stands for zeros. The tangents of integer and key
+      Variables are ignored (they are not differentiated).
+    - `has_aux`: `fun` returns `(output, aux)`; `aux` is not differentiated.
+    - `graph`: if `True`, primals may share Modules/Variables (see `to_tree`).
+
+    Without `fun`, or without `primals` and `tangents`, returns `jvp` with the
+    given options bound (as Flax's `nnx.jvp`): `treemode.jvp(graph=True)(f,
+    primals, tangents)`.
+
+    **Returns:**
+
+    `(output, output_tangent)` or `(output, output_tangent, aux)`. Variables
+    changed by `fn` are written back to the primals.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 2))
+    tangent = jax.tree.map(jnp.ones_like, model)
+    y, y_dot = treemode.jvp(lambda m: m(x), (model,), (tangent,))
+    assert y_dot.shape == (1, 3)
+    ```
+    """
+    if fun is UNSPECIFIED:
+        return functools.partial(jvp, has_aux=has_aux, graph=graph)
+    if primals is UNSPECIFIED or tangents is UNSPECIFIED:
+        return functools.partial(jvp, fun, has_aux=has_aux, graph=graph)
+    primals = to_array_args(tuple(primals), range(len(primals)))
+    tangents = to_array_args(tuple(tangents), range(len(tangents)))
+    if len(primals) != len(tangents):
+        raise TypeError(
+            f"treemode.jvp: got {len(primals)} primal(s) but {len(tangents)} tangent(s); "
+            "give one tangent per primal (None for zeros)."
+        )
+    call = _call.prepare("jvp", fun, primals, {}, graph=graph)
+    split = DiffSplit(call, range(len(call.arg_flats)))
+    names = [f"primals[{i}]" for i in range(len(primals))]
+    diff_tangents = dynamic_like(
+        call, split, tangents, transform="jvp", what="tangent", names=names
+    )
+    pure = _pure.PureFunction(call)
+    other = split.other_values()
+
+    def differentiated(diff: list[Any]) -> tuple[Any, Any]:
+        out, updates = pure(*split.merge(diff, other))
+        if has_aux:
+            out, aux = split_aux("jvp", out)
+        else:
+            aux = None
+        return out, (aux, updates)
+
+    def jax_call() -> tuple[Any, Any]:
+        out, out_tangent, (aux, updates) = jax.jvp(
+            named(differentiated, fun), (split.diff_values(),), (diff_tangents,), has_aux=True
+        )
+        return (out, out_tangent, aux), updates
+
+    out, out_tangent, aux = _core.run(call, pure, jax_call, finish=False)
+    out, out_tangent = _core.finish(call, out), _core.finish(call, out_tangent)
+    if has_aux:
+        return out, out_tangent, _core.finish(call, aux)
+    return out, out_tangent
+
+
+__all__ = ["jvp", "vjp"]

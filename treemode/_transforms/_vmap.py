@@ -1,0 +1,486 @@
+"""``treemode.vmap``, and the wrapper shared by the mapping transforms.
+
+`MappedWrapper` is the pipeline of a transform that maps a function over
+an axis of its arguments (``vmap``, ``pmap``, ``shard_map``): prepare the call,
+resolve the per-argument specification to one entry per traced array, call the
+JAX transform with the updates mapped back on each Variable's input
+specification, and write the changed Variables back. Subclasses only say how to
+resolve and check the specification and which JAX transform to call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ParamSpec, Protocol, TypeVar, overload
+
+import jax
+
+from .._errors import AxisError, TreemodeError
+from .._pipeline import _call, _core, _explain, _interrupts, _pure
+from .._pipeline._trace_cache import TraceCache, cache_for, call_current_fn
+from ._axes import CallAxes, batched_update_error, call_axes, check_axes_spec, check_mapped
+from ._lifts import refuse_lifts
+from ._metadata import check_metadata, with_axis_metadata
+from ._names import named
+from ._prefix import decode_flax_prefixes, graph_output_prefix
+from ._rng_hints import warn_broadcast_draws
+from ._signature import suggests_keywords
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _Entry:
+    """What is built once per call structure."""
+
+    __slots__ = ("pure", "axes", "mapped", "checked")
+
+    def __init__(self, pure: _pure.PureFunction, axes: CallAxes, mapped: Any):
+        self.pure = pure
+        self.axes = axes
+        self.mapped = mapped
+        self.checked = False
+
+
+def _whole(out: Any) -> Any:
+    return out
+
+
+class MappedWrapper:
+    """Base of the wrappers returned by ``vmap``, ``pmap`` and ``shard_map``."""
+
+    transform = "vmap"
+    # The names of the input and output specifications (for error messages).
+    spec_names = ("in_axes", "out_axes")
+    # Warn once per trace when a broadcast nnx.Rngs is drawn from (see `_rng_hints`).
+    warn_broadcast_rngs = False
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        in_axes: Any,
+        out_axes: Any,
+        graph: bool,
+        static_argnums: frozenset[int] = frozenset(),
+        donate_argnums: frozenset[int] = frozenset(),
+        transform_metadata: Mapping[str, Any] | None = None,
+    ):
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        self.fn = fn
+        in_what, out_what = self.spec_names
+        # Flax's graph-mode prefixes (nnx.prefix(..., graph=True)) made module-shaped.
+        self.in_axes = decode_flax_prefixes(in_axes, transform=self.transform, what=in_what)
+        self.out_axes = decode_flax_prefixes(out_axes, transform=self.transform, what=out_what)
+        # What JAX matches against the outputs: with graph=True they are `to_tree`'s form.
+        self.jax_out_axes = graph_output_prefix(self.out_axes) if graph else self.out_axes
+        self.graph = graph
+        self.static_argnums = static_argnums
+        self.donate_argnums = donate_argnums
+        self.metadata = dict(transform_metadata) if transform_metadata else None
+        if self.metadata:
+            check_metadata(self.metadata, self.transform)
+        # Per wrapper; `VmapWrapped` shares it between wrappers of one function.
+        self._cache: TraceCache[_Entry] = TraceCache()
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<treemode.{self.transform} of {self.fn!r}>"
+
+    # -- hooks for subclasses -----------------------------------------------------
+
+    def resolve(self, call: _call.Call) -> CallAxes:
+        """One specification per dynamic array and per Variable."""
+        return call_axes(call, self.in_axes)
+
+    def check(self, call: _call.Call, axes: CallAxes) -> None:
+        """Shape checks before calling JAX (raise ``AxisError``)."""
+
+    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes) -> Any:
+        """The JAX-transformed pure function."""
+        raise NotImplementedError
+
+    def first_call_check(self, entry: _Entry, call: _call.Call) -> None:
+        """Run once per call structure before the first real call."""
+
+    def translate(self, error: Exception, call: _call.Call, entry: _Entry) -> None:
+        """Raise a treemode error for a JAX error, or return to re-raise it."""
+
+    # -- the pipeline ---------------------------------------------------------------
+
+    def _entry(self, call: _call.Call) -> _Entry:
+        return self._cache.get(call.key, lambda: self._build_entry(call))
+
+    def _build_entry(self, call: _call.Call) -> _Entry:
+        axes = self.resolve(call)
+        force: frozenset[int] = frozenset()
+        if self.donate_argnums:
+            _explain.note_donation()
+            force = frozenset(self._donated_variables(call))
+        pure = _pure.PureFunction(call, force_updates=force)
+        pure.fn = call_current_fn(pure)  # the entry may outlive this wrapper
+        if self.graph:  # one out_axes (out_specs) per shared Variable
+            pure.output_spec = (self.spec_names[1], self.out_axes, _whole, None, "output")
+        if self.metadata:
+            pure.fn = with_axis_metadata(
+                pure.fn,
+                self.in_axes,
+                self.out_axes,
+                self.metadata,
+                transform=self.transform,
+                is_leaf=self.metadata_is_leaf,
+            )
+        return _Entry(pure, axes, self.build(pure, call, axes))
+
+    @staticmethod
+    def metadata_is_leaf(x: Any) -> bool:
+        from ._axes import is_axis
+
+        return is_axis(x)
+
+    def _donated_variables(self, call: _call.Call) -> list[int]:
+        """Indices into ``call.variables`` of the donated positional arguments."""
+        ranges = call.root_variable_ranges()
+        return [j for k in call.traced_roots(self.donate_argnums) for j in ranges[k]]
+
+    def donated_dynamic(self, call: _call.Call) -> tuple[int, ...]:
+        """Indices into ``call.dynamic`` of the donated positional arguments."""
+        ranges = call.root_dynamic_ranges()
+        return tuple(j for k in call.traced_roots(self.donate_argnums) for j in ranges[k])
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
+        return _call.prepare(
+            self.transform,
+            self.fn,
+            args,
+            kwargs,
+            graph=self.graph,
+            static_argnums=self.static_argnums,
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.prepare(args, kwargs)
+        entry = self._entry(call)
+        self.check(call, entry.axes)
+
+        def jax_call() -> tuple[Any, Any]:
+            try:
+                if not entry.checked:
+                    self.first_call_check(entry, call)
+                result = entry.mapped(*call.dynamic)
+            except ValueError as e:
+                if not isinstance(e, TreemodeError):  # treemode's own errors say it all
+                    self.translate(e, call, entry)
+                raise
+            if not entry.checked and self.warn_broadcast_rngs:
+                warn_broadcast_draws(call, entry.axes.variables, result[1], self.in_axes)
+            entry.checked = True
+            return result
+
+        if not self.donate_argnums:
+            return _core.run(call, entry.pure, jax_call)
+        # pmap donates: once the executable consumed the buffers, a signal's handler
+        # waits for the write-back (treemode._pipeline._interrupts, as for treemode.jit).
+        token = _interrupts.hold([call.dynamic[i] for i in self.donated_dynamic(call)])
+        try:
+            return _core.run(call, entry.pure, jax_call)
+        finally:
+            if token is not None:
+                _interrupts.close()
+                _interrupts.release(token)
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+
+def find_batched_update(
+    pure: _pure.PureFunction,
+    call: _call.Call,
+    axes: CallAxes,
+    out_axes: Any,
+    *,
+    axis_name: Any = None,
+    axis_size: int | None = None,
+    check_first: bool = False,
+) -> None:
+    """Raise ``AxisError`` if a broadcast Variable gets a per-example value.
+
+    Called when ``jax.vmap`` failed (or, for ``pmap``, once up front): JAX's own
+    message does not say which output was batched, so re-trace abstractly with
+    the broadcast Variables' updates mapped, then unmapped one at a time.
+    Returns quietly if the problem lies elsewhere. With ``check_first``, first
+    trace once with the real axes and return if that succeeds.
+    """
+    candidates = [i for i, axis in enumerate(axes.variables) if axis is None]
+    if not candidates:
+        return
+    size = check_mapped(call, axes.dynamic, axis_size=axis_size)
+
+    def probe(var_axes: tuple[Any, ...]) -> Any:
+        mapped = jax.vmap(
+            pure,
+            in_axes=axes.dynamic,
+            out_axes=(out_axes, var_axes),
+            axis_name=axis_name,
+            axis_size=size,
+        )
+        return jax.eval_shape(mapped, *call.dynamic)
+
+    if check_first:
+        try:
+            probe(axes.variables)
+            return
+        except ValueError:
+            pass
+    relaxed = tuple(0 if axis is None else axis for axis in axes.variables)
+    try:
+        _, updates = probe(relaxed)
+    except Exception:
+        return
+    for i in candidates:
+        if updates[i] is None:
+            continue
+        trial = list(relaxed)
+        trial[i] = None
+        try:
+            probe(tuple(trial))
+        except ValueError:
+            raise batched_update_error(call, i, axis_name=axis_name) from None
+
+
+class VmapWrapped(MappedWrapper):
+    """A function vectorized with `treemode.vmap`."""
+
+    transform = "vmap"
+    warn_broadcast_rngs = True
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        in_axes: Any = 0,
+        out_axes: Any = 0,
+        axis_name: Any = None,
+        axis_size: int | None = None,
+        spmd_axis_name: Any = None,
+        sum_match: bool = False,
+        transform_metadata: Mapping[str, Any] | None = None,
+        graph: bool = False,
+    ):
+        super().__init__(
+            fn,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            graph=graph,
+            transform_metadata=transform_metadata,
+        )
+        self.axis_name = axis_name
+        self.axis_size = axis_size
+        self.spmd_axis_name = spmd_axis_name
+        self.sum_match = sum_match
+        check_axes_spec(self.out_axes, transform=self.transform, what="out_axes")
+        # Wrappers of one function with the same options (e.g. `treemode.vmap(f)(x)`
+        # written inside a loop) share their entries.
+        self._cache = cache_for(
+            [fn],
+            (
+                "vmap",
+                self.in_axes,
+                self.out_axes,
+                axis_name,
+                axis_size,
+                spmd_axis_name,
+                sum_match,
+                tuple(sorted(self.metadata.items())) if self.metadata else None,
+                graph,
+            ),
+        )
+
+    def check(self, call: _call.Call, axes: CallAxes) -> None:
+        check_mapped(call, axes.dynamic, axis_size=self.axis_size)
+
+    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes) -> Any:
+        return jax.vmap(
+            named(pure, call.fn),
+            in_axes=axes.dynamic,
+            out_axes=(self.jax_out_axes, axes.variables),
+            axis_name=self.axis_name,
+            axis_size=self.axis_size,
+            spmd_axis_name=self.spmd_axis_name,
+            sum_match=self.sum_match,
+        )
+
+    def first_call_check(self, entry: _Entry, call: _call.Call) -> None:
+        # With sum_match, jax.vmap would sum the per-example updates of a broadcast
+        # Variable instead of failing: check once, with the outputs mapped, that
+        # no broadcast Variable gets a per-example value.
+        if self.sum_match:
+            find_batched_update(
+                entry.pure,
+                call,
+                entry.axes,
+                0,
+                axis_name=self.axis_name,
+                axis_size=self.axis_size,
+                check_first=True,
+            )
+
+    def translate(self, error: Exception, call: _call.Call, entry: _Entry) -> None:
+        translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
+
+
+def translate_axis_error(
+    error: Exception,
+    call: _call.Call,
+    entry: _Entry,
+    out_axes: Any,
+    axis_name: Any,
+    axis_size: int | None,
+) -> None:
+    """Name the Variable or the spec behind a ``jax.vmap``/``jax.pmap`` ``ValueError``."""
+    find_batched_update(
+        entry.pure, call, entry.axes, out_axes, axis_name=axis_name, axis_size=axis_size
+    )
+    if "out_axes" in str(error):
+        raise AxisError(
+            f"treemode.{call.transform}: out_axes does not fit the function's output (it "
+            "must be a prefix of the output, with an int or None per mapped part).\n"
+            f"JAX says: {error}"
+        ) from None
+
+
+class _Vmapping(Protocol):
+    """What ``treemode.vmap(in_axes=...)`` returns, for type checkers: a decorator that
+    keeps the decorated function's signature."""
+
+    def __call__(self, fun: Callable[P, R], /) -> Callable[P, R]: ...
+
+
+# The function's parameters and result type are kept for type checkers, as
+# `jax.vmap` does (at run time the result is a `VmapWrapped`).
+@overload
+def vmap(
+    fun: Callable[P, R],
+    in_axes: int | None | Sequence[Any] = ...,
+    out_axes: Any = ...,
+    axis_name: Any = ...,
+    axis_size: int | None = ...,
+    spmd_axis_name: Any = ...,
+    sum_match: bool = ...,
+    *,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> Callable[P, R]: ...
+
+
+@overload
+def vmap(
+    fun: None = None,
+    in_axes: int | None | Sequence[Any] = ...,
+    out_axes: Any = ...,
+    axis_name: Any = ...,
+    axis_size: int | None = ...,
+    spmd_axis_name: Any = ...,
+    sum_match: bool = ...,
+    *,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> _Vmapping: ...
+
+
+@suggests_keywords
+def vmap(
+    fun: Callable[..., Any] | None = None,
+    in_axes: int | None | Sequence[Any] = 0,
+    out_axes: Any = 0,
+    axis_name: Any = None,
+    axis_size: int | None = None,
+    spmd_axis_name: Any = None,
+    sum_match: bool = False,
+    *,
+    transform_metadata: Mapping[str, Any] | None = None,
+    graph: bool = False,
+) -> Any:
+    """Vectorize ``f`` with ``jax.vmap``, writing Variable updates back on their axis.
+
+    Every array of the arguments, Variable values included, is mapped over the
+    axis its `in_axes` entry gives (`None`: broadcast). A Variable the function
+    changes is written back stacked along the axis it came in on, so a mapped
+    `BatchStat` keeps one value per example and a stack of layers keeps its layout.
+
+    **Arguments:**
+
+    - `fun`: the function; omit it to use `vmap(...)` as a decorator factory.
+    - `in_axes`: an int, `None`, or a tuple with one entry per positional
+      argument. An entry is a prefix of its argument and may be module-shaped
+      (see `treemode.prefix`), giving each Variable its own axis. Keyword
+      arguments are mapped over axis 0, as in `jax.vmap`.
+    - `out_axes`: prefix of the output (may be module-shaped).
+    - `axis_name`, `axis_size`, `spmd_axis_name`: as in `jax.vmap`.
+    - `sum_match`: as in `jax.vmap`: an output with out axis `None` that
+      depends on the mapped axis is summed over it instead of failing. It
+      applies to the function's outputs only; a broadcast Variable set to a
+      per-example value still raises `AxisError`.
+    - `transform_metadata`: `{nnx.PARTITION_NAME: name}` to add `name` to the
+      `out_sharding` of the Variables stacked by the transform (and to hide the
+      mapped axis from the function), see `treemode.transform_metadata`.
+    - `graph`: if `True`, arguments may share Modules/Variables.
+
+    **Returns:**
+
+    The vectorized function (usable as a method decorator).
+
+    **Raises:**
+
+    `AxisError` for an invalid or mismatched axis specification, or when a
+    broadcast (`in_axes=None`) Variable is set to a per-example value;
+    `AliasError` when a Variable is reachable twice.
+
+    ```python
+    import jax.numpy as jnp
+    import treemode
+    from flax import nnx
+
+    @treemode.vmap
+    def create(rngs):
+        return nnx.Linear(2, 3, rngs=rngs)
+
+    stack = create(treemode.split_rngs(nnx.Rngs(0), splits=4))
+    assert stack.kernel.shape == (4, 2, 3)
+
+    @treemode.vmap(in_axes=(0, None))
+    def forward(layer, x):
+        return layer(x)
+
+    assert forward(stack, jnp.ones((5, 2))).shape == (4, 5, 3)
+    ```
+    """
+    refuse_lifts(in_axes, transform="vmap", what="in_axes", graph=graph, variables=True)
+    refuse_lifts(out_axes, transform="vmap", what="out_axes", graph=graph, variables=True)
+    options: dict[str, Any] = dict(
+        in_axes=in_axes,
+        out_axes=out_axes,
+        axis_name=axis_name,
+        axis_size=axis_size,
+        spmd_axis_name=spmd_axis_name,
+        sum_match=sum_match,
+        transform_metadata=transform_metadata,
+        graph=graph,
+    )
+    if fun is None:
+        return lambda f: VmapWrapped(f, **options)
+    return VmapWrapped(fun, **options)
+
+
+__all__ = [
+    "MappedWrapper",
+    "VmapWrapped",
+    "find_batched_update",
+    "translate_axis_error",
+    "vmap",
+]

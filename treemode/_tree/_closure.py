@@ -1,0 +1,673 @@
+"""Find the NNX objects a function reaches through its closure.
+
+A transform lifts the Variables of these objects into explicit inputs: their
+current values are passed to JAX on every call (so reads are never stale) and
+their changes are written back (so writes are never lost). The objects looked at
+are the ones Python binds to the function itself: closure cells, the ``self`` of
+a bound method, the arguments of a ``functools.partial``, module-level globals
+the function names, and the function object when it is itself a Module.
+
+Helper functions are followed too: a plain Python function (or a bound method,
+or a ``functools.partial``) found in a closure cell or a global the function
+names is searched the same way, recursively, so a module that a helper closes
+over and mutates is lifted as well. Only the user's own code is followed: not
+builtins, and not functions defined in the standard library or in installed
+packages (JAX, Flax, optax, ...), which cannot close over the user's modules.
+The walk stops `MAX_DEPTH` functions deep and visits each function once, so
+recursive helpers terminate.
+
+Plain holders are entered too (`_Walk.search`): lists, tuples and dicts, the
+attributes of instances of the user's own classes (the ``self`` of a bound
+method of a plain object), and default arguments. A holder can change in place
+without any read recorded below changing, so a search that finds an NNX object
+in one is not cached: such a function is searched again on every call.
+
+This runs on every transform call, so it is cached per function object: the
+answer is kept with every read the search made (each global's value, each
+closure cell's content, each function's code object) and reused while all of
+them still give the same objects, checked mostly in bulk at C level. Cells and
+globals can be rebound between calls, which simply makes the next call search
+again. The cache never keeps the function alive (everything that could lead
+back to it is held weakly, and the entry goes when the function does), never
+keeps a cell's array or tracer (only their type matters), and stops making
+entries for a code object whose functions are made per call. What each code
+object reads (its free variables, global names, and whether it is library
+code) is computed once per code object, and what each value is (NNX object,
+followable function, or neither) once per type.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dis
+import functools
+import operator
+import os
+import site
+import sys
+import sysconfig
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from .. import _caches
+from .._accel import _compiled
+from ._leaves import is_variable_or_graph_node
+
+# The compiled checks (treemode._accel._compiled); None where it is off: the same checks below.
+_reads_hold = _compiled.reads_hold
+
+
+class ClosureWarning(UserWarning):
+    """A module the function reaches through its closure is not lifted: it sits
+    beyond the closure search's limits (see docs/concepts.md#closures-are-lifted).
+    Its values are constants of the compiled code; pass it as an argument."""
+
+
+MAX_DEPTH = 4  # function hops followed from the transformed function
+
+# What a value in a cell or global is, decided once per type.
+# _HOLDER: a list, tuple or dict, or an instance of a class of the user's own code,
+# searched for NNX objects inside it (see `_Walk.search`).
+_IGNORE, _STATE, _FUNCTION, _WRAPPER, _HOLDER = range(5)
+_kinds: dict[type, int] = {}
+_caches.register(_kinds.clear)
+MAX_HOLDER_ITEMS = 256  # bigger lists, dicts and attribute dicts are not searched
+MAX_HOLDER_ENTRIES = 4096  # entries of holders looked at by one search, in all
+
+
+def _classify(cls: type) -> int:
+    if issubclass(cls, (nnx.Pytree, nnx.Variable)):  # as is_graph_node / is_variable
+        kind = _STATE
+    elif issubclass(cls, types.FunctionType):
+        kind = _FUNCTION
+    elif issubclass(cls, (types.MethodType, functools.partial)):
+        kind = _WRAPPER
+    elif cls in (list, tuple, dict) or _user_class(cls):
+        kind = _HOLDER
+    else:
+        kind = _IGNORE
+    _kinds[cls] = kind
+    return kind
+
+
+def _user_class(cls: type) -> bool:
+    """A class defined in the user's own code whose instances have attributes."""
+    return is_user_class(cls)
+
+
+def is_user_class(cls: type, *, instances_need_dict: bool = True) -> bool:
+    """Whether ``cls`` is defined in the user's own code (not the standard library,
+    an installed package or treemode), and, with ``instances_need_dict``, whether
+    its instances have a ``__dict__``."""
+    if issubclass(cls, (type, types.ModuleType, BaseException)):
+        return False
+    if instances_need_dict and "__dict__" not in dir(cls):
+        return False
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return cls.__module__ == "__main__"
+    return not os.path.abspath(path).startswith(_LIBRARY)
+
+
+def _library_prefixes() -> tuple[str, ...]:
+    """Directories whose code is never followed: the standard library, installed
+    packages and treemode itself."""
+    paths = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # treemode/
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            paths.add(path)
+    try:
+        paths.update(site.getsitepackages())
+    except AttributeError:  # pragma: no cover - some embedded interpreters
+        pass
+    if site.ENABLE_USER_SITE and site.USER_SITE:
+        paths.add(site.USER_SITE)
+    prefixes = {os.path.join(os.path.abspath(p), "") for p in paths}
+    prefixes |= {os.path.join(os.path.realpath(p), "") for p in paths}
+    return (*sorted(prefixes), "<frozen ")
+
+
+_LIBRARY = _library_prefixes()
+
+
+class _Plan:
+    """What a code object reads: computed once per code object."""
+
+    __slots__ = ("code", "freevars", "global_names", "aliased", "user_code", "snapshots")
+
+    def __init__(self, code: types.CodeType):
+        self.code = code  # kept so that the id used as key stays this object's
+        self.freevars = code.co_freevars
+        self.global_names = _global_names(code)
+        # Names a substituted copy loads from the builtins (`treemode._pipeline._substitute`).
+        self.aliased = any(n.startswith(ALIAS_PREFIX) for n in self.global_names)
+        self.user_code = not code.co_filename.startswith(_LIBRARY)
+        self.snapshots = 0  # cache entries made for functions of this code
+
+
+_plans: dict[int, _Plan] = {}
+_caches.register(_plans.clear)
+
+# The prefix of the names under which a function copied for a trace loads the
+# globals that lead to a lifted module; they live in the builtins namespace.
+ALIAS_PREFIX = "<treemode lifted "
+_BUILTINS = builtins.__dict__
+
+
+def globals_read(plan: _Plan, module_globals: dict[str, Any]) -> list[dict[str, Any]]:
+    """The namespace each of ``plan.global_names`` is read from: the globals, or the
+    builtins for an alias of a copy made for a trace."""
+    return [_BUILTINS if n.startswith(ALIAS_PREFIX) else module_globals for n in plan.global_names]
+
+
+def global_values(plan: _Plan, module_globals: dict[str, Any]) -> tuple[Any, ...]:
+    """The value of each of ``plan.global_names`` (``None`` where unbound)."""
+    if plan.aliased:
+        return tuple(map(dict.get, globals_read(plan, module_globals), plan.global_names))
+    return tuple(map(module_globals.get, plan.global_names))
+
+
+def _plan(code: types.CodeType) -> _Plan:
+    plan = _plans.get(id(code))
+    if plan is None or plan.code is not code:
+        if len(_plans) >= 4096:
+            _plans.clear()  # lambdas made per call: bound the cache
+        plan = _plans[id(code)] = _Plan(code)
+    return plan
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names ``code`` (and the functions/comprehensions nested in it) load as globals.
+
+    ``co_names`` alone also lists attribute names, so the bytecode is read once.
+    """
+    names: dict[str, None] = {}
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            names[instruction.argval] = None
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(dict.fromkeys(_global_names(const)))
+    return tuple(names)
+
+
+def closure_objects(fn: Callable[..., Any], transform: str = "jit") -> list[tuple[str, Any]]:
+    """``(name, object)`` for each NNX object or Variable bound to ``fn``.
+
+    Includes the ones bound to the helper functions ``fn`` reaches through its
+    closure cells and globals (see the module docstring). The answer is cached
+    per ``fn`` together with everything the search read; a later call reuses it
+    only if every one of those reads still gives the same object.
+    """
+    key = id(fn)
+    snapshot = _snapshots.get(key)
+    if snapshot is not None and snapshot.ref() is fn and snapshot.still_valid():
+        if not snapshot.found:
+            return []
+        found = [(name, holder()) for name, holder in snapshot.found]
+        if None not in [obj for _, obj in found]:
+            return found
+    code = getattr(fn, "__code__", None)
+    plan = _plan(code) if code is not None else None
+    if plan is not None and plan.snapshots >= _MAX_SNAPSHOTS:
+        # made per call, or its reads change on every call: search without caching
+        walk = _Walk(None, None)
+        if type(fn) is types.FunctionType:
+            walk.visit_function(fn, plan, 0)
+        else:
+            walk.visit(fn, 0)
+        return _answer(walk, transform)
+    try:
+        ref = _Ref(fn, _forget)
+    except TypeError:  # not weakly referenceable: no cache
+        walk = _Walk(None, None)
+        walk.visit(fn, 0)
+        return _answer(walk, transform)
+    ref.key = key
+    walk = _Walk(fn, ref)
+    walk.visit(fn, 0)
+    if walk.volatile or walk.cut:  # held in a list, dict, object or default: search every call
+        _snapshots.pop(key, None)
+        return _answer(walk, transform)
+    if plan is not None:
+        plan.snapshots += 1
+    if len(_snapshots) >= 4096:
+        _snapshots.clear()  # functions made per call: bound the cache
+    _snapshots[key] = _Snapshot(ref, walk)
+    return walk.found
+
+
+def _answer(walk: _Walk, transform: str) -> list[tuple[str, Any]]:
+    # What the limits left out (`walk.cut`) is reported once per trace, with every
+    # other route the search does not take (`treemode._pipeline._unlifted`).
+    del transform
+    return walk.found
+
+
+def closure_snapshot(fn: Callable[..., Any]) -> Any:
+    """The cache entry behind the last `closure_objects` answer for ``fn``.
+
+    ``None`` when that answer was not cached (functions made per call, or not
+    weakly referenceable). Pass it to `unchanged_closure_objects` later.
+    """
+    snapshot = _snapshots.get(id(fn))
+    if snapshot is None or snapshot.ref() is not fn:
+        return None
+    return snapshot
+
+
+_EMPTY_ANSWER: list[Any] = []
+
+
+def unchanged_closure_objects(fn: Callable[..., Any], snapshot: Any) -> list[Any] | None:
+    """The objects `closure_objects` (``fn``) answers, if that answer is still ``snapshot``'s.
+
+    ``None`` if any read behind ``snapshot`` changed (the answer must be searched
+    again). The list returned for a function without closure objects is shared:
+    do not modify it.
+    """
+    if _snapshots.get(id(fn)) is not snapshot or not snapshot.still_valid():
+        return None
+    if not snapshot.found:
+        return _EMPTY_ANSWER
+    return held_objects(snapshot.found)
+
+
+def held_objects(found: list[tuple[str, Any]]) -> list[Any] | None:
+    """The objects of a search's answer (its ``(name, holder)`` pairs); ``None`` if one died."""
+    objects = [holder() for _, holder in found]
+    return None if any(obj is None for obj in objects) else objects
+
+
+class _Ref(weakref.ref):
+    """A weak reference to a function that knows its cache key."""
+
+    __slots__ = ("key",)
+    key: int
+
+
+def _forget(ref: _Ref) -> None:
+    if _snapshots is not None:  # None while the interpreter shuts down
+        _snapshots.pop(ref.key, None)
+
+
+class _Strong:
+    """A holder for an object that cannot be weakly referenced (a Variable)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
+def _hold(obj: Any) -> Any:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return _Strong(obj)
+
+
+# Placeholders for cell contents in a snapshot.
+_EMPTY = object()  # an empty cell
+EMPTY = _EMPTY  # what `cell_value` gives for an empty cell
+_IGNORED = object()  # a cell holding a value of an ignored type (not kept alive)
+
+
+def cell_value(cell: Any) -> Any:
+    """A closure cell's contents, or `EMPTY` for an empty cell."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _EMPTY
+
+
+class _Walk:
+    """One search: what it found, what it visited, and (to cache) every read it made.
+
+    The reads are kept for a `_Snapshot`, which must never keep the searched
+    function alive (it is the cache key): everything that could lead back to it
+    (the functions visited, what their cells hold, what was found) is held
+    weakly; only module globals' values are held strongly.
+    """
+
+    __slots__ = (
+        "found",
+        "cut",
+        "seen",
+        "volatile",
+        "budget",
+        "top",
+        "top_ref",
+        "dicts",
+        "names",
+        "values",
+        "functions",
+        "codes",
+        "cells",
+        "attrs",
+    )
+
+    def __init__(self, top: Any, top_ref: Any) -> None:
+        self.found: list[tuple[str, Any]] = []
+        self.cut: list[str] = []  # holders with NNX objects that the limits left out
+        self.seen: set[int] = set()
+        self.volatile = False  # found an NNX object in a holder: do not cache
+        self.budget = MAX_HOLDER_ENTRIES  # entries of holders still to look at
+        self.top_ref = top_ref  # None: do not record the reads
+        if top_ref is None:
+            return
+        self.top = top
+        self.dicts: list[dict[str, Any]] = []
+        self.names: list[str] = []
+        self.values: list[Any] = []
+        self.functions: list[Any] = []  # holders
+        self.codes: list[types.CodeType] = []
+        self.cells: list[tuple[Any, tuple[Any, ...]]] = []  # (function holder, contents)
+        self.attrs: list[tuple[Any, str, Any]] = []
+
+    def hold(self, obj: Any) -> Any:
+        return self.top_ref if obj is self.top else _hold(obj)
+
+    def add(self, name: str, obj: Any) -> None:
+        if id(obj) not in self.seen:
+            self.seen.add(id(obj))
+            self.found.append((name, obj))
+
+    def visit(self, f: Any, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            return
+        if isinstance(f, functools.partial):
+            for i, a in enumerate(f.args):
+                if is_variable_or_graph_node(a):
+                    self.add(f"partial.args[{i}]", a)
+            for k, a in f.keywords.items():
+                if is_variable_or_graph_node(a):
+                    self.add(f"partial.keywords[{k!r}]", a)
+            self.visit(f.func, depth + 1)
+            return
+        if isinstance(f, types.MethodType):
+            if is_variable_or_graph_node(f.__self__):
+                self.add("self", f.__self__)
+            else:
+                self.search("self", f.__self__, depth + 1)
+            self.visit(f.__func__, depth + 1)
+            return
+        if is_variable_or_graph_node(f):
+            self.add(type(f).__name__, f)
+            call = getattr(type(f), "__call__", None)  # noqa: B004 - the method itself
+            if self.top_ref is not None:
+                self.attrs.append((type(f), "__call__", call))
+            if call is not None:
+                self.visit(call, depth + 1)
+            return
+        code = getattr(f, "__code__", None)
+        if code is not None:
+            self.visit_function(f, _plan(code), depth)
+
+    def visit_function(self, f: Any, plan: _Plan, depth: int) -> None:
+        """The closure cells and the globals of a function (anything with ``__code__``)."""
+        kinds = _kinds
+        record = self.top_ref is not None
+        if record:
+            self.functions.append(self.hold(f))
+            self.codes.append(plan.code)
+        cells = getattr(f, "__closure__", None)
+        if cells:
+            contents: list[Any] = []
+            for name, cell in zip(plan.freevars, cells, strict=False):
+                obj = cell_value(cell)
+                if obj is _EMPTY:
+                    contents.append(_EMPTY)
+                    continue
+                kind = kinds.get(type(obj))
+                if kind is None:
+                    kind = _classify(type(obj))
+                if kind == _IGNORE:
+                    contents.append(_IGNORED)
+                    continue
+                if record:
+                    contents.append(self.hold(obj))
+                self.consider(name, obj, kind, depth)
+            if record:
+                self.cells.append((self.hold(f), tuple(contents)))
+        defaults = getattr(f, "__defaults__", None)
+        if defaults:
+            names = plan.code.co_varnames[: plan.code.co_argcount][-len(defaults) :]
+            for name, obj in zip(names, defaults, strict=False):
+                self.search(f"default {name}", obj, depth, default=True)
+        kwdefaults = getattr(f, "__kwdefaults__", None)
+        if kwdefaults:
+            for name, obj in kwdefaults.items():
+                self.search(f"default {name}", obj, depth, default=True)
+        module_globals = getattr(f, "__globals__", None) if plan.global_names else None
+        if module_globals:
+            names = plan.global_names
+            values = global_values(plan, module_globals)
+            if record:
+                if plan.aliased:
+                    self.dicts.extend(globals_read(plan, module_globals))
+                else:
+                    self.dicts.extend([module_globals] * len(names))
+                self.names.extend(names)
+                self.values.extend(values)
+            for name, obj in zip(names, values, strict=True):
+                if obj is None:
+                    continue
+                kind = kinds.get(type(obj))
+                if kind is None:
+                    kind = _classify(type(obj))
+                if kind != _IGNORE:
+                    self.consider(name, obj, kind, depth)
+
+    def consider(self, name: str, obj: Any, kind: int, depth: int) -> None:
+        """A value in a cell or a global: an NNX object to lift, or a helper to follow."""
+        if kind == _STATE:
+            self.add(name, obj)
+            return
+        if depth >= MAX_DEPTH or id(obj) in self.seen:
+            return
+        if kind == _HOLDER:
+            self.search(name, obj, depth + 1)
+            return
+        if kind == _FUNCTION:
+            plan = _plan(obj.__code__)
+            if plan.user_code:
+                self.seen.add(id(obj))  # a function is visited once: recursion terminates
+                self.visit_function(obj, plan, depth + 1)
+            return
+        self.seen.add(id(obj))
+        self.visit(obj, depth + 1)
+
+    def search(self, name: str, obj: Any, depth: int, *, default: bool = False) -> None:
+        """NNX objects inside a plain holder: a list, tuple or dict, a default argument,
+        or an instance of a class of the user's own code (its attributes).
+
+        Such holders can change in place (``models[0] = other``, ``self.model =
+        other``) without any read of the snapshot changing, so a search that
+        finds an NNX object in one is *volatile*: not cached, done again on
+        every call. Holders bigger than `MAX_HOLDER_ITEMS` are not entered.
+        """
+        kind = _kinds.get(type(obj))
+        if kind is None:
+            kind = _classify(type(obj))
+        if kind == _STATE:
+            self.volatile = True
+            self.add(name, obj)
+            return
+        if kind == _FUNCTION or kind == _WRAPPER:
+            if not default:
+                self.consider(name, obj, kind, depth)
+            return
+        if kind != _HOLDER or id(obj) in self.seen:
+            return
+        self.seen.add(id(obj))
+        if isinstance(obj, (dict, list, tuple)):
+            size = len(obj)
+            if not size and not isinstance(obj, tuple):
+                # An empty list or dict, a registry filled later: a module added to
+                # it changes no read of the snapshot, so it is searched every call.
+                self.volatile = True
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            if not isinstance(attrs, dict):
+                return
+            size = len(attrs)
+        self.budget -= size
+        if depth > MAX_DEPTH or size > MAX_HOLDER_ITEMS or self.budget < 0:
+            if _holds_nnx_object(obj):
+                self.cut.append(name)
+            return
+        if isinstance(obj, dict):
+            children = [(f"{name}[{k!r}]", v) for k, v in list(obj.items())]
+        elif isinstance(obj, (list, tuple)):
+            children = [(f"{name}[{i}]", v) for i, v in enumerate(list(obj))]
+        else:
+            children = [(f"{name}.{k}", v) for k, v in list(obj.__dict__.items())]
+        for child_name, child in children:
+            self.search(child_name, child, depth + 1)
+
+
+def holder_values(holder: Any) -> list[Any] | tuple[Any, ...] | None:
+    """The entries of a plain holder the search enters: a dict's values, a list's or
+    tuple's items, an object's attribute values (``None`` for one without ``__dict__``)."""
+    if isinstance(holder, dict):
+        return list(holder.values())
+    if isinstance(holder, (list, tuple)):
+        return holder
+    attrs = getattr(holder, "__dict__", None)
+    return list(attrs.values()) if isinstance(attrs, dict) else None
+
+
+def _holds_nnx_object(holder: Any) -> bool:
+    """Whether an NNX object is among the first or last `MAX_HOLDER_ITEMS` entries
+    of a holder the search does not enter (checked for `ClosureWarning` only)."""
+    values = holder_values(holder) or ()
+    n = MAX_HOLDER_ITEMS
+    sample = values if len(values) <= 2 * n else [*values[:n], *values[-n:]]
+    for v in sample:
+        kind = _kinds.get(type(v))
+        if kind is None:
+            kind = _classify(type(v))
+        if kind == _STATE:
+            return True
+    return False
+
+
+# Every read a closure search made: (globals dicts, names, values) read with
+# ``dict.get``, (function holders, code objects), (function holder, cell contents)
+# pairs and (owner, attribute, value) triples.
+_Reads = tuple[
+    tuple[dict[str, Any], ...],
+    tuple[str, ...],
+    tuple[Any, ...],
+    tuple[Any, ...],
+    tuple[types.CodeType, ...],
+    tuple[tuple[Any, tuple[Any, ...]], ...],
+    tuple[tuple[Any, str, Any], ...],
+]
+
+
+class _Snapshot:
+    """One function's answer and every read it depends on, checked in bulk.
+
+    Where the extension is built, every read is checked in one call of the
+    compiled ``reads_hold`` over ``reads`` (the same groups, as tuples). In
+    Python, the global reads are checked in one C-level pass (``dict.get`` over
+    all the ``(globals, name)`` pairs, compared with ``is``); the functions'
+    code objects, closure cells and Module classes one by one.
+    """
+
+    __slots__ = ("ref", "found", "reads")
+
+    def __init__(self, ref: Any, walk: _Walk):
+        self.ref = ref
+        self.found = [(name, walk.hold(obj)) for name, obj in walk.found]
+        self.reads: _Reads = (
+            tuple(walk.dicts),
+            tuple(walk.names),
+            tuple(walk.values),
+            tuple(walk.functions),
+            tuple(walk.codes),
+            tuple(walk.cells),
+            tuple(walk.attrs),
+        )
+
+    def still_valid(self) -> bool:
+        return reads_hold(self.reads)
+
+
+def reads_hold(reads: tuple[tuple[Any, ...], ...]) -> bool:
+    """Whether every read of a closure search (a `_Snapshot`'s ``reads``) still holds."""
+    if _reads_hold is not None:
+        return _reads_hold(reads, _kinds, _IGNORE, _EMPTY, _IGNORED)
+    return reads_hold_python(reads)
+
+
+def reads_hold_python(reads: tuple[tuple[Any, ...], ...]) -> bool:
+    """The Python twin of the compiled ``reads_hold`` (tests/test_twins.py binds them)."""
+    dicts, names, values, functions, codes, cells, attrs = reads
+    if names and not all(map(operator.is_, map(dict.get, dicts, names), values)):
+        return False
+    if functions:
+        for holder, code in zip(functions, codes, strict=True):
+            if getattr(holder(), "__code__", None) is not code:  # changed, or died
+                return False
+    for holder, contents in cells:
+        f = holder()
+        if f is None:
+            return False
+        for cell, value in zip(f.__closure__, contents, strict=True):
+            current = cell_value(cell)
+            if value is _IGNORED:
+                if current is _EMPTY or _kinds.get(type(current)) != _IGNORE:
+                    return False
+            elif value is _EMPTY:
+                if current is not _EMPTY:
+                    return False
+            elif value() is not current:
+                return False
+    for owner, name, value in attrs:
+        if getattr(owner, name, None) is not value:
+            return False
+    return True
+
+
+def read_check_args() -> tuple[dict[type, int], int, object, object]:
+    """What ``reads_hold`` compares cells with: ``(kinds, ignore, empty, ignored)``."""
+    return _kinds, _IGNORE, _EMPTY, _IGNORED
+
+
+_snapshots: dict[int, _Snapshot] = {}
+_caches.register(_snapshots.clear)
+# After this many cache entries for one code object, its functions are made per
+# call (a lambda in a loop) or their reads change on every call: the entry would
+# never be hit, so it is no longer made.
+_MAX_SNAPSHOTS = 16
+
+
+def holder_kind(obj: Any) -> int | None:
+    """How the closure search goes through ``obj``: ``_FUNCTION``, ``_WRAPPER`` or
+    ``_HOLDER``; ``None`` for anything it does not enter (NNX objects included)."""
+    kind = _kinds.get(type(obj))
+    if kind is None:
+        kind = _classify(type(obj))
+    return kind if kind in (_FUNCTION, _WRAPPER, _HOLDER) else None
+
+
+def user_function_kinds() -> tuple[int, int, int]:
+    """The values of ``_FUNCTION``, ``_WRAPPER`` and ``_HOLDER`` (see `holder_kind`)."""
+    return _FUNCTION, _WRAPPER, _HOLDER
+
+
+def plan_of(f: Any) -> _Plan:
+    """What the code of function ``f`` reads (cached per code object)."""
+    return _plan(f.__code__)

@@ -1,0 +1,691 @@
+"""One-pass flattening of transform inputs, with Variables as leaves.
+
+Each top-level argument is flattened on its own into an `ArgFlat`: its
+treedef (which holds the modules' static attributes), one spec per leaf, the
+Variables (kept for write-back and identity checks) and the dynamic arrays that
+are passed to JAX. Flattening NNX modules through their pytree callbacks costs
+microseconds per module, so an ``ArgFlat`` is cached per argument object and
+revalidated on the next call by identity checks on the attribute dicts it walked
+through (see `flatten_arg`).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
+from typing import Any, TypeGuard
+
+import jax
+from flax.nnx.statelib import State
+from jax.core import Tracer
+from jax.tree_util import PyTreeDef
+
+from .. import _caches
+from .._accel import _compiled
+from .._compat import metadata_of as _metadata_of
+from .._compat import raw_value_of as _raw_value_of
+from .._errors import AliasError
+from ._leaves import (
+    CONCRETE_ARRAY_TYPES,
+    is_array,
+    is_graph_node,
+    is_python_scalar,
+    is_variable,
+    is_variable_value_leaf,
+)
+from ._paths import paths_and_leaves
+from ._recursion import CycleFound, find_cycle, recursion_headroom
+from ._specs import (
+    DYNAMIC,
+    Spec,
+    StaticLeaf,
+    StructureKey,
+    VarSpec,
+    variable_dynamic,
+    variable_spec,
+)
+
+# The compiled guard (treemode._accel._compiled); None where it is off: the same checks in Python.
+_compiled_holds = _compiled.holds
+_version_tags = _compiled.version_tags
+
+Variable = Any  # nnx.Variable; kept loose for speed-critical annotations
+
+
+class ArgFlat:
+    """One flattened top-level argument.
+
+    Attributes:
+        treedef: structure with Variables as leaves.
+        specs: one spec per leaf.
+        leaves: the leaves themselves (Variables, arrays, static values).
+        variables: the Variables, in leaf order.
+        var_dynamic_counts: per Variable, how many dynamic leaves its value has.
+        dynamic: the traced arrays, in leaf order (a Variable's value leaves in
+            place of the Variable).
+        key: hashable structural key (treedef and specs).
+    """
+
+    __slots__ = (
+        "treedef",
+        "specs",
+        "leaves",
+        "variables",
+        "var_dynamic_counts",
+        "dynamic",
+        "key",
+        "_guard",
+        "_ref",
+        "variable_ids",
+        "has_aliases",
+        "origin",
+        "writable_in",
+        "_variable_specs",
+        "values_only",
+        "_fast",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        treedef: PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
+        specs: tuple[Spec, ...],
+        leaves: list[Any],
+    ):
+        self.treedef = treedef
+        self.specs = specs
+        self.leaves = leaves
+        self.variables: list[Any] = []
+        self.var_dynamic_counts: list[int] = []
+        self.dynamic: list[Any] = []
+        for spec, leaf in zip(specs, leaves, strict=True):
+            if type(spec) is VarSpec:
+                self.variables.append(leaf)
+                values = variable_dynamic(leaf, spec)
+                self.var_dynamic_counts.append(len(values))
+                self.dynamic.extend(values)
+            elif spec is DYNAMIC:
+                self.dynamic.append(leaf)
+        self.key = StructureKey(treedef, specs)
+        # Whether ``dynamic`` is exactly one array per Variable (the common case,
+        # where refreshing it is one read per Variable).
+        self.values_only = (
+            self.var_dynamic_counts.count(1) == len(self.variables) == len(self.dynamic)
+        )
+        self.variable_ids = frozenset(map(id, self.variables))
+        self.has_aliases = len(self.variable_ids) != len(self.variables)
+        self._guard: _Guard | None = None
+        self._ref: weakref.ref[Any] | None = None
+        # A copy made by `_refresh` points to its cache entry (``None`` otherwise);
+        # the entry remembers the trace its Variables may be written in.
+        self.origin: ArgFlat | None = None
+        self.writable_in: Any = None
+        self._variable_specs: tuple[VarSpec, ...] | None = None
+        self._fast: tuple[weakref.ref[Any], tuple[Any, ...], tuple[Any, ...]] | None = None
+
+    def leaf_dynamic_counts(self) -> list[int]:
+        """Per leaf, how many dynamic arrays it contributes."""
+        counts = []
+        var_counts = iter(self.var_dynamic_counts)
+        for spec in self.specs:
+            if type(spec) is VarSpec:
+                counts.append(next(var_counts))
+            else:
+                counts.append(1 if spec is DYNAMIC else 0)
+        return counts
+
+
+class _Guard:
+    """Identity snapshot of every mutable object a flattening walked through.
+
+    Validation compares, with ``is`` only and in bulk (each check is one C-level
+    pass), the current state of those objects against the snapshot:
+
+    - the type of every NNX object, ``nnx.State``, dict or list walked (an exact
+      ``dict`` or ``list`` needs no check: its class cannot be reassigned) and of
+      every Variable, so that ``v.__class__ = nnx.BatchStat`` is seen;
+    - the ``__dict__`` of every NNX object and State: the very same dict object,
+      so that ``object.__setattr__(m, "__dict__", d)`` is seen;
+    - their lengths, the values of every dict (NNX objects' ``__dict__`` and
+      plain dicts), the keys of plain dicts, the items of lists, and each
+      Variable's metadata: the very same dict, holding the very same keys and
+      values. NNX objects replace their ``_pytree__nodes`` mapping (one of the
+      values checked) whenever an attribute is added or deleted, so their keys
+      need no separate check; the length check covers the rest.
+
+    The top-level argument is not held (the cache entry holds it weakly): its
+    type and ``__dict__`` are checked on the object passed to `holds`.
+
+    Where the compiled guard (``treemode/_accel/_guard.c``) is on, the same checks run
+    there in one pass (`compiled_state`); it needs exact ``dict``/``list``
+    containers, so that its iteration order is the snapshot's. The Python checks
+    below decide exactly what it decides.
+    """
+
+    __slots__ = (
+        "sized",
+        "metadata",
+        "nodes",
+        "owners",
+        "top_type",
+        "top_dict",
+        "n_variables",
+        "expected_identities",
+        "sized_all",
+        "expected_lens",
+        "contents",
+        "expected_contents",
+        "compiled_state",
+    )
+
+    def __init__(self, containers: list[Any], variables: list[Any], top: Any):
+        dicts: list[dict[Any, Any]] = []
+        ordered: list[Any] = []  # plain dicts (iterated: keys) and lists (items)
+        # The top-level argument's type and __dict__ (None: not checked), then the
+        # other objects walked whose type is checked, and those whose __dict__ is.
+        self.top_type: type | None = None
+        self.top_dict: dict[str, Any] | None = None
+        nodes: list[Any] = []
+        owners: list[Any] = []
+        for obj in containers:
+            if isinstance(obj, list):
+                ordered.append(obj)
+            elif isinstance(obj, dict):
+                ordered.append(obj)
+                dicts.append(obj)
+            else:
+                dicts.append(obj.__dict__)
+                if obj is not top:
+                    owners.append(obj)
+            if obj is top:
+                self.top_type = type(obj)
+                if not isinstance(obj, (dict, list)):
+                    self.top_dict = obj.__dict__
+            elif type(obj) not in _FIXED_CLASS:
+                nodes.append(obj)
+        self.nodes = tuple(nodes)
+        self.owners = tuple(owners)
+        self.n_variables = len(variables)
+        node_types = tuple(map(type, nodes))
+        owner_dicts = tuple(map(_dict_of, owners))
+        variable_types = tuple(map(type, variables))
+        exact = (dict, list)
+        compiled = _compiled_holds is not None and all(type(c) in exact for c in ordered)
+        self.metadata = tuple(map(_metadata_of, variables))
+        if compiled:
+            # Version tags are read before the contents they vouch for: a change in
+            # between makes a tag stale (a full comparison), never a content.
+            tags = (
+                ()
+                if _version_tags is None
+                else tuple(map(_version_tags, (dicts, ordered, self.metadata)))
+            )
+        self.sized = tuple(dicts + [obj for obj in ordered if isinstance(obj, list)])
+        lens = tuple(map(len, self.sized))
+        values = tuple(chain.from_iterable(map(dict.values, dicts)))
+        items = tuple(chain.from_iterable(ordered))
+        # What the Python `holds` compares, each group in one pass: the types and
+        # __dict__ objects; the lengths (which keep the last pass aligned); every
+        # object the containers and the metadata dicts hold. Values are read
+        # through views made once (a view shows its dict's current values).
+        self.expected_identities = node_types + owner_dicts + variable_types + self.metadata
+        self.sized_all = (*self.sized, *self.metadata)
+        self.expected_lens = [*lens, *map(len, self.metadata)]
+        self.contents = (
+            *map(dict.values, dicts),
+            *ordered,
+            *self.metadata,
+            *map(dict.values, self.metadata),
+        )
+        self.expected_contents = (
+            values
+            + items
+            + tuple(chain.from_iterable(self.metadata))
+            + tuple(chain.from_iterable(map(dict.values, self.metadata)))
+        )
+        self.compiled_state: tuple[Any, ...] | None = None
+        if compiled:
+            entries = tuple(tuple(chain.from_iterable(m.items())) for m in self.metadata)
+            self.compiled_state = (
+                self.sized,
+                lens,
+                tuple(dicts),
+                values,
+                tuple(ordered),
+                items,
+                self.metadata,
+                entries,
+                self.nodes,
+                node_types,
+                self.owners,
+                owner_dicts,
+                variable_types,
+                self.top_type,
+                self.top_dict,
+                *(tags if tags and None not in tags else ()),
+            )
+
+    def holds(self, variables: list[Any], top: Any) -> bool:
+        """Whether the snapshot still describes the objects walked from ``top``.
+
+        ``variables`` are the flattening's Variables and ``top`` the top-level
+        argument (the object the cache entry's weak reference points to).
+        """
+        if self.compiled_state is not None:
+            return _compiled_holds(self.compiled_state, variables, top)  # type: ignore[misc]
+        return self.holds_python(variables, top)
+
+    def holds_python(self, variables: list[Any], top: Any) -> bool:
+        """The Python twin of the compiled ``holds`` (tests/test_twins.py binds them)."""
+        if (
+            (self.top_type is not None and type(top) is not self.top_type)
+            or (self.top_dict is not None and _dict_of(top) is not self.top_dict)
+            or len(variables) != self.n_variables
+        ):
+            return False
+        # Types and __dict__ objects first (the passes below read the saved dicts),
+        # then the metadata dicts: read only once every Variable's type matched
+        # (``all`` stops at the first difference).
+        current = chain(
+            map(type, self.nodes),
+            map(_dict_of, self.owners),
+            map(type, variables),
+            map(_metadata_of, variables),
+        )
+        try:
+            if not all(map(_is, current, self.expected_identities)):
+                return False
+        except AttributeError:  # no metadata any more: not the flattening's Variable
+            return False
+        # The lengths, then (aligned by them) every object held, by identity.
+        return list(map(len, self.sized_all)) == self.expected_lens and all(
+            map(_is, chain.from_iterable(self.contents), self.expected_contents)
+        )
+
+
+# Containers whose class cannot be reassigned (``__class__`` assignment needs a
+# class defined in Python): their type needs no check.
+_FIXED_CLASS = frozenset((dict, list))
+_dict_of = operator.attrgetter("__dict__")
+_is = operator.is_
+
+
+# Immutable containers that need no guard: their children are walked instead.
+_IMMUTABLE_NODES: tuple[type, ...] = (tuple, type(None))
+
+
+def _flatten_uncached(arg: Any, is_dynamic: Callable[[Any], bool]) -> tuple[ArgFlat, bool]:
+    containers: list[Any] = []
+    seen: set[int] = set()
+    revisited = False
+    cacheable = True
+    has_equinox = False
+
+    def is_leaf(x: Any) -> bool:
+        nonlocal cacheable, revisited, has_equinox
+        if is_variable(x):
+            return True
+        if is_graph_node(x) or isinstance(x, (dict, list)):
+            if id(x) in seen:
+                # Shared, or a cycle: stop here (an exception raised inside JAX's
+                # flattening would corrupt the interpreter) and check below.
+                revisited = True
+                return True
+            seen.add(id(x))
+            containers.append(x)
+        elif isinstance(x, State):
+            _add_state(x, containers)
+        elif not isinstance(x, _IMMUTABLE_NODES):
+            if not has_equinox and type(x) not in CONCRETE_ARRAY_TYPES:
+                has_equinox = _is_equinox_module(x)
+            if not _is_frozen_node(x):
+                # A mutable pytree node we cannot guard: never reuse this flattening.
+                cacheable = cacheable and _is_plain_leaf(x)
+        return False
+
+    with recursion_headroom():
+        leaves, treedef = jax.tree_util.tree_flatten(arg, is_leaf=is_leaf)
+        if revisited:
+            if find_cycle(arg) is not None:
+                raise CycleFound("reference cycle")
+            # Only shared objects (no cycle): flatten them in full.
+            containers.clear()
+            leaves, treedef = jax.tree_util.tree_flatten(arg, is_leaf=_no_cut(containers))
+    if revisited:
+        has_equinox = _contains_equinox_module(arg)
+    in_equinox = _in_equinox_module(arg) if has_equinox else None
+    specs: list[Spec] = []
+    for j, leaf in enumerate(leaves):
+        if is_variable(leaf):
+            specs.append(variable_spec(leaf)[0])
+        elif is_dynamic(leaf) and not (in_equinox and in_equinox[j] and is_python_scalar(leaf)):
+            specs.append(DYNAMIC)
+        else:
+            specs.append(StaticLeaf(leaf))
+    flat = ArgFlat(treedef, tuple(specs), leaves)
+    if cacheable and all(s.value_def is None for s in specs if type(s) is VarSpec):
+        flat._guard = _Guard(containers, flat.variables, arg)
+    else:
+        cacheable = False  # pytree-valued Variables are re-flattened every call
+    return flat, cacheable
+
+
+def _no_cut(containers: list[Any]) -> Callable[[Any], bool]:
+    def is_leaf(x: Any) -> bool:
+        if is_variable(x):
+            return True
+        if is_graph_node(x) or isinstance(x, (dict, list)):
+            containers.append(x)
+        elif isinstance(x, State):
+            _add_state(x, containers)
+        return False
+
+    return is_leaf
+
+
+def _add_state(state: State, containers: list[Any]) -> None:
+    """Guard an ``nnx.State`` (e.g. an optimizer's ``opt_state``).
+
+    A State keeps its entries in a plain ``_mapping`` dict, nested States as
+    nested plain dicts, none of which JAX visits as nodes: guard them all.
+    """
+    containers.append(state)
+    stack = [state.raw_mapping]
+    while stack:
+        mapping = stack.pop()
+        containers.append(mapping)
+        stack.extend(v for v in mapping.values() if type(v) is dict)
+
+
+def _is_frozen_node(x: Any) -> bool:
+    # Equinox modules and frozen dataclasses cannot be mutated after construction.
+    params = getattr(type(x), "__dataclass_params__", None)
+    return params is not None and params.frozen
+
+
+def _is_equinox_module(x: Any) -> bool:
+    eqx = sys.modules.get("equinox")
+    return eqx is not None and isinstance(x, eqx.Module)
+
+
+def _contains_equinox_module(tree: Any) -> bool:
+    found = False
+
+    def is_leaf(x: Any) -> bool:
+        nonlocal found
+        found = found or _is_equinox_module(x)
+        return is_variable(x)
+
+    jax.tree_util.tree_leaves(tree, is_leaf=is_leaf)
+    return found
+
+
+def _in_equinox_module(tree: Any) -> list[bool]:
+    """Per leaf (Variables as leaves), whether it sits inside an Equinox module.
+
+    Python numbers there are static, as ``eqx.filter_jit`` makes every non-array
+    field of a module static; elsewhere they are traced, as in ``jax.jit``.
+    """
+    inside: list[bool] = []
+
+    def walk(node: Any, within: bool) -> None:
+        if is_variable(node):
+            inside.append(within)
+            return
+        within = within or _is_equinox_module(node)
+        children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+        if jax.tree_util.treedef_is_leaf(treedef) and len(children) == 1 and children[0] is node:
+            inside.append(within)
+            return
+        for child in children:
+            walk(child, within)
+
+    walk(tree, False)
+    return inside
+
+
+def _is_plain_leaf(x: Any) -> bool:
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
+_cache: dict[int, ArgFlat] = {}
+_caches.register(_cache.clear)
+_ARRAY_FLAT = ArgFlat(jax.tree_util.tree_structure(0), (DYNAMIC,), [None])
+ARRAY_KEY = _ARRAY_FLAT.key  # the structure key of every bare array argument
+
+
+def _array_flat(arg: Any) -> ArgFlat:
+    """The flattening of a bare array argument (shares one structure key)."""
+    flat = ArgFlat.__new__(ArgFlat)
+    flat.treedef = _ARRAY_FLAT.treedef
+    flat.specs = _ARRAY_FLAT.specs
+    flat.key = _ARRAY_FLAT.key
+    flat.leaves = flat.dynamic = [arg]
+    flat.variables = flat.var_dynamic_counts = []
+    flat.variable_ids = _ARRAY_FLAT.variable_ids
+    flat.has_aliases = False
+    flat._guard = None
+    flat._ref = None
+    flat.origin = None
+    flat.writable_in = None
+    flat._variable_specs = ()
+    flat.values_only = False
+    flat._fast = None
+    return flat
+
+
+def variable_specs(flat: ArgFlat) -> tuple[VarSpec, ...]:
+    """The specs of ``flat``'s Variables, computed once per cached flattening."""
+    entry = flat.origin or flat
+    specs = entry._variable_specs
+    if specs is None:
+        specs = entry._variable_specs = tuple(s for s in entry.specs if type(s) is VarSpec)
+    return specs
+
+
+def _evict(key: int, cache: dict[int, ArgFlat], ref: weakref.ref[Any]) -> None:
+    # ``cache`` is bound at creation so the callback works during interpreter exit.
+    entry = cache.get(key)
+    if entry is not None and entry._ref is ref:
+        cache.pop(key, None)  # another thread may have removed it meanwhile
+
+
+def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
+    """Flatten one top-level argument, reusing the previous flattening if valid.
+
+    The cache is keyed by the argument object and validated by checking, with
+    identity comparisons only, that every dict/list/NNX object walked last time
+    still holds the same attribute names and values, and that every Variable
+    still has the same type, metadata and value layout.
+    """
+    key = id(arg)
+    entry = _cache.get(key)
+    if entry is not None and entry._ref is not None and entry._ref() is arg:
+        if still_flattens(entry, arg):
+            fresh = _refresh(entry)
+            if fresh is not None:
+                return fresh
+        _cache.pop(key, None)  # not ``del``: another thread may have removed it
+    if is_dynamic(arg) and not is_variable(arg):
+        return _array_flat(arg)
+    flat, cacheable = _flatten_uncached(arg, is_dynamic)
+    # Never cache a flattening that holds tracers (an argument built inside an
+    # outer jax.jit/scan trace): the cache would keep them alive past the trace.
+    if cacheable and flat.variables and not any(map(_is_tracer, flat.dynamic)):
+        try:
+            ref = weakref.ref(arg, functools.partial(_evict, key, _cache))
+        except TypeError:
+            return flat
+        flat._ref = ref
+        flat._fast = _fast_state(flat)
+        _cache[key] = flat
+    return flat
+
+
+def _fast_state(entry: ArgFlat) -> tuple[weakref.ref[Any], tuple[Any, ...], tuple[Any, ...]] | None:
+    """What the compiled call-site match (``_guard.match_into``) reads of a cache entry.
+
+    ``(weak reference to the argument, compiled guard state, Variables)``, for an
+    entry whose dynamic arrays are exactly its Variables' values and whose guard
+    is compiled; ``None`` otherwise (the match asks `still_flattens` and
+    `current_dynamic` instead).
+    """
+    guard = entry._guard
+    if entry._ref is None or guard is None or guard.compiled_state is None:
+        return None
+    if not entry.values_only:
+        return None
+    return (entry._ref, guard.compiled_state, tuple(entry.variables))
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, Tracer)
+
+
+def still_flattens(entry: ArgFlat | None, obj: Any) -> TypeGuard[ArgFlat]:
+    """Whether the cache entry ``entry`` (``None`` once dropped) is still ``obj``'s flattening."""
+    if entry is None or entry._ref is None or entry._ref() is not obj:
+        return False
+    guard = entry._guard
+    return guard is not None and guard.holds(entry.variables, obj)
+
+
+def variables_of(flats: Sequence[ArgFlat]) -> list[Any]:
+    """The Variables of ``flats``, in order (a new list)."""
+    if len(flats) == 1:
+        return list(flats[0].variables)
+    return list(chain.from_iterable(map(_variables_of, flats)))
+
+
+_variables_of = operator.attrgetter("variables")
+
+
+def _refresh(entry: ArgFlat) -> ArgFlat | None:
+    """A copy of ``entry`` with the Variables' current values (``None``: a value's
+    layout changed, see `current_dynamic`)."""
+    dynamic = current_dynamic(entry)
+    if dynamic is None:
+        return None
+    fresh = ArgFlat.__new__(ArgFlat)
+    fresh.treedef = entry.treedef
+    fresh.specs = entry.specs
+    fresh.leaves = entry.leaves
+    fresh.variables = entry.variables
+    fresh.var_dynamic_counts = entry.var_dynamic_counts
+    fresh.key = entry.key
+    fresh._guard = entry._guard
+    fresh.variable_ids = entry.variable_ids
+    fresh.has_aliases = entry.has_aliases
+    fresh._ref = None
+    fresh.origin = entry
+    fresh.writable_in = None  # remembered on the entry
+    fresh._variable_specs = None
+    fresh.values_only = entry.values_only
+    fresh._fast = None
+    fresh.dynamic = dynamic
+    return fresh
+
+
+def current_dynamic(entry: ArgFlat) -> list[Any] | None:
+    """The dynamic arrays of a cached flattening, with the Variables' current values.
+
+    ``None`` if a Variable's value is no longer one array (it became a dict, a
+    tuple, ``None``, a string, ...): the flattening's structure key no longer
+    describes the argument, which must be flattened again.
+    """
+    if entry.values_only:
+        dynamic = list(map(_raw_value_of, entry.variables))
+        return dynamic if one_leaf_values(dynamic) else None
+    dynamic = []
+    values: list[Any] = []
+    variables = iter(entry.variables)
+    for spec, leaf in zip(entry.specs, entry.leaves, strict=True):
+        if type(spec) is VarSpec:
+            value = _raw_value_of(next(variables))
+            dynamic.append(value)
+            values.append(value)
+        elif spec is DYNAMIC:
+            dynamic.append(leaf)
+    return dynamic if one_leaf_values(values) else None
+
+
+# Types seen as a Variable value that is one traced leaf (tracers excluded: see
+# `CONCRETE_ARRAY_TYPES`): a cached flattening reads each value once per call.
+_ONE_LEAF_TYPES: set[type] = {bool, int, float, complex}
+
+
+def one_leaf_values(values: Iterable[Any]) -> bool:
+    """Whether each of ``values`` (Variables' raw values) is one traced leaf.
+
+    A cached flattening holds only Variables whose value was one array when it
+    was made; a value since replaced by a pytree (or a non-array) changes the
+    argument's structure, as a fresh flattening would see.
+    """
+    values = values if isinstance(values, list) else list(values)
+    if _ONE_LEAF_TYPES.issuperset(map(type, values)):
+        return True
+    for value in values:
+        if type(value) in _ONE_LEAF_TYPES:
+            continue
+        if not is_variable_value_leaf(value):
+            return False
+        if not isinstance(value, Tracer):
+            _ONE_LEAF_TYPES.add(type(value))
+            is_array(value)  # an array type: the compiled match then checks it in C
+    return True
+
+
+def check_no_aliases(transform: str = "check_no_aliases", /, **trees: Any) -> None:
+    """Raise `AliasError` if one Variable is reachable twice from ``trees``.
+
+    **Arguments:**
+
+    - `transform`: name used in the error message (optional, positional).
+    - `**trees`: named pytrees; the names start the paths in the message.
+
+    **Raises:**
+
+    `AliasError` naming both paths, e.g. `args[0].a` and `args[0].b`.
+
+    ```python
+    import jax.numpy as jnp
+    import pytest
+    import treemode
+    from flax import nnx
+
+    v = nnx.Param(jnp.ones(2))
+    treemode.check_no_aliases(args=(v,))
+    with pytest.raises(treemode.AliasError):
+        treemode.check_no_aliases(args=(v,), kwargs={"w": v})
+    ```
+    """
+    duplicate = first_duplicate(trees.items())
+    if duplicate is not None:
+        raise alias_error(transform, *duplicate)
+
+
+def first_duplicate(roots: Iterable[tuple[str, Any]]) -> tuple[Any, str, str] | None:
+    """``(variable, first path, second path)`` of the first Variable reached twice."""
+    seen: dict[int, str] = {}
+    for where, leaf in paths_and_leaves(roots):
+        if is_variable(leaf):
+            first = seen.setdefault(id(leaf), where)
+            if first != where:
+                return leaf, first, where
+    return None
+
+
+def alias_error(transform: str, var: Any, first: str, second: str) -> AliasError:
+    return AliasError(
+        f"treemode.{transform}: Duplicate {type(var).__name__}: the same "
+        f"{type(var).__name__} is reachable twice, found at paths {first} and {second}.\n"
+        "Tree mode treats modules as pytrees, so the two references would become "
+        "independent copies and one of the updates would be lost.\n"
+        "Fix: remove the duplicate reference, pass a copy made with treemode.clone(...), "
+        f"or keep the sharing with treemode.{transform}(..., graph=True).\n"
+        "See docs/migration.md#shared-variables."
+    )
