@@ -277,3 +277,37 @@ def test_scans_of_two_lengths_share_one_trace_and_its_metadata_updates():
         scanned(m, jnp.ones((n, 3)))
         assert m.w.get_metadata("tag") == 1
         np.testing.assert_array_equal(m.w[...], np.full(3, 1.0 + n))
+
+
+def test_a_profiler_trace_of_a_training_loop_names_the_users_functions(tmp_path):
+    """A ``jax.profiler`` trace of donated train steps and an eval step holds the
+    user's function names, and none of treemode's internal ones."""
+    import optax
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def train_step(model, opt, x):
+        def loss_fn(m):
+            return (m(x) ** 2).mean()
+
+        loss, grads = treemode.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+    def eval_step(model, x):
+        return model(x).sum()
+
+    step = treemode.jit(train_step, donate_argnums=(0, 1))
+    evaluate = treemode.jit(eval_step)
+    x = jnp.ones((2, 4))
+    step(model, opt, x)
+    evaluate(model, x)
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(3):
+            step(model, opt, x).block_until_ready()
+        evaluate(model, x).block_until_ready()
+    data = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+    assert b"jit_train_step" in data and b"jit_eval_step" in data
+    for internal in (b"_call_flat", b"_call_split", b"_Entry", b"treemode/_"):
+        assert internal not in data, internal
