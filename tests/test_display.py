@@ -53,3 +53,27 @@ def test_no_node_sentinel_is_one_object() -> None:
     # Without a node, split_rngs still returns a decorator.
     decorator = treemode.split_rngs(splits=2)
     assert callable(decorator)
+
+
+def test_public_signatures_in_the_source_name_no_private_default() -> None:
+    """The API page shows each default as written in the source: never a private name."""
+    import ast
+    import textwrap
+
+    for name in [n for n in dir(treemode) if not n.startswith("_")]:
+        obj = getattr(treemode, name)
+        if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+            continue
+        target = obj.__init__ if inspect.isclass(obj) else inspect.unwrap(obj)
+        try:
+            source = textwrap.dedent(inspect.getsource(target))
+        except (OSError, TypeError):
+            continue
+        tree = ast.parse(source)
+        node = tree.body[0]
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+        for default in defaults:
+            text = ast.unparse(default)
+            assert not text.startswith("_"), f"treemode.{name}: default {text}"

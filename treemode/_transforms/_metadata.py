@@ -30,7 +30,7 @@ from .._tree._leaves import is_variable
 from ._axes import is_axis, is_int_axis, positional_entries
 from ._lifts import refuse_lifts
 from ._prefix import broadcast_to_leaves
-from ._signature import suggests_keywords
+from ._signature import UNSPECIFIED, suggests_keywords
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -286,14 +286,8 @@ def with_axis_metadata(
     return wrapper
 
 
-class _Unset:
-    """The default of `transform_metadata`'s ``partition``: not given (``None`` is a value)."""
-
-    def __repr__(self) -> str:
-        return "<not given>"
-
-
-_UNSET: Any = _Unset()
+# The default of `transform_metadata`'s ``partition``: not given (``None`` is a value).
+_UNSET: Any = UNSPECIFIED
 
 
 @overload
@@ -302,7 +296,7 @@ def transform_metadata(
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    partition: Any = _UNSET,
+    partition: Any = UNSPECIFIED,
     metadata: Mapping[str, Any] | None = None,
     graph: bool = False,
 ) -> Callable[[F], F]: ...
@@ -314,7 +308,7 @@ def transform_metadata(
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    partition: Any = _UNSET,
+    partition: Any = UNSPECIFIED,
     metadata: Mapping[str, Any] | None = None,
     graph: bool = False,
 ) -> F: ...
@@ -326,7 +320,7 @@ def transform_metadata(
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    partition: Any = _UNSET,
+    partition: Any = UNSPECIFIED,
     metadata: Mapping[str, Any] | None = None,
     graph: bool = False,
 ) -> Any:

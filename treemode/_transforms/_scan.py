@@ -486,7 +486,7 @@ def _step_types(init: Any, xs: Sequence[Any]) -> tuple[Any, ...]:
 @suggests_keywords
 def scan(
     f: Callable[..., Any] | None = None,
-    init: Any = _MISSING,
+    init: Any = UNSPECIFIED,
     xs: Any = None,
     length: int | None = None,
     reverse: bool = False,
