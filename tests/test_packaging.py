@@ -162,7 +162,7 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path, whe
                 have = md.version(req.name)
                 assert req.specifier.contains(have, prereleases=True), (line, have)
 
-        from treemode import _flatten
+        from treemode._tree import _flatten
         assert _flatten._compiled_holds is not None, "the compiled guard did not load"
 
         model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
