@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.core import Tracer
 
 from .._tree._closure import (
     ALIAS_PREFIX,
@@ -100,7 +101,7 @@ def _made_in_a_trace(obj: Any) -> bool:
         leaves = jax.tree_util.tree_leaves(nnx.state(obj))
     except Exception:  # not splittable (a Variable itself, an odd graph node)
         leaves = jax.tree_util.tree_leaves(getattr(obj, "get_raw_value", lambda: obj)())
-    return any(isinstance(x, jax.core.Tracer) for x in leaves)
+    return any(isinstance(x, Tracer) for x in leaves)
 
 
 def _children(route: str, obj: Any, direct: bool) -> list[tuple[str, Any, bool]]:
