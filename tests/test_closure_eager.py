@@ -105,7 +105,7 @@ def test_a_lifted_global_is_still_lifted_and_written_back():
     x = jnp.ones(2)
     step(x)
     MODEL.bias[...] = MODEL.bias[...] + 1.0
-    np.testing.assert_allclose(step(x), MODEL(x))
+    np.testing.assert_allclose(step(x), MODEL(x), rtol=1e-6)
     assert int(counter[...]) == 2
 
 
@@ -255,7 +255,7 @@ def test_a_module_the_search_does_not_lift_is_named_in_a_warning(route):
         fixed = treemode.jit(lambda m, x: m(x))
         fixed(m, jnp.ones(2))
         m.bias[...] = m.bias[...] + 1.0
-        np.testing.assert_allclose(fixed(m, jnp.ones(2)), m(jnp.ones(2)))
+        np.testing.assert_allclose(fixed(m, jnp.ones(2)), m(jnp.ones(2)), rtol=1e-6)
         m.bias[...] = m.bias[...] - 1.0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -60,12 +61,48 @@ def _run(
 def _build_wheel(tmp_path: Path) -> Path:
     dist = tmp_path / "dist"
     _run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(dist)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(_source_copy(tmp_path)),
+            "--no-deps",
+            "-q",
+            "-w",
+            str(dist),
+        ],
         cwd=tmp_path,
     )
     wheels = list(dist.glob("treemode-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
+
+
+def _source_copy(tmp_path: Path) -> Path:
+    """The checkout's sources, copied: builds write build/ and *.egg-info/ into the
+    tree they build, so two builds of one tree (two test workers) would collide."""
+    target = tmp_path / "source"
+    shutil.copytree(
+        ROOT,
+        target,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".venv",
+            ".compat",
+            "build",
+            "dist",
+            "site",
+            "*.egg-info",
+            "__pycache__",
+            ".hypothesis",
+            ".pytest_cache",
+            ".ruff_cache",
+            "*.so",
+            ".cache",
+        ),
+    )
+    return target
 
 
 def _pyproject() -> dict:
@@ -229,7 +266,10 @@ def test_installing_the_wheel_keeps_a_supported_environment_as_it_is(
 
 def _sdist_build(tmp_path: Path) -> Path:
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "build", "--sdist", "--outdir", str(dist), str(ROOT)], cwd=tmp_path)
+    source = _source_copy(tmp_path)
+    _run(
+        [sys.executable, "-m", "build", "--sdist", "--outdir", str(dist), str(source)], cwd=tmp_path
+    )
     (sdist,) = dist.glob("treemode-*.tar.gz")
     return sdist
 
@@ -244,6 +284,7 @@ def _wanted_in_sdist() -> set[str]:
     wanted = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "mkdocs.yml"}
     wanted |= {"constraints.txt", "treemode/_accel/_guard.c", "treemode/py.typed"}
     wanted.add("benchmarks/results/results.json")
+    wanted |= {".ci/run", ".github/workflows/wheels.yml"}
     for folder in _TEST_INPUTS:
         for path in (ROOT / folder).rglob("*"):
             rel = path.relative_to(ROOT).as_posix()

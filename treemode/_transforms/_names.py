@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 from jax._src import source_info_util
 
 # The whole package (this module sits in its subpackage _transforms/).
@@ -158,6 +159,12 @@ def named(
     return traced
 
 
+# JAX 0.9 reuses a scan step's trace for inputs of another type bound to the same
+# function object (its output structure then does not match the new step's);
+# from 0.10 the trace is keyed by the input types, as `Stable` needs.
+STABLE_STEPS = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 10)
+
+
 class Stable:
     """One named function per (user function, call structure), handed to JAX on
     every call of that structure.
@@ -172,9 +179,11 @@ class Stable:
     for a function the user passes to ``jax.lax.scan`` directly.
     """
 
-    __slots__ = ("fn", "_local", "_shared")
+    __slots__ = ("fn", "like", "_local", "_shared", "_own")
 
     def __init__(self, like: Any):
+        self.like = like
+        self._own: dict[int, tuple[Any, Callable[..., Any]]] = {}  # without STABLE_STEPS
         self._shared: dict[Any, Any] = {}
         self._local = threading.local()
         local = self._local
@@ -191,11 +200,19 @@ class Stable:
         bound: what a trace records (e.g. metadata updates) belongs to every step
         bound for those types, so they share one record.
         """
+        if not STABLE_STEPS:
+            return value
         return self._shared.setdefault(types, value)
 
     @contextlib.contextmanager
     def bound(self, target: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
         """Within the block, `fn` calls ``target`` (in this thread); yields `fn`."""
+        if not STABLE_STEPS:  # one named function per step, as JAX < 0.10 needs
+            own = self._own.get(id(target))
+            if own is None or own[0] is not target:
+                own = self._own[id(target)] = (target, named(target, self.like))
+            yield own[1]
+            return
         local = self._local
         previous = getattr(local, "target", None)
         local.target = target
