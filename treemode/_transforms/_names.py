@@ -182,7 +182,7 @@ class Stable:
     __slots__ = ("fn", "like", "_local", "_shared", "_own")
 
     def __init__(self, like: Any):
-        self.like = like
+        self.like = source(like)  # its name and code only: never the function itself
         self._own: dict[int, tuple[Any, Callable[..., Any]]] = {}  # without STABLE_STEPS
         self._shared: dict[Any, Any] = {}
         self._local = threading.local()
