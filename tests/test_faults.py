@@ -910,6 +910,17 @@ class _Sender:
 _RANDOM_SIGNALS = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_jax_caches_after_signals():
+    """An exception raised by a signal handler inside JAX's own tracing caches can
+    leave a cache entry marked as in progress, so that the next call of that JAX
+    function (``jnp.sum``'s, say) raises ``RecursionError`` in whatever test runs
+    next in this process. The tests here deliver signals on purpose: clear JAX's
+    caches after each, so no later test inherits such an entry."""
+    yield
+    jax.clear_caches()
+
+
 @main_thread_only
 @_RANDOM_SIGNALS
 @pytest.mark.parametrize("kind", sorted(INTERRUPT_KINDS))

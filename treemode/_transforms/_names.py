@@ -159,9 +159,10 @@ def named(
     return traced
 
 
-# JAX 0.9 reuses a scan step's trace for inputs of another type bound to the same
-# function object (its output structure then does not match the new step's);
-# from 0.10 the trace is keyed by the input types, as `Stable` needs.
+# With JAX 0.9 a shared step fails when a scan is called again with inputs of
+# another type (the traced output's structure does not match the new step's;
+# tests/test_names.py, `make compat` oldest); with 0.10 it works. Below 0.10,
+# each step is handed to JAX as its own named function, as before `Stable`.
 STABLE_STEPS = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 10)
 
 
