@@ -327,3 +327,34 @@ def test_hundred_thousand_variables(hooks):
     g(wide)
     assert len(specs) == n  # the second call reuses the cached flattening
     assert float(wide.params[n - 1][...][0]) == 2.0
+
+
+def test_recursion_limit_restored_after_an_exit_cut_short(monkeypatch):
+    # An exception from a signal handler can land inside the headroom's own
+    # bookkeeping (its ``finally``): the next call that leaves restores the limit.
+    from treemode._tree import _recursion
+
+    limit = sys.getrecursionlimit()
+    real_lock = _recursion._headroom_lock
+
+    class CutOnExit:
+        entered = 0
+
+        def __enter__(self):
+            CutOnExit.entered += 1
+            if CutOnExit.entered == 2:  # the ``finally`` of the first user
+                raise KeyboardInterrupt
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+
+    monkeypatch.setattr(_recursion, "_headroom_lock", CutOnExit())
+    with pytest.raises(KeyboardInterrupt):
+        with _recursion.recursion_headroom():
+            assert sys.getrecursionlimit() == _recursion.RECURSION_HEADROOM
+    assert sys.getrecursionlimit() == _recursion.RECURSION_HEADROOM  # left raised
+    monkeypatch.setattr(_recursion, "_headroom_lock", real_lock)
+    m = Counter()
+    assert float(treemode.jit(lambda m: m.w[...].sum())(m)) == 2.0
+    assert sys.getrecursionlimit() == limit

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,9 +29,17 @@ class CycleFound(RecursionError):
 
 
 _headroom_lock = threading.Lock()
-_headroom_users = 0
-_saved_limit = 0
+_saved_limit = 0  # the limit before treemode raised it; 0 while it is not raised
 RECURSION_HEADROOM = 8_000
+
+
+class _User:
+    """One `recursion_headroom` in progress (alive while its frame is)."""
+
+    __slots__ = ("__weakref__",)
+
+
+_headroom_users: weakref.WeakSet[_User] = weakref.WeakSet()
 
 
 @contextlib.contextmanager
@@ -42,21 +51,32 @@ def recursion_headroom() -> Iterator[None]:
     interpreter's recursion counter corrupted, so deep modules (hundreds of
     levels) must not hit the default limit of 1000. The limit is only ever
     raised, and restored when the last concurrent user leaves.
+
+    The users are counted by weak references to a token each one holds: a
+    user whose exit was cut short (an exception from a signal handler inside
+    the bookkeeping below) stops counting when its frame is gone, so the next
+    user to leave restores the limit.
     """
-    global _headroom_users, _saved_limit
+    global _saved_limit
+    user = _User()
     with _headroom_lock:
-        if _headroom_users == 0:
-            _saved_limit = sys.getrecursionlimit()
-            if _saved_limit < RECURSION_HEADROOM:
-                sys.setrecursionlimit(RECURSION_HEADROOM)
-        _headroom_users += 1
+        if not _headroom_users:
+            current = sys.getrecursionlimit()
+            if not (_saved_limit and current == RECURSION_HEADROOM):  # else: still raised by us
+                _saved_limit = current if current < RECURSION_HEADROOM else 0
+                if _saved_limit:
+                    sys.setrecursionlimit(RECURSION_HEADROOM)
+        _headroom_users.add(user)
     try:
         yield
     finally:
         with _headroom_lock:
-            _headroom_users -= 1
-            if _headroom_users == 0 and _saved_limit < RECURSION_HEADROOM:
-                sys.setrecursionlimit(_saved_limit)
+            _headroom_users.discard(user)
+            del user
+            if not _headroom_users and _saved_limit:
+                if sys.getrecursionlimit() == RECURSION_HEADROOM:  # not changed by the user since
+                    sys.setrecursionlimit(_saved_limit)
+                _saved_limit = 0
 
 
 class CycleError(StructureError):
