@@ -103,7 +103,7 @@ wheels: $(STAMP)
 # compiled call path and of the extension's status, and the examples (measured:
 # 7 minutes on a busy 2-core machine, 1.5 to build and install, 4.6 for 340 tests).
 WHEEL_CHECK_TESTS := tests/test_extension.py tests/test_extension_inputs.py \
-	tests/test_callsite.py tests/test_memo_plan.py tests/test_flatten_cache.py \
+	tests/test_callsite.py tests/test_twins.py tests/test_flatten_cache.py \
 	tests/test_replaced_objects.py tests/test_closure_helpers.py tests/test_compat.py \
 	tests/test_versions.py tests/test_examples.py
 wheel-check: $(STAMP)

@@ -3,15 +3,16 @@
 For the 2-layer and the 64-layer MLP (a ``treemode.jit`` forward pass and an
 Adam train step), each piece is timed alone on the very inputs a repeated call
 hands it, compiled and in Python, and the whole memo-matched call is timed
-three ways (all in C; matched in C from the Python call; all in Python):
+against the pipeline's memo path:
 
 - ``holds``: the flattening guard (`treemode._tree._flatten._Guard.holds`);
 - ``match_into``: the call-site match of the arguments (`treemode._pipeline._callsite`);
 - ``reads_hold``: the closure-read check (`treemode._tree._closure._Snapshot`);
 - ``write_changed``: the all-or-nothing write of a train step's new values;
-- ``MemoCall``: the whole call in C against its Python twin
-  (`treemode._pipeline._callsite.run_plan`, which runs the same memo plan) with the
-  compiled helpers (what the call-path type saves on top of them).
+- ``FastCall``: the whole call by the executor of the fast-path record,
+  against the same call through the pipeline (``JitWrapped._call``: the memo's
+  `CallSite.match` and `treemode._pipeline._core.run`) with the compiled kernels:
+  what executing the record in C saves on top of them.
 
 Run: ``python benchmarks/c_pieces.py`` (needs the extension; prints a table).
 CPU time (``time.process_time``) per call, best of several rounds, so that a
@@ -32,7 +33,7 @@ from flax import nnx
 import treemode
 from treemode._accel import _compiled
 from treemode._pipeline import _callsite, _writeback
-from treemode._tree import _closure, _flatten, _leaves
+from treemode._tree import _closure, _flatten
 from treemode._tree._leaves import is_array
 
 
@@ -59,7 +60,7 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     for _ in range(3):
         jax.block_until_ready(f(m, x))
     memo: Any = f._memo
-    site, entry, _ = memo
+    site, entry = memo
     rows = []
 
     flat = _flatten.flatten_arg(m, is_array)
@@ -78,7 +79,7 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
         def run():
             dynamic: list[Any] = []
             sources: list[Any] = []
-            impl(site.slots, (m, x), dynamic, sources, _leaves.CONCRETE_ARRAY_TYPES, _slow)
+            impl(site.slots, (m, x), dynamic, sources, _slow)
 
         return run
 
@@ -108,18 +109,17 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     )
 
     whole_c = per_call_us(lambda: f(m, x), n=500)
-    whole_py = per_call_us(lambda: _callsite.run_plan(memo[2], (m, x)), n=500)
-    rows.append(("MemoCall (whole forward call)", whole_c, whole_py))
+    whole_py = per_call_us(lambda: f._call(m, x), n=500)
+    rows.append(("FastCall (whole forward call)", whole_c, whole_py))
 
     mt, opt = with_optimizer(MLP(depth, nnx.Rngs(0)))
     step = treemode.jit(train_step)
     for _ in range(3):
         jax.block_until_ready(step(mt, opt, x))
-    memo = step._memo
-    assert memo is not None
+    assert step._record is not None
     whole_c = per_call_us(lambda: step(mt, opt, x), n=200)
-    whole_py = per_call_us(lambda: _callsite.run_plan(memo[2], (mt, opt, x)), n=200)
-    rows.append(("MemoCall (whole train step)", whole_c, whole_py))
+    whole_py = per_call_us(lambda: step._call(mt, opt, x), n=200)
+    rows.append(("FastCall (whole train step)", whole_c, whole_py))
     return rows
 
 

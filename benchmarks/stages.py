@@ -63,7 +63,6 @@ from flax import nnx
 import treemode
 from treemode._pipeline import _callsite, _writeback
 from treemode._tree import _closure
-from treemode._tree._leaves import CONCRETE_ARRAY_TYPES
 
 STAGES = [
     "floor",
@@ -139,9 +138,7 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
             _writeback.write_back(call, updates, entry.pure.record.metadata_updates)
 
     def match_arguments() -> None:
-        assert _callsite.match_into(
-            site.slots, args, [], [], CONCRETE_ARRAY_TYPES, _callsite._match_slow
-        )
+        assert _callsite.match_into(site.slots, args, [], [], _callsite._match_slow)
 
     def closure() -> None:
         assert _closure.unchanged_closure_objects(fn, site.snapshot) is not None

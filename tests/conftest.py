@@ -84,10 +84,10 @@ def implementation(request, monkeypatch):
 
     In ``"python"`` every compiled helper that modules look up per call is
     replaced by its Python twin (the flattening guard, the closure-read check,
-    the call-site match, the bulk write), and no memo plan is made (calls match
-    through ``CallSite.match``). The types
-    the extension provides as base classes (``MemoCall``, ``SiteCallFields``)
-    are fixed at import: `make test-python` runs their twins.
+    the call-site match, the bulk write), and no fast-path record is emitted
+    (every call runs through the pipeline, as with the extension off). The
+    base class the extension provides (``FastCall``) is fixed at import:
+    `make test-python` runs without it.
     The flattening cache starts empty (its entries carry the guard they were
     made with).
     """
@@ -96,7 +96,7 @@ def implementation(request, monkeypatch):
         monkeypatch.setattr(_flatten, "_compiled_holds", None)
         monkeypatch.setattr(_closure, "_reads_hold", None)
         monkeypatch.setattr(_callsite, "match_into", _callsite._match_into_python)
-        monkeypatch.setattr(_callsite, "memo_plan", lambda *args: None)
+        monkeypatch.setattr(_callsite, "fast_record", lambda *args: None)
         monkeypatch.setattr(_writeback, "_write_changed", None)
     return request.param
 
@@ -160,7 +160,7 @@ class Hooks:
     # What `calls` can count: name -> (module of treemode, function).
     COUNTED = {
         "prepare": ("_pipeline._call", "prepare"),  # a transform call prepared in full
-        "store": ("_pipeline._writeback", "store"),  # one Variable written (by the Python write)
+        "store": ("_pipeline._writeback", "store"),  # one Variable written by the pipeline
         "value_spec": ("_tree._specs", "value_spec"),  # one Variable's spec built
         "proxy_build": ("_tree._pytree", "from_tree"),  # a Pytree proxy's module built
         "donation_check": ("_transforms._jit", "_check_donation"),  # the Python donation check

@@ -21,7 +21,6 @@ from conftest import IMPLEMENTATIONS
 from flax import nnx
 
 import treemode
-from treemode._accel import _compiled
 from treemode._pipeline import _callsite
 
 
@@ -37,20 +36,16 @@ def _step(m: Counter, x: jax.Array) -> jax.Array:
     return jnp.sum(m.w[...])
 
 
-MATCHERS = (
-    ["memo plan", "compiled match", "python"]
-    if "compiled" in IMPLEMENTATIONS
-    else ["memo plan", "python"]
-)
+MATCHERS = ["record", "compiled match", "python"] if "compiled" in IMPLEMENTATIONS else ["python"]
 
 
 @pytest.fixture(autouse=True, params=MATCHERS)
 def matcher(request, monkeypatch):
-    """How a memo-matched call runs: through the memo's plan (in C by ``MemoCall``,
-    or by its Python twin ``run_plan`` where the extension is off), matched in C
-    (``match_into``) from ``CallSite.match``, or all in Python from ``CallSite.match``."""
-    if request.param != "memo plan":
-        monkeypatch.setattr(_callsite, "memo_plan", lambda *args: None)
+    """How a repeated call runs: the extension's executor of the fast-path record
+    (``FastCall``), or the pipeline's `CallSite.match` with the compiled
+    ``match_into`` or its Python twin (no record emitted)."""
+    if request.param != "record":
+        monkeypatch.setattr(_callsite, "fast_record", lambda *args: None)
     if request.param == "python":
         monkeypatch.setattr(_callsite, "match_into", _callsite._match_into_python)
     return request.param
@@ -264,7 +259,9 @@ def test_shared_donated_buffer_is_named_on_the_memo_path():
     assert a.w[...] is before and not before.is_deleted()
 
 
-def test_write_back_failure_on_the_memo_path_leaves_inputs(hooks):
+def test_write_back_failure_on_the_memo_path_leaves_inputs(hooks, monkeypatch):
+    # The pipeline's memo path (the executor's write: tests/test_faults.py).
+    monkeypatch.setattr(_callsite, "fast_record", lambda *args: None)
     f = treemode.jit(_step)
     m = Counter()
     f(m, jnp.ones(3))
@@ -363,24 +360,21 @@ def test_many_variables_through_the_memo(matcher):
     np.testing.assert_allclose(m.ws[69][...], np.full(2, 72.0))
 
 
-def test_the_memo_plan_is_used(matcher, monkeypatch):
+def _no_miss(error, args, kwargs):
+    raise AssertionError(f"missed: {error!r}")
+
+
+def test_the_record_is_executed(matcher):
     f = treemode.jit(_step)
     m = Counter()
     f(m, jnp.ones(3))
-    f(m, jnp.ones(3))  # the first write through the memo remembers the trace writable
     assert f._memo is not None
-    assert (f._memo[2] is not None) == (matcher == "memo plan")
-    if matcher == "memo plan":  # the plan runs: `_call` (which prepares) does not
-        f._call = None  # pyright: ignore[reportAttributeAccessIssue]
-        if _compiled.ENABLED:  # and in C, neither does the Python write
-
-            def python_write(*args):
-                raise AssertionError("written in Python")
-
-            monkeypatch.setattr(type(f._memo[1]), "write_back", python_write)
+    assert (f._record is not None) == (matcher == "record")
+    if matcher == "record":  # the executor runs it: the pipeline (the miss) does not
+        f._miss = _no_miss
         f(m, jnp.ones(3))
-        assert m.count[...] == 3
-        np.testing.assert_allclose(m.w[...], np.full(3, 4.0))
+        assert m.count[...] == 2
+        np.testing.assert_allclose(m.w[...], np.full(3, 3.0))
 
 
 def test_donated_calls_take_the_compiled_path_and_get_fresh_buffers(matcher):
@@ -389,9 +383,9 @@ def test_donated_calls_take_the_compiled_path_and_get_fresh_buffers(matcher):
     f(m, jnp.ones(3))
     f(m, jnp.ones(3))
     assert f._memo is not None
-    assert (f._memo[2] is not None) == (matcher == "memo plan")
-    if matcher == "memo plan":
-        f._call = None  # pyright: ignore[reportAttributeAccessIssue]
+    assert (f._record is not None) == (matcher == "record")
+    if matcher == "record":
+        f._miss = _no_miss
     for i in range(3):
         before = m.w[...]
         out = f(m, jnp.ones(3))
@@ -399,6 +393,27 @@ def test_donated_calls_take_the_compiled_path_and_get_fresh_buffers(matcher):
         assert not m.w[...].is_deleted()
         np.testing.assert_allclose(out, 3 * (2.0 + 2 + i))
     assert m.count[...] == 5
+
+
+def test_a_retrace_of_a_recorded_call_runs_through_the_pipeline(matcher, hooks):
+    # New shapes: JAX must trace again, which needs the pipeline's binding; the
+    # executor misses, and the pipeline runs the call (tracing once).
+    traces = []
+
+    @treemode.jit
+    def f(m, x):
+        traces.append(x.shape)
+        m.count[...] += 1
+        return m.w[...].sum() * x
+
+    m = Counter()
+    f(m, jnp.ones(2))
+    f(m, jnp.ones(2))
+    out = f(m, jnp.ones(5))
+    np.testing.assert_allclose(out, np.full(5, 3.0))
+    assert traces == [(2,), (5,)] and int(m.count[...]) == 3
+    f(m, jnp.ones(5))
+    assert traces == [(2,), (5,)] and int(m.count[...]) == 4
 
 
 def test_harmless_shared_objects_in_donated_arguments_are_allowed(matcher, hooks):
@@ -433,18 +448,20 @@ def test_harmless_shared_objects_in_donated_arguments_are_allowed(matcher, hooks
         g(n, jnp.ones(3))
     # Nothing is shared there: after the first (full) call, the compiled path
     # decides alone (Python asks the check on every call: it returns at once).
-    assert len(checks) == 3 + (1 if matcher == "memo plan" and _compiled.ENABLED else 3)
+    assert len(checks) == 3 + (1 if matcher == "record" else 3)
 
 
-def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(hooks):
+def test_metadata_updates_take_the_pipeline_and_the_executor_skips_the_store_hook(matcher, hooks):
     @treemode.jit
     def f(m, x):
         m.count[...] += 1
-        m.w.set_metadata("seen", True)  # a metadata update: written in Python
+        m.w.set_metadata("seen", True)  # a metadata update: no record, written in Python
         return x
 
     m = Counter()
-    for _ in range(3):
+    f(m, jnp.ones(3))
+    assert f._record is None  # its trace recorded a metadata update
+    for _ in range(2):
         f(m, jnp.ones(3))
     assert m.count[...] == 3 and m.w.get_metadata("seen") is True
     stores: list[object] = []
@@ -454,7 +471,9 @@ def test_the_compiled_write_leaves_metadata_updates_and_fault_hooks_to_python(ho
     n = Counter()
     for _ in range(3):
         g(n, jnp.ones(3))
-    assert n.count[...] == 3 and len(stores) == 6  # every write went through the hook
+    # The pipeline writes through the hook; the executor writes Variables directly
+    # (faults reach it at the Variable level: tests/test_faults.py).
+    assert n.count[...] == 3 and len(stores) == (2 if matcher == "record" else 6)
 
 
 def test_a_failing_matched_call_names_the_input_and_unbinds(hooks):

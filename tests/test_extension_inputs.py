@@ -84,24 +84,16 @@ def _slow(entry: Any, obj: Any) -> list[Any] | None:
     return None
 
 
-class _Entry:
-    """A flattening whose ``_fast`` is malformed."""
-
-    def __init__(self, fast: Any):
-        self._fast = fast
-
-
 @pytest.mark.parametrize(
     "args",
     [
         (),
-        (None, [], [], [], set(), _slow),
-        ((), [], None, [], set(), _slow),
-        ((), [], [], None, set(), _slow),
-        ((), [], [], [], [], _slow),
-        ((), [], [], [], set(), None),
-        ((), None, [], [], set(), _slow),
-        (("not a weakref",), [1], [], [], set(), _slow),
+        (None, [], [], [], _slow),
+        ((), [], None, [], _slow),
+        ((), [], [], None, _slow),
+        ((), [], [], [], None),
+        ((), None, [], [], _slow),
+        (("not a weakref",), [1], [], [], _slow),
     ],
 )
 def test_match_into_arguments(extension, args):
@@ -110,21 +102,29 @@ def test_match_into_arguments(extension, args):
 
 
 @pytest.mark.parametrize(
-    "fast",
+    "fields",
     [
-        ("x", (), ()),  # no weak reference to the argument
-        (None, (), "variables"),
-        (weakref.ref(Plain), ("a",) * 15, ()),  # a malformed guard state
+        ("x", (), (), None),  # no weak reference to the argument
+        (None, (), "variables", None),
+        (None, "state", (), None),
     ],
 )
-def test_match_into_malformed_fast_state(extension, fast):
-    entry = _Entry(fast)
-    if fast[0] is not None and isinstance(fast[0], weakref.ref):
-        obj = Plain  # the argument the weak reference points to
-    else:
-        obj = Plain
+def test_guarded_arguments(extension, fields):
+    ref = weakref.ref(Plain)
+    fields = tuple(ref if f is None else f for f in fields)
     with pytest.raises(ERRORS):
-        extension.match_into((weakref.ref(entry),), [obj], [], [], set(), _slow)
+        extension.Guarded(*fields)
+
+
+def test_match_into_malformed_guard_state(extension):
+    holder = _Holder()
+    guarded = extension.Guarded(weakref.ref(Plain), ("a",) * 15, (), weakref.ref(holder))
+    with pytest.raises(ERRORS):
+        extension.match_into((weakref.ref(guarded),), [Plain], [], [], _slow)
+
+
+class _Holder:
+    pass
 
 
 @pytest.mark.parametrize(
@@ -161,50 +161,96 @@ def test_write_changed_leaves_a_variable_alone_on_error(extension):
 
 
 @pytest.mark.parametrize("args", [(), (None,), (None, None), (3, 3, 3, 3)])
-def test_configure_arguments(extension, args):
+def test_configure_takes_keywords_only(extension, args):
     with pytest.raises(ERRORS):
         extension.configure(*args)
 
 
-def test_configure_checks_every_record_field(extension):
-    good_layout = _compiled.layout()
-    with pytest.raises(TypeError, match="layout"):
-        extension.configure(good_layout._replace(raw_value=property()), None)
-    with pytest.raises(TypeError, match="layout"):
-        extension.configure(good_layout._replace(current_trace_attr=None), None)
-    with pytest.raises(TypeError, match="call_path"):
-        extension.configure(good_layout, ("x",) * 11)
+def test_configure_checks_every_field(extension):
+    from treemode._pipeline import _callsite
+
+    good = _callsite.configure_fields()
+    assert tuple(good) == extension.CONFIGURE_FIELDS  # the one list of names, in C
+    for name in good:
+        missing = {k: v for k, v in good.items() if k != name}
+        with pytest.raises(TypeError, match=name):
+            extension.configure(**missing)
+    for name, bad in [("raw_value", property()), ("trace_attr", None), ("array_types", [])]:
+        with pytest.raises(TypeError, match="configure"):
+            extension.configure(**{**good, name: bad})
     # The refused configurations left the configured one in place.
     v = nnx.Param(jnp.zeros(2))
     new = jnp.ones(2)
     assert extension.write_changed([v], [new]) == 1 and v.get_raw_value() is new
 
 
+def _record_fields(**changes: Any) -> dict[str, Any]:
+    fields = {
+        "version": _compiled.RECORD_VERSION,
+        "slots": (None,),
+        "partial_args": (),
+        "closure_reads": ((),) * 7,
+        "closure_holders": (),
+        "lifted_slots": (),
+        "jitted": len,
+        "donated": None,
+        "kept": None,
+        "trace": None,
+    }
+    fields.update(changes)
+    return fields
+
+
 @pytest.mark.parametrize(
-    "memo",
+    "changes",
     [
-        3,
-        (),
-        (None, None),
-        (None, None, ()),
-        (None, None, ("site", "entry")),
-        (None, None, ((None,) * 6, (None,) * 5)),
-        (None, None, ((None, (), (), (), [], ()), (len, None, None, None, "donation"))),
+        {"version": _compiled.RECORD_VERSION + 1},
+        {"slots": [None]},
+        {"slots": ("not a weak reference",)},
+        {"partial_args": None},
+        {"closure_reads": ((),) * 6},
+        {"closure_reads": ((),) * 6 + (None,)},
+        {"closure_holders": (len,)},  # no slot for it
+        {"jitted": 3},
+        {"donated": (0,)},  # kept missing
+        {"donated": (-1,), "kept": ()},
+        {"donated": ("0",), "kept": ()},
     ],
 )
-def test_memo_call_refuses_a_malformed_plan(extension, memo):
-    class Fn(extension.MemoCall):
-        def _call(self, *args: Any) -> Any:
-            return "python"
+def test_fast_record_refuses_malformed_fields(extension, changes):
+    with pytest.raises(ERRORS):
+        extension.FastRecord(**_record_fields(**changes))
+    record = extension.FastRecord(**_record_fields())  # the well-formed one
+    assert record.slots == (None,) and record.jitted is len
+
+
+def test_fast_record_fields_are_keyword_only_and_all_required(extension):
+    assert extension.RECORD_FIELDS == tuple(_record_fields())  # the one list of names, in C
+    with pytest.raises(TypeError):
+        extension.FastRecord(*_record_fields().values())
+    for name in extension.RECORD_FIELDS:
+        fields = _record_fields()
+        del fields[name]
+        with pytest.raises(TypeError, match=name):
+            extension.FastRecord(**fields)
+
+
+def test_fast_call_refuses_a_record_of_another_type_and_misses_without_one(extension):
+    seen: list[Any] = []
+
+    class Fn(extension.FastCall):
+        pass
 
     f = Fn()
+    with pytest.raises(TypeError):
+        f(1)  # no miss set
+    f._miss = lambda error, args, kwargs: seen.append((error, args, kwargs)) or "missed"
     with pytest.raises(ERRORS):
-        f._memo = memo
-    assert f._memo is None and f(1) == "python"
-
-
-def test_site_call_fields_arguments(extension):
-    with pytest.raises(TypeError):
-        extension.SiteCallFields()
-    with pytest.raises(TypeError):
-        extension.SiteCallFields(1, 2, 3)
+        f._record = ("not", "a", "record")
+    with pytest.raises(ERRORS):
+        f._miss = 3
+    assert f._record is None and f(1, k=2) == "missed"
+    assert seen == [(None, (1,), {"k": 2})]
+    # A record whose arguments do not match (two slots, one argument): a miss.
+    f._record = extension.FastRecord(**_record_fields(slots=(None, None)))
+    assert f(1) == "missed" and seen[-1] == (None, (1,), None)

@@ -46,7 +46,9 @@ def test_the_compiled_guard_is_built():
     if _flatten._compiled_holds is None:
         assert flat._guard.compiled_state is None and entry._fast is None
     else:  # what the compiled call-site match reads
-        assert entry._fast == (entry._ref, flat._guard.compiled_state, (m.w,))
+        fast = entry._fast  # a Guarded: the argument, the guard state, the Variables, the entry
+        assert fast.arg is entry._ref and fast.state is flat._guard.compiled_state
+        assert fast.variables == (m.w,) and fast.flat() is entry
 
 
 def _counting(fn):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import types
-import weakref
 from typing import Any
 
 import jax.numpy as jnp
@@ -40,15 +39,15 @@ pytestmark = pytest.mark.skipif(COMPILED is None, reason="the C extension is not
 @pytest.fixture(autouse=True)
 def compiled_kernels(monkeypatch):
     """Where the extension is off, configure the loaded module and let new
-    flattenings build the compiled guard state too (both twins then exist)."""
+    flattenings build the compiled guard state and ``Guarded`` too (both twins
+    then exist)."""
     assert COMPILED is not None
-    call_path = _compiled.call_path()
-    if not issubclass(call_path.site_call, COMPILED.SiteCallFields):  # the extension is off
-        site_call = type("SiteCall", (COMPILED.SiteCallFields,), {"__slots__": ()})
-        call_path = call_path._replace(site_call=site_call)
-    COMPILED.configure(_compiled.layout(), call_path)
+    COMPILED.configure(**_callsite.configure_fields())
     monkeypatch.setattr(_flatten, "_compiled_holds", COMPILED.holds)
     monkeypatch.setattr(_flatten, "_version_tags", COMPILED.version_tags)
+    monkeypatch.setattr(_flatten, "_GUARD_STATE_FIELDS", COMPILED.GUARD_STATE_FIELDS)
+    monkeypatch.setattr(_flatten, "_Guarded", COMPILED.Guarded)
+    monkeypatch.setattr(_callsite, "_GUARDED", COMPILED.Guarded)
     _flatten._cache.clear()
     yield
     _flatten._cache.clear()
@@ -240,7 +239,7 @@ def test_match_into_decides_as_its_python_twin(trees_, arrays, steps, swap):
         if entry is None:
             return
         keep.append(entry)
-        slots.append(weakref.ref(entry))
+        slots.append(_callsite._slot(entry))
     for how, pick in steps:
         _mutate(trees_[pick % len(trees_)], how, pick)
     if swap and len(objs) > 1:
@@ -249,12 +248,66 @@ def test_match_into_decides_as_its_python_twin(trees_, arrays, steps, swap):
     for match in (COMPILED.match_into, _callsite._match_into_python):
         dynamic: list[Any] = []
         sources: list[Any] = []
-        hit = match(tuple(slots), objs, dynamic, sources, _leaves.CONCRETE_ARRAY_TYPES, _slow)
+        hit = match(tuple(slots), objs, dynamic, sources, _slow)
         results.append((hit, [id(x) for x in dynamic], [id(s) for s in sources]))
     (c_hit, c_dynamic, c_sources), (p_hit, p_dynamic, p_sources) = results
     assert c_hit == p_hit
     if c_hit:
         assert c_dynamic == p_dynamic and c_sources == p_sources
+
+
+# -- the executor against the pipeline's memo -------------------------------------
+
+
+def _add_one(tree: Any) -> None:
+    for v in _leaf_vars(tree):
+        v[...] = v[...] + 1
+
+
+@pytest.mark.skipif(not _compiled.ENABLED, reason="the executor's base class is fixed at import")
+@given(
+    tree=trees(),
+    calls=st.lists(st.tuples(st.sampled_from(MUTATIONS), st.integers(0, 50)), max_size=4),
+)
+def test_the_executor_decides_as_the_pipelines_memo(tree, calls):
+    """A call sequence with mutations in between: before each call, the pipeline's
+    memo match (`CallSite.match`) says hit or miss; the executor of the record
+    must decide the same (a miss reaches `_miss`), and write what eager code does."""
+    import treemode
+
+    if not _leaf_vars(tree):
+        return
+    f = treemode.jit(_add_one)
+    f(tree)
+    for how, pick in calls:
+        _mutate(tree, how, pick)
+        memo, record = f._memo, f._record
+        python_hit = (
+            memo is not None and record is not None and memo[0].match((tree,), {}) is not None
+        )
+        missed: list[Any] = []
+        real_miss = f._miss
+
+        def miss(
+            error: Any, args: Any, kwargs: Any, real: Any = real_miss, seen: Any = missed
+        ) -> Any:
+            seen.append(error)
+            return real(error, args, kwargs)
+
+        f._miss = miss
+        before = _snapshot_values(tree)
+        f(tree)
+        f._miss = real_miss
+        executor_hit = record is not None and not missed
+        assert executor_hit == python_hit, (how, missed)
+        after = _snapshot_values(tree)
+        assert set(after) == set(before)
+        for key, value in after.items():  # every Variable's value went up by one
+            np.testing.assert_allclose(value, before[key] + 1)
+
+
+def _snapshot_values(tree: Any) -> dict[int, np.ndarray]:
+    return {id(v): np.asarray(v[...]).copy() for v in _leaf_vars(tree)}
 
 
 # -- reads_hold ----------------------------------------------------------------------

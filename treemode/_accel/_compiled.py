@@ -1,12 +1,21 @@
 """The optional compiled extension (``treemode/_accel/_guard.c``), imported here and nowhere else.
 
-The extension runs, in C, checks and steps that treemode's Python code also
-implements: the flattening guard (``holds``, ``version_tags``), the call-site
-match (``match_into``), the closure-read check (``reads_hold``), the bulk write
-(``write_changed``) and the memo-matched
-``treemode.jit`` call (``MemoCall``, ``SiteCallFields``). Every other module
-takes these from here: each is ``None`` where the extension is off, and the
-caller uses its Python twin.
+The extension holds two kinds of code:
+
+- kernels that treemode's Python code also implements (each pair bound by a
+  differential test, tests/test_twins.py): the flattening guard (``holds``,
+  ``version_tags``), the call-site match (``match_into``), the closure-read
+  check (``reads_hold``) and the bulk write (``write_changed``);
+- the executor of the fast-path record: the Python pipeline decides how a
+  repeated ``treemode.jit`` call runs and emits a ``FastRecord``
+  (`treemode._pipeline._callsite.fast_record`); ``FastCall``, the base of
+  ``treemode.jit``'s wrapper, executes it, and hands every doubt back to the
+  pipeline through one callback, the miss. The cached flattenings it matches
+  are ``Guarded`` objects.
+
+Every other module takes these from here: each is ``None`` where the
+extension is off, and the caller uses its Python twin (or, for the executor,
+runs every call through the pipeline).
 
 It is off when it was not built (no C compiler at install time), when it was
 built for another Python and fails to load, when the environment variable
@@ -16,9 +25,9 @@ code does not know. `extension_status` (public: ``treemode.extension_status()``)
 says which; every reason but the environment variable warns once at import
 (`ExtensionWarning`), unless ``TREEMODE_NO_EXTENSION_WARNING`` is set.
 
-The C code reads nothing by convention: `configure` hands it, once, the
-Variable slots and JAX trace state `treemode._compat` verified, and the Python
-objects the call path needs, as the typed records below.
+The C code reads nothing by convention: `configure` hands it, once and by
+keyword, the Variable slots and JAX trace state `treemode._compat` verified
+and the objects of the signal hold.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any
 
 from .. import _compat
 
@@ -152,57 +161,6 @@ def load(environ: Any = os.environ, layout_ok: bool = _compat.COMPILED_OK) -> Mo
     return module
 
 
-class Layout(NamedTuple):
-    """The private Flax/JAX layout the C code reads, from `treemode._compat`."""
-
-    raw_value: Any  # the member descriptor of Variable._raw_value
-    var_metadata: Any  # the member descriptor of Variable._var_metadata
-    current_trace: Any  # an object whose attribute `current_trace_attr` is the trace's weakref
-    current_trace_attr: str
-
-
-class CallPath(NamedTuple):
-    """What the compiled ``treemode.jit`` call path calls back or compares with."""
-
-    array_types: set[type]  # types taken as arrays without asking `match_slow`
-    match_slow: Callable[[Any, Any], list[Any] | None]  # _callsite._match_slow
-    closure_kinds: dict[type, int]  # _closure's per-type kinds, and its sentinels:
-    closure_ignore: int
-    closure_empty: object
-    closure_ignored: object
-    site_call: type  # _callsite.SiteCall (a SiteCallFields subclass)
-    raise_failure: Callable[[Any, BaseException], Any]  # raises the explained error
-    store_owner: Any  # `getattr(store_owner, store_name) is default_store`: write in C
-    store_name: str
-    default_store: Callable[..., Any]
-
-
-class SitePlan(NamedTuple):
-    """The part of a memo plan that matches a call's objects (from a `CallSite`)."""
-
-    site: Any
-    slots: tuple[Any, ...]
-    partial_args: tuple[Any, ...]
-    closure_reads: tuple[tuple[Any, ...], ...]
-    closure_found: list[tuple[str, Any]]
-    lifted_slots: tuple[Any, ...]
-
-
-class EntryPlan(NamedTuple):
-    """The part of a memo plan that runs the compiled entry and writes back."""
-
-    jitted: Callable[..., Any]
-    binding: Any
-    entry: Any  # has `write_back(call, updates)`
-    record: Any  # has `metadata_updates`
-    donation: tuple[tuple[int, ...], tuple[int, ...], Callable[[Any], Any]] | None
-
-
-class MemoPlan(NamedTuple):
-    site: SitePlan
-    entry: EntryPlan
-
-
 guard, STATUS = resolve()
 ENABLED = guard is not None  # `announce(STATUS)` runs at the end of treemode/__init__.py
 
@@ -239,47 +197,39 @@ version_tags: Callable[..., bytes | None] | None = guard.version_tags if guard e
 match_into: Callable[..., bool] | None = guard.match_into if guard else None
 reads_hold: Callable[..., bool] | None = guard.reads_hold if guard else None
 write_changed: Callable[..., int] | None = guard.write_changed if guard else None
-MemoCall: type | None = guard.MemoCall if guard else None
-SiteCallFields: type | None = guard.SiteCallFields if guard else None
+Guarded: type | None = guard.Guarded if guard else None
+FastRecord: type | None = guard.FastRecord if guard else None
+FastCall: type | None = guard.FastCall if guard else None
+RECORD_VERSION = 1  # the record layout this Python code emits (the C code checks it)
+# The names of a compiled guard state's fields, in order (defined in the C code).
+GUARD_STATE_FIELDS: tuple[str, ...] = guard.GUARD_STATE_FIELDS if guard else ()
 
 
-def layout() -> Layout:
-    """The `Layout` of the installed Flax/JAX (as `treemode._compat` verified it)."""
-    return Layout(_compat.raw_value_member, _compat.metadata_member, _compat.CURRENT_TRACE, "value")
+def configure(**fields: Any) -> None:
+    """Hand the C code what it reads: called once, by ``treemode._pipeline._callsite``.
 
-
-_call_path: CallPath | None = None
-
-
-def configure(call_path: CallPath) -> None:
-    """Hand the call path's configuration to the C code, and keep it for its Python twin.
-
-    Called once, by ``treemode._transforms._jit`` when the call path's objects exist; the C
-    functions refuse to run before it (they would not know the layout).
+    The fields (``_guard.CONFIGURE_FIELDS``, checked by keyword in C):
+    ``raw_value``, ``metadata`` (the Variable slots' member descriptors from
+    `treemode._compat`), ``trace_state``, ``trace_attr`` (``getattr(trace_state,
+    trace_attr)`` is the current trace's weak reference), ``array_types`` (the
+    live set of types taken as arrays), the closure read check's ``closure_kinds``,
+    ``closure_ignore``, ``closure_empty``, ``closure_ignored``, and the signal
+    hold's ``hold_open``, ``hold_deferred``, ``hold_plan``, ``signals``,
+    ``getsignal``, ``setsignal``, ``main_thread``. The C kernels refuse to run
+    before it.
     """
-    global _call_path
-    _call_path = call_path
     if guard is not None:
-        guard.configure(layout(), call_path)
-
-
-def call_path() -> CallPath:
-    """The `CallPath` given to `configure` (which ``import treemode`` calls)."""
-    assert _call_path is not None, "treemode._transforms._jit configures the call path at import"
-    return _call_path
+        guard.configure(**fields)
 
 
 __all__ = [
-    "CallPath",
     "ENABLED",
     "ENV_VAR",
-    "EntryPlan",
     "ExtensionStatus",
     "ExtensionWarning",
-    "Layout",
-    "MemoPlan",
     "QUIET_ENV_VAR",
+    "RECORD_VERSION",
     "STATUS",
-    "SitePlan",
+    "configure",
     "extension_status",
 ]

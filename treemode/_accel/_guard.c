@@ -1,58 +1,58 @@
-/* treemode's optional compiled call path (imported only by treemode/_accel/_compiled.py).
+/* treemode's optional compiled extension (imported only by treemode/_accel/_compiled.py).
  *
- * Every function here executes what the Python code decided and also
- * implements (its Python twins are named in each docstring); nothing here knows
- * a private Flax or JAX name: `configure` receives, once, the Variable slots and
- * JAX trace state that treemode/_compat.py verified, and the Python objects the
- * call path compares with or calls back (see the records in _compiled.py). The
- * names read below (`_fast`, `writable_in`, `variables`, `metadata_updates`,
- * `write_back`, `_call`) are treemode's own.
+ * Two kinds of code live here:
  *
- * Identity checks behind treemode's flattening cache (see treemode/_tree/_flatten.py).
+ * - kernels, each with a Python twin bound to it by tests/test_twins.py: the
+ *   flattening guard (`holds`, `version_tags`), the call-site match
+ *   (`match_into`), the closure-read check (`reads_hold`) and the bulk write
+ *   (`write_changed`);
+ * - the executor of the fast-path record (`FastRecord`, `FastCall`): the
+ *   Python pipeline decides how a repeated `treemode.jit` call runs and emits
+ *   one record; `FastCall` executes it with those kernels, and hands every
+ *   doubt back to Python through one callback, the miss.
  *
- * A cached flattening of an argument stays valid while every container it
- * walked through still holds the very same objects. `_Guard` in _flatten.py
- * snapshots those containers; `holds` below compares the snapshot with their
- * current contents by pointer, in one pass, without calling any Python code
- * except one attribute read per Variable. The saved snapshot keeps every saved
- * object alive, so equal pointers mean the same object.
+ * Nothing here knows a private Flax or JAX name: `configure` receives, once,
+ * the Variable slots and JAX trace state that treemode/_compat.py verified,
+ * and the objects of the signal hold (treemode/_pipeline/_interrupts.py).
+ * No attribute of treemode's own objects is read by name: the record, the
+ * cached flattenings the executor matches (`Guarded`) and the configuration
+ * are C structures or keyword-checked arguments.
  *
- * Optional: when this module is not built, _flatten.py runs the same checks in
- * Python.
+ * The guard: a cached flattening of an argument stays valid while every
+ * container it walked through still holds the very same objects. `_Guard` in
+ * treemode/_tree/_flatten.py snapshots those containers; `holds` compares the
+ * snapshot with their current contents by pointer, in one pass, without
+ * calling any Python code except one attribute read per Variable. The saved
+ * snapshot keeps every saved object alive, so equal pointers mean the same
+ * object.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <signal.h>       /* raise: delivering held signals */
 #include <structmember.h> /* T_OBJECT_EX */
 
-static PyObject *fast_name;      /* interned "_fast" */
 static PyObject *code_name;      /* interned "__code__" */
 static PyObject *closure_name;   /* interned "__closure__" */
-static PyObject *call_name;      /* interned "call" */
-static PyObject *write_back_name; /* interned "write_back" */
-static PyObject *slow_call_name; /* interned "_call" */
-static PyObject *metadata_updates_name; /* interned "metadata_updates" */
-static PyObject *writable_in_name; /* interned "writable_in" */
-static PyObject *variables_name; /* interned "variables" */
 static PyObject *dict_name;      /* interned "__dict__" */
 static PyObject *getattribute_name; /* interned "__getattribute__" */
 
-/* The configuration (see `configure`): the two records, held, and their
- * fields (borrowed from them). */
-static PyObject *config_layout, *config_call_path;
+/* The configuration (see `configure`), held. */
+static int is_configured;
 static PyObject *raw_value_member;   /* Variable._raw_value's member descriptor */
 static PyObject *metadata_member;    /* Variable._var_metadata's member descriptor */
-static PyObject *raw_value_name, *metadata_name; /* their names */
-static PyObject *current_trace;      /* its `current_trace_attr`: the current trace's weakref */
-static PyObject *current_trace_attr;
-static PyObject *cfg_array_types, *cfg_match_slow, *cfg_kinds, *cfg_ignore, *cfg_empty,
-    *cfg_ignored, *cfg_raise_failure, *cfg_store_owner, *cfg_store_name, *cfg_default_store;
-static PyTypeObject *cfg_site_call;
+static PyObject *raw_value_name, *metadata_name; /* their names (borrowed from them) */
+static PyObject *trace_state;        /* its attribute `trace_attr`: the current trace's weakref */
+static PyObject *trace_attr;
+static PyObject *cfg_array_types, *cfg_kinds, *cfg_ignore, *cfg_empty, *cfg_ignored;
+static PyObject *hold_open, *hold_deferred, *hold_plan, *hold_signals_tuple, *hold_getsignal,
+    *hold_setsignal;
+static unsigned long hold_main_thread;
 
 /* 0 (with a RuntimeError) until `configure` was called. */
 static int
 configured(void)
 {
-    if (config_layout != NULL)
+    if (is_configured)
         return 1;
     PyErr_SetString(PyExc_RuntimeError,
                     "treemode._accel._guard: configure() was not called (import treemode first)");
@@ -221,7 +221,7 @@ typedef struct {
     int n;
 } SlotCache;
 
-static SlotCache metadata_slots, raw_value_slots, fast_slots, writable_in_slots, variables_slots;
+static SlotCache metadata_slots, raw_value_slots;
 
 /* The offset of `descr`'s slot in instances of `type`, if `descr` is a
  * `__slots__` member descriptor (an object slot) of `type` or of a base: else -1. */
@@ -267,13 +267,6 @@ slot_offset_of(PyTypeObject *type, PyObject *name, PyObject *expected, SlotCache
     return offset;
 }
 
-/* treemode's own slots (`_fast`, `writable_in`, `variables`). */
-static Py_ssize_t
-slot_offset(PyTypeObject *type, PyObject *name, SlotCache *cache)
-{
-    return slot_offset_of(type, name, NULL, cache);
-}
-
 /* The Variable slots `configure` named: read or written in place when `type`
  * inherits that very slot, else with getattr / setattr by name. */
 static Py_ssize_t
@@ -294,22 +287,6 @@ slot_cache_clear(SlotCache *cache)
     for (int i = 0; i < cache->n; i++)
         Py_CLEAR(cache->types[i]);
     cache->n = 0;
-}
-
-/* `obj.name` (a new reference), read from its `__slots__` slot when its type
- * has one there, else with getattr. */
-static PyObject *
-slot_get(PyObject *obj, PyObject *name, SlotCache *cache)
-{
-    Py_ssize_t offset = slot_offset(Py_TYPE(obj), name, cache);
-    if (offset >= 0) {
-        PyObject *value = *(PyObject **)((char *)obj + offset);
-        if (value != NULL) {
-            Py_INCREF(value);
-            return value;
-        }
-    }
-    return PyObject_GetAttr(obj, name); /* unset: raises AttributeError as usual */
 }
 
 /* `obj.__dict__` without an attribute lookup, where that gives the same object.
@@ -412,6 +389,12 @@ enum {
     ST_DICT_TAGS = ST_FIELDS, ST_ORDERED_TAGS, ST_METADATA_TAGS, ST_TAGGED_FIELDS
 };
 #define ST_TUPLES ST_TOP_TYPE /* the fields before it are tuples */
+/* Their names, in that order: treemode/_tree/_flatten.py builds a state by them. */
+static char *guard_state_fields[] = {
+    "sized", "lens", "dicts", "values", "ordered", "items", "metadata", "metadata_entries",
+    "nodes", "node_types", "owners", "owner_dicts", "variable_types", "top_type", "top_dict",
+    "dict_tags", "ordered_tags", "metadata_tags", NULL,
+};
 
 /* Whether the snapshot `state` (see `holds` below) still describes its
  * containers, the Variables in `variables` (a list or tuple) and the top-level
@@ -673,96 +656,204 @@ gather_raw_value(Gathered *out, PyObject *var)
     return pushed < 0 ? -1 : 1;
 }
 
-/* One argument of `match_into`: 1 matched (gathered), 0 not, -1 error. */
-static int
-match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *sources,
-          PyObject *array_types, PyObject *slow)
+/* ---- Guarded: a cached flattening, as the call-site match reads it ----
+ *
+ * treemode/_tree/_flatten.py makes one for each cache entry whose dynamic
+ * arrays are exactly its Variables' values and whose guard is compiled: the
+ * argument (a weak reference), the guard state (see `holds`), the Variables
+ * (a tuple) and the cache entry itself (a weak reference). The entry holds it;
+ * a call-site slot is a weak reference to it, so a slot dies with the entry. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *arg, *state, *variables, *flat;
+    PyObject *weakreflist;
+} GuardedObject;
+
+static PyTypeObject Guarded_Type;
+
+static PyObject *
+guarded_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    if (slot == Py_None) { /* a bare array */
-        int known = PySet_Contains(array_types, (PyObject *)Py_TYPE(obj));
+    static char *names[] = {"arg", "state", "variables", "flat", NULL};
+    PyObject *arg, *state, *variables, *flat;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O:Guarded", names, &arg, &PyTuple_Type,
+                                     &state, &PyTuple_Type, &variables, &flat))
+        return NULL;
+    if (!PyWeakref_CheckRef(arg) || !PyWeakref_CheckRef(flat)) {
+        PyErr_SetString(PyExc_TypeError, "Guarded: arg and flat are weak references");
+        return NULL;
+    }
+    GuardedObject *self = (GuardedObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->arg = Py_NewRef(arg);
+    self->state = Py_NewRef(state);
+    self->variables = Py_NewRef(variables);
+    self->flat = Py_NewRef(flat);
+    return (PyObject *)self;
+}
+
+static int
+guarded_traverse(GuardedObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->arg);
+    Py_VISIT(self->state);
+    Py_VISIT(self->variables);
+    Py_VISIT(self->flat);
+    return 0;
+}
+
+static int
+guarded_clear(GuardedObject *self)
+{
+    Py_CLEAR(self->arg);
+    Py_CLEAR(self->state);
+    Py_CLEAR(self->variables);
+    Py_CLEAR(self->flat);
+    return 0;
+}
+
+static void
+guarded_dealloc(GuardedObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    guarded_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef guarded_members[] = {
+    {"arg", T_OBJECT, offsetof(GuardedObject, arg), READONLY, "weak reference to the argument"},
+    {"state", T_OBJECT, offsetof(GuardedObject, state), READONLY, "the compiled guard state"},
+    {"variables", T_OBJECT, offsetof(GuardedObject, variables), READONLY, "the Variables"},
+    {"flat", T_OBJECT, offsetof(GuardedObject, flat), READONLY,
+     "weak reference to the cache entry"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject Guarded_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "treemode._accel._guard.Guarded",
+    .tp_doc = PyDoc_STR("Guarded(arg, state, variables, flat): a cached flattening as the "
+                        "call-site match reads it."),
+    .tp_basicsize = sizeof(GuardedObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = guarded_new,
+    .tp_traverse = (traverseproc)guarded_traverse,
+    .tp_clear = (inquiry)guarded_clear,
+    .tp_dealloc = (destructor)guarded_dealloc,
+    .tp_members = guarded_members,
+    .tp_weaklistoffset = offsetof(GuardedObject, weakreflist),
+};
+
+/* Whether `obj`, passed where the memo saw a bare array, is one (`jax.jit`'s
+ * rule: an array of a known type, or a Python number): 1, 0, or -1. */
+static int
+bare_array(PyObject *obj)
+{
+    if (PyFloat_CheckExact(obj) || PyLong_CheckExact(obj) || PyBool_Check(obj) ||
+        PyComplex_CheckExact(obj))
+        return 1;
+    return PySet_Contains(cfg_array_types, (PyObject *)Py_TYPE(obj));
+}
+
+/* A Guarded against the object passed: 1 matched (its Variables' values
+ * pushed to `dynamic`, the Variables to `variables` where not NULL), 0 not, 2
+ * undecided (a value is no longer an array of a known type: a Python number,
+ * or a layout change), -1 error. */
+static int
+match_guarded(GuardedObject *g, PyObject *obj, Gathered *dynamic, Gathered *variables)
+{
+    PyObject *arg = referent(g->arg);
+    Py_XDECREF(arg); /* only compared */
+    if (arg != obj)
+        return 0;
+    int result = state_holds(g->state, g->variables, obj);
+    if (result != 1)
+        return result;
+    Py_ssize_t start = dynamic->n;
+    PyTypeObject *seen_type = NULL; /* the last type found in `cfg_array_types` */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g->variables); i++) {
+        result = gather_raw_value(dynamic, PyTuple_GET_ITEM(g->variables, i));
+        if (result != 1)
+            return result;
+        PyTypeObject *type = Py_TYPE(dynamic->items[dynamic->n - 1]);
+        if (type == seen_type)
+            continue;
+        int known = PySet_Contains(cfg_array_types, (PyObject *)type);
         if (known < 0)
             return -1;
-        if (known)
-            return gathered_push(dynamic, obj) < 0 ? -1 : 1;
+        if (!known) {
+            while (dynamic->n > start)
+                Py_DECREF(dynamic->items[--dynamic->n]);
+            return 2;
+        }
+        seen_type = type;
     }
-    PyObject *entry = NULL, *fast = NULL;
+    for (Py_ssize_t i = 0; variables != NULL && i < PyTuple_GET_SIZE(g->variables); i++) {
+        if (gathered_push(variables, PyTuple_GET_ITEM(g->variables, i)) < 0)
+            return -1;
+    }
+    return 1;
+}
+
+/* One object against its call-site slot: 1 matched, 0 not, -1 error.
+ *
+ * A slot is None (a bare array) or a weak reference to a `Guarded` or, in the
+ * Python pipeline's memo only, to a cache entry without one. On a match, the
+ * object's arrays are pushed to `dynamic`, its Variables to `variables` and its
+ * cache entry to `sources` (each where not NULL). What this cannot decide goes
+ * to `slow(entry or None, obj)` (the arrays, or None) where `slow` is given;
+ * without it, the executor's case, it is a miss. */
+static int
+match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *variables,
+          Gathered *sources, PyObject *slow)
+{
+    PyObject *held_obj = NULL, *entry = NULL;
     int result = 0;
-    if (slot != Py_None) {
+    if (slot == Py_None) {
+        result = bare_array(obj);
+        if (result != 0)
+            return result < 0 ? -1 : (gathered_push(dynamic, obj) < 0 ? -1 : 1);
+    }
+    else {
         if (!PyWeakref_CheckRef(slot))
             return malformed("a call-site slot is None or a weak reference");
-        entry = referent(slot);
-        if (entry == NULL)
+        held_obj = referent(slot);
+        if (held_obj == NULL)
             return 0; /* the flattening was dropped */
-        fast = slot_get(entry, fast_name, &fast_slots);
-        if (fast == NULL)
-            PyErr_Clear(); /* no fast state: decided in Python below */
-    }
-    if (fast != NULL && PyTuple_Check(fast) && PyTuple_GET_SIZE(fast) == 3) {
-        /* (the argument's weak reference, the guard state, the Variables) */
-        if (!PyWeakref_CheckRef(PyTuple_GET_ITEM(fast, 0)) ||
-            !PyTuple_Check(PyTuple_GET_ITEM(fast, 2))) {
-            result = malformed("a flattening's _fast is (weak reference, guard state, tuple)");
-            goto done;
-        }
-        PyObject *arg = referent(PyTuple_GET_ITEM(fast, 0));
-        Py_XDECREF(arg); /* only compared */
-        if (arg != obj)
-            goto done;
-        PyObject *variables = PyTuple_GET_ITEM(fast, 2);
-        result = state_holds(PyTuple_GET_ITEM(fast, 1), variables, obj);
-        if (result != 1)
-            goto done;
-        /* Each value must still be one array (of a type in `array_types`): a value
-         * that became a pytree, None or a number is decided in Python. */
-        Py_ssize_t start = dynamic->n;
-        int all_arrays = 1;
-        PyTypeObject *seen_type = NULL; /* the last type found in `array_types` */
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(variables); i++) {
-            result = gather_raw_value(dynamic, PyTuple_GET_ITEM(variables, i));
-            if (result != 1)
+        if (Py_IS_TYPE(held_obj, &Guarded_Type)) {
+            entry = referent(((GuardedObject *)held_obj)->flat);
+            if (entry == NULL)
                 goto done;
-            PyTypeObject *type = Py_TYPE(dynamic->items[dynamic->n - 1]);
-            if (type == seen_type)
-                continue;
-            int known = PySet_Contains(array_types, (PyObject *)type);
-            seen_type = known == 1 ? type : NULL;
-            if (known < 0) {
-                result = -1;
+            result = match_guarded((GuardedObject *)held_obj, obj, dynamic, variables);
+            if (result != 2)
                 goto done;
-            }
-            if (!known) { /* a Python number, or a value whose layout changed: Python decides */
-                all_arrays = 0;
-                break;
-            }
         }
-        if (all_arrays) {
-            result = gathered_push(sources, entry) < 0 ? -1 : 1;
-            goto done;
+        else {
+            entry = Py_NewRef(held_obj); /* an entry the fast case cannot read */
         }
-        while (dynamic->n > start)
-            Py_DECREF(dynamic->items[--dynamic->n]);
-        result = 0;
     }
-    /* Anything else is decided in Python: the new dynamic arrays, or None. */
+    result = 0;
+    if (slow == NULL)
+        goto done;
     PyObject *found = PyObject_CallFunctionObjArgs(slow, entry ? entry : Py_None, obj, NULL);
     if (found == NULL) {
         result = -1;
     }
-    else if (found == Py_None) {
-        result = 0;
-    }
-    else {
+    else if (found != Py_None) {
         PyObject *items = PySequence_Fast(found, "the slow match returns a list or None");
         result = items == NULL ? -1 : 1;
         for (Py_ssize_t i = 0; result == 1 && i < PySequence_Fast_GET_SIZE(items); i++)
             result = gathered_push(dynamic, PySequence_Fast_GET_ITEM(items, i)) < 0 ? -1 : 1;
         Py_XDECREF(items);
-        if (result == 1 && entry != NULL)
-            result = gathered_push(sources, entry) < 0 ? -1 : 1;
     }
     Py_XDECREF(found);
 done:
-    Py_XDECREF(fast);
+    if (result == 1 && sources != NULL && entry != NULL && gathered_push(sources, entry) < 0)
+        result = -1;
+    Py_XDECREF(held_obj);
     Py_XDECREF(entry);
     if (result < 0 && !PyErr_Occurred())
         result = 0;
@@ -783,26 +874,24 @@ gathered_extend(Gathered *g, PyObject *list)
 }
 
 PyDoc_STRVAR(match_into_doc,
-"match_into(slots, objs, dynamic, sources, array_types, slow) -> bool\n\n"
+"match_into(slots, objs, dynamic, sources, slow) -> bool\n\n"
 "Whether every object of `objs` still matches its slot of a call-site memo\n"
 "(treemode._pipeline._callsite); if so, appends their arrays to `dynamic` and the\n"
-"matched flattenings to `sources`.\n\n"
-"A slot is None (a bare array: its type must be in `array_types`) or a weak\n"
-"reference to a cached flattening whose `_fast` attribute is (weak reference\n"
-"to the argument, guard state, Variables): the argument must be that object,\n"
-"the guard must hold, and each Variable's `_raw_value` is appended. Any other\n"
-"case calls `slow(entry or None, obj)`, which returns the arrays or None.");
+"matched cache entries to `sources`.\n\n"
+"A slot is None (a bare array: an array of a known type or a Python number)\n"
+"or a weak reference to a `Guarded` (the argument must be its object, the\n"
+"guard must hold, and each Variable's value is appended) or to a cache entry.\n"
+"Anything else calls `slow(entry or None, obj)`, which returns the arrays or None.");
 
 static PyObject *
 match_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (!configured())
         return NULL;
-    if (nargs != 6 || !PyTuple_Check(args[0]) || !PyList_Check(args[2]) ||
-        !PyList_Check(args[3]) || !PyAnySet_Check(args[4]) || !PyCallable_Check(args[5])) {
+    if (nargs != 5 || !PyTuple_Check(args[0]) || !PyList_Check(args[2]) ||
+        !PyList_Check(args[3]) || !PyCallable_Check(args[4])) {
         PyErr_SetString(PyExc_TypeError,
-                        "match_into(slots: tuple, objs, dynamic: list, sources: list, "
-                        "array_types: set, slow)");
+                        "match_into(slots: tuple, objs, dynamic: list, sources: list, slow)");
         return NULL;
     }
     PyObject *slots = args[0];
@@ -815,7 +904,7 @@ match_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     int ok = PySequence_Fast_GET_SIZE(objs) == PyTuple_GET_SIZE(slots);
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(slots); i++) {
         ok = match_one(PyTuple_GET_ITEM(slots, i), PySequence_Fast_GET_ITEM(objs, i), &dynamic,
-                       &sources, args[4], args[5]);
+                       NULL, &sources, args[4]);
     }
     Py_DECREF(objs);
     if (ok == 1 && (gathered_extend(&dynamic, args[2]) < 0 || gathered_extend(&sources, args[3]) < 0))
@@ -1111,200 +1200,154 @@ write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
     return result;
 }
 
-/* ---- The call-site fast path: a memo-matched `treemode.jit` call in C ----
+/* ---- The fast-path record and its executor ----
  *
- * `SiteCallFields` holds a matched call's fields (treemode._pipeline._callsite.SiteCall
- * adds the methods); `MemoCall` is the base of treemode.jit's JitWrapped: its
- * call runs the memo's plan (see `fast_call`) and otherwise, or when the plan
- * does not match, calls the Python method `_call`. */
+ * After a call, the Python pipeline (treemode._pipeline._callsite.fast_record)
+ * emits a `FastRecord`, or None where a fast path cannot be trusted; a
+ * `FastCall` (the base of treemode.jit's wrapper) executes it: match the
+ * arguments and the closure's objects, call the compiled entry, write the new
+ * values. Every doubt (a mismatch, a shared donated buffer, a trace JAX must
+ * make, an unusual signal-hold state, keyword arguments) is a miss, handed to
+ * the one Python callback, `miss(error, args, kwargs)`: `error` is None, or
+ * the exception the compiled entry raised. */
+
+#define RECORD_VERSION 1
 
 typedef struct {
     PyObject_HEAD
-    PyObject *site;
-    PyObject *args;
-    PyObject *kwargs;
-    PyObject *dynamic;
-    PyObject *sources;
-    PyObject *full;
-} SiteCallObject;
+    PyObject *slots, *partial_args, *closure_reads, *closure_holders, *lifted_slots, *jitted,
+        *donated, *kept, *trace;
+} RecordObject;
 
-static PyTypeObject SiteCallFields_Type;
+/* The record's fields, in the order of `RecordObject` (after `version`). */
+static char *record_fields[] = {
+    "version", "slots", "partial_args", "closure_reads", "closure_holders", "lifted_slots",
+    "jitted", "donated", "kept", "trace", NULL,
+};
+#define RECORD_OBJECTS 9
 
-static PyObject *
-site_call_new(PyTypeObject *type, PyObject *site, PyObject *args, PyObject *kwargs,
-              PyObject *dynamic, PyObject *sources)
+static PyTypeObject FastRecord_Type;
+
+/* Whether `t` is a tuple whose items are None or weak references (or, with
+ * `indices`, non-negative ints). */
+static int
+tuple_of(PyObject *t, int indices)
 {
-    SiteCallObject *call = (SiteCallObject *)type->tp_alloc(type, 0);
-    if (call == NULL)
-        return NULL;
-    Py_INCREF(site);
-    call->site = site;
-    Py_INCREF(args);
-    call->args = args;
-    Py_INCREF(kwargs);
-    call->kwargs = kwargs;
-    Py_INCREF(dynamic);
-    call->dynamic = dynamic;
-    Py_INCREF(sources);
-    call->sources = sources;
-    call->full = NULL;
-    return (PyObject *)call;
+    if (!PyTuple_Check(t))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
+        PyObject *item = PyTuple_GET_ITEM(t, i);
+        if (indices ? !PyLong_Check(item) || PyLong_AsSsize_t(item) < 0
+                    : item != Py_None && !PyWeakref_CheckRef(item)) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return 1;
 }
 
 static PyObject *
-site_call_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *site, *call_args, *kwargs, *dynamic, *sources;
-    static char *names[] = {"site", "args", "kwargs", "dynamic", "sources", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO:SiteCall", names, &site, &call_args,
-                                     &kwargs, &dynamic, &sources))
+    PyObject *version = NULL, *f[RECORD_OBJECTS] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOOOOOOOO:FastRecord", record_fields,
+                                     &version, &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6],
+                                     &f[7], &f[8]))
         return NULL;
-    return site_call_new(type, site, call_args, kwargs, dynamic, sources);
+    for (int i = -1; i < RECORD_OBJECTS; i++) {
+        if ((i < 0 ? version : f[i]) == NULL)
+            return PyErr_Format(PyExc_TypeError, "FastRecord: missing field %s",
+                                record_fields[i + 1]);
+    }
+    long v = PyLong_Check(version) ? PyLong_AsLong(version) : -1;
+    if (v != RECORD_VERSION)
+        return PyErr_Format(PyExc_ValueError,
+                            "FastRecord: a version %R record; this extension executes version %d",
+                            version, RECORD_VERSION);
+    PyObject *reads = f[2], *donated = f[6], *kept = f[7];
+    int reads_ok = PyTuple_Check(reads) && PyTuple_GET_SIZE(reads) == 7;
+    for (Py_ssize_t i = 0; reads_ok && i < 7; i++)
+        reads_ok = PyTuple_Check(PyTuple_GET_ITEM(reads, i));
+    if (!tuple_of(f[0], 0) || !PyTuple_Check(f[1]) || !reads_ok || !PyTuple_Check(f[3]) ||
+        !tuple_of(f[4], 0) || PyTuple_GET_SIZE(f[3]) != PyTuple_GET_SIZE(f[4]) ||
+        !PyCallable_Check(f[5]) ||
+        !((donated == Py_None && kept == Py_None) || (tuple_of(donated, 1) && tuple_of(kept, 1)))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "FastRecord(version, slots: tuple of None or weak references, "
+                        "partial_args: tuple, closure_reads: 7-tuple of tuples, closure_holders: "
+                        "tuple, lifted_slots: tuple of weak references (one per holder), jitted: "
+                        "callable, donated, kept: both None or both tuples of indices, trace)");
+        return NULL;
+    }
+    RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    PyObject **fields = &self->slots;
+    for (int i = 0; i < RECORD_OBJECTS; i++)
+        fields[i] = Py_NewRef(f[i]);
+    return (PyObject *)self;
 }
 
 static int
-site_call_traverse(SiteCallObject *self, visitproc visit, void *arg)
+record_traverse(RecordObject *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->site);
-    Py_VISIT(self->args);
-    Py_VISIT(self->kwargs);
-    Py_VISIT(self->dynamic);
-    Py_VISIT(self->sources);
-    Py_VISIT(self->full);
+    PyObject **fields = &self->slots;
+    for (int i = 0; i < RECORD_OBJECTS; i++)
+        Py_VISIT(fields[i]);
     return 0;
 }
 
 static int
-site_call_clear(SiteCallObject *self)
+record_clear(RecordObject *self)
 {
-    Py_CLEAR(self->site);
-    Py_CLEAR(self->args);
-    Py_CLEAR(self->kwargs);
-    Py_CLEAR(self->dynamic);
-    Py_CLEAR(self->sources);
-    Py_CLEAR(self->full);
+    PyObject **fields = &self->slots;
+    for (int i = 0; i < RECORD_OBJECTS; i++)
+        Py_CLEAR(fields[i]);
     return 0;
 }
 
 static void
-site_call_dealloc(SiteCallObject *self)
+record_dealloc(RecordObject *self)
 {
     PyObject_GC_UnTrack(self);
-    site_call_clear(self);
+    record_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyMemberDef site_call_members[] = {
-    {"site", T_OBJECT, offsetof(SiteCallObject, site), READONLY, "the CallSite matched"},
-    {"args", T_OBJECT, offsetof(SiteCallObject, args), READONLY,
-     "the positional arguments, bound ones first"},
-    {"kwargs", T_OBJECT, offsetof(SiteCallObject, kwargs), READONLY, "the keyword arguments"},
-    {"dynamic", T_OBJECT, offsetof(SiteCallObject, dynamic), READONLY,
-     "the call's arrays, in the compiled function's order"},
-    {"sources", T_OBJECT, offsetof(SiteCallObject, sources), READONLY,
-     "the flattenings the Variables come from, in order"},
-    {"_full", T_OBJECT, offsetof(SiteCallObject, full), 0, "the full Call, once built"},
+#define RECORD_MEMBER(name, doc) \
+    {#name, T_OBJECT, offsetof(RecordObject, name), READONLY, doc}
+static PyMemberDef record_members[] = {
+    RECORD_MEMBER(slots, "per argument (bound ones first): None (an array) or a weak "
+                         "reference to its Guarded"),
+    RECORD_MEMBER(partial_args, "the arguments jit_partial bound"),
+    RECORD_MEMBER(closure_reads, "the reads the closure search's answer depends on"),
+    RECORD_MEMBER(closure_holders, "holders of the closure objects the search lifted"),
+    RECORD_MEMBER(lifted_slots, "weak references to their Guarded"),
+    RECORD_MEMBER(jitted, "the compiled entry: takes the arrays, or (donated, kept)"),
+    RECORD_MEMBER(donated, "None, or the positions of the donated arrays"),
+    RECORD_MEMBER(kept, "None, or the positions of the other arrays"),
+    RECORD_MEMBER(trace, "the trace (its weak reference) the Variables may be written in"),
     {NULL, 0, 0, 0, NULL},
 };
 
-static PyTypeObject SiteCallFields_Type = {
+static PyTypeObject FastRecord_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "treemode._accel._guard.SiteCallFields",
-    .tp_doc = PyDoc_STR("SiteCallFields(site, args, kwargs, dynamic, sources): the fields "
-                        "of a call matched to a call-site memo."),
-    .tp_basicsize = sizeof(SiteCallObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_new = site_call_tp_new,
-    .tp_traverse = (traverseproc)site_call_traverse,
-    .tp_clear = (inquiry)site_call_clear,
-    .tp_dealloc = (destructor)site_call_dealloc,
-    .tp_members = site_call_members,
+    .tp_name = "treemode._accel._guard.FastRecord",
+    .tp_doc = PyDoc_STR("FastRecord(*, version, slots, partial_args, closure_reads, "
+                        "closure_holders, lifted_slots, jitted, donated, kept, trace): how a "
+                        "repeated treemode.jit call runs, as the Python pipeline decided it."),
+    .tp_basicsize = sizeof(RecordObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = record_new,
+    .tp_traverse = (traverseproc)record_traverse,
+    .tp_clear = (inquiry)record_clear,
+    .tp_dealloc = (destructor)record_dealloc,
+    .tp_members = record_members,
 };
 
-/* The objects a cached closure search still answers, matched against the
- * memo's `lifted_slots` (appending their arrays and flattenings): 1, 0, -1.
- *
- * `reads` and `found` are the snapshot's (see treemode._tree._closure._Snapshot).
- * Unlike the Python path, this does not ask whether the snapshot is still the
- * closure cache's entry for the function: every read the answer depends on is
- * checked, so an answer whose reads hold is right whether or not the cache
- * has since been cleared. */
-static int
-match_closure(PyObject *reads, PyObject *found, PyObject *lifted_slots, Gathered *dynamic,
-              Gathered *sources)
-{
-    int ok = closure_reads_hold(reads, cfg_kinds, cfg_ignore, cfg_empty, cfg_ignored);
-    if (ok != 1)
-        return ok;
-    /* found: [(name, holder), ...] */
-    ok = PyList_Check(found) && PyList_GET_SIZE(found) == PyTuple_GET_SIZE(lifted_slots);
-    for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(lifted_slots); i++) {
-        PyObject *pair = PyList_GET_ITEM(found, i);
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-            ok = 0;
-            break;
-        }
-        PyObject *obj = held(PyTuple_GET_ITEM(pair, 1));
-        if (obj == NULL) {
-            ok = 0; /* the object died */
-            break;
-        }
-        ok = match_one(PyTuple_GET_ITEM(lifted_slots, i), obj, dynamic, sources, cfg_array_types,
-                       cfg_match_slow);
-        Py_DECREF(obj);
-    }
-    return ok;
-}
-
-/* Binds `call` as the current call of a PureFunction's binding (a
- * threading.local: `binding.call = call`). */
-static int
-bind_call(PyObject *binding, PyObject *call)
-{
-    return PyObject_SetAttr(binding, call_name, call);
-}
-
-/* Runs `jitted(*arrays)` (the arrays, or the donated and the kept tuples) with
- * `call` bound, then unbinds; on failure, hands the error to
- * `raise_failure(call, error)` (which raises the better error). */
-static PyObject *
-run_bound(PyObject *jitted, PyObject *binding, PyObject *call, PyObject *const *arrays,
-          Py_ssize_t n_arrays, PyObject *raise_failure)
-{
-    if (bind_call(binding, call) < 0)
-        return NULL;
-    PyObject *result = PyObject_Vectorcall(jitted, arrays, n_arrays, NULL);
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    if (bind_call(binding, Py_None) < 0) {
-        if (type == NULL) { /* the unbinding failed alone: report it */
-            Py_XDECREF(result);
-            return NULL;
-        }
-        PyErr_Clear();
-    }
-    if (type == NULL)
-        return result;
-    PyErr_NormalizeException(&type, &value, &traceback);
-    if (traceback != NULL)
-        PyException_SetTraceback(value, traceback);
-    PyObject *raised = PyObject_CallFunctionObjArgs(raise_failure, call, value, NULL);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(traceback);
-    if (raised != NULL) {
-        Py_DECREF(raised);
-        PyErr_SetString(PyExc_SystemError, "treemode: the failure handler did not raise");
-    }
-    return NULL;
-}
-
 /* Donation: XLA cannot donate one buffer twice, nor a buffer also passed
- * undonated. `donation` = (donated indices, kept indices, check) splits the
- * call's arrays into the two tuples the entry takes; when two of them are the
- * same object, `check(call)` decides (it raises the error naming both paths, or
- * returns when the shared object is not a device buffer, like a Python int).
- * Fills split[0..1]: 0, or -1 with an exception. */
+ * undonated; a call where two of the arrays are one object is a miss (the
+ * Python pipeline names the paths, or passes a shared Python number). */
 static int
 compare_pointers(const void *a, const void *b)
 {
@@ -1327,9 +1370,7 @@ pick(PyObject *arrays, PyObject *indices)
             Py_DECREF(out);
             return NULL;
         }
-        PyObject *item = PyTuple_GET_ITEM(arrays, j);
-        Py_INCREF(item);
-        PyTuple_SET_ITEM(out, i, item);
+        PyTuple_SET_ITEM(out, i, Py_NewRef(PyTuple_GET_ITEM(arrays, j)));
     }
     return out;
 }
@@ -1357,272 +1398,108 @@ shares_an_object(PyObject *donated, PyObject *kept)
     return shared;
 }
 
-static int
-split_donated(PyObject *donation, PyObject *arrays, PyObject *call, PyObject **split)
-{
-    if (!PyTuple_Check(donation) || PyTuple_GET_SIZE(donation) != 3 ||
-        !PyTuple_Check(PyTuple_GET_ITEM(donation, 0)) ||
-        !PyTuple_Check(PyTuple_GET_ITEM(donation, 1))) {
-        PyErr_SetString(PyExc_TypeError, "treemode: malformed donation plan");
-        return -1;
-    }
-    split[0] = pick(arrays, PyTuple_GET_ITEM(donation, 0));
-    split[1] = split[0] == NULL ? NULL : pick(arrays, PyTuple_GET_ITEM(donation, 1));
-    int shared = split[1] == NULL ? -1 : shares_an_object(split[0], split[1]);
-    if (shared == 1) {
-        PyObject *checked = PyObject_CallOneArg(PyTuple_GET_ITEM(donation, 2), call);
-        Py_XDECREF(checked);
-        shared = checked == NULL ? -1 : 0;
-    }
-    if (shared < 0) {
-        Py_CLEAR(split[0]);
-        Py_CLEAR(split[1]);
-        return -1;
-    }
-    return 0;
-}
-
-/* The write-back of a memo-matched call, in C when nothing needs Python, as
- * `write_back` in Python decides: no metadata update was traced (`record`),
- * the store hook is the default one, and every source flattening is
- * remembered as writable in the current trace. 1 written, 0 not attempted
- * (the caller writes in Python, which decides again), -1 error. */
-static int
-write_in_c(PyObject *record, PyObject *sources, PyObject *updates)
-{
-    if (!PyList_Check(sources) || !PyTuple_Check(updates))
-        return 0;
-    PyObject *metadata = PyObject_GetAttr(record, metadata_updates_name);
-    if (metadata == NULL)
-        return -1;
-    int has_metadata = PyObject_IsTrue(metadata);
-    Py_DECREF(metadata);
-    if (has_metadata != 0)
-        return has_metadata < 0 ? -1 : 0;
-    PyObject *store = PyObject_GetAttr(cfg_store_owner, cfg_store_name);
-    if (store == NULL)
-        return -1;
-    Py_DECREF(store); /* only compared; the owner holds it */
-    if (store != cfg_default_store)
-        return 0; /* replaced (tests inject faults there) */
-    PyObject *ref = PyObject_GetAttr(current_trace, current_trace_attr);
-    if (ref == NULL)
-        return -1;
-    PyObject *variables = PyList_New(0);
-    if (variables == NULL) {
-        Py_DECREF(ref);
-        return -1;
-    }
-    int ok = ref != Py_None;
-    for (Py_ssize_t i = 0; ok == 1 && i < PyList_GET_SIZE(sources); i++) {
-        PyObject *source = PyList_GET_ITEM(sources, i);
-        PyObject *writable_in = slot_get(source, writable_in_name, &writable_in_slots);
-        if (writable_in == NULL) {
-            ok = -1;
-            break;
-        }
-        Py_DECREF(writable_in); /* only compared */
-        if (writable_in != ref) {
-            ok = 0;
-            break;
-        }
-        PyObject *own = slot_get(source, variables_name, &variables_slots);
-        if (own == NULL) {
-            ok = -1;
-            break;
-        }
-        if (!PyList_Check(own)) {
-            ok = 0;
-        }
-        else {
-            Py_ssize_t n = PyList_GET_SIZE(variables);
-            ok = PyList_SetSlice(variables, n, n, own) < 0 ? -1 : 1;
-        }
-        Py_DECREF(own);
-    }
-    Py_DECREF(ref);
-    if (ok == 1 && PyList_GET_SIZE(variables) != PyTuple_GET_SIZE(updates))
-        ok = 0;
-    if (ok == 1 && write_all(variables, updates) < 0)
-        ok = -1;
-    Py_DECREF(variables);
-    return ok;
-}
-
-/* The signal hold of a donated call: treemode._pipeline._interrupts `hold`, `close` and
- * `release`, the functions the Python call path runs: `hold(donated)` before
- * the executable consumes the donated buffers; once the new values are written
- * (or the call failed), `close()` then `release(token)`.
- *
- * The common case runs here, on the module's own state, as the Python
- * functions would: the main thread, no hold open, nothing deferred, and the
- * handler table the same as when `hold` last planned its swaps (the
- * `_cache`); each handler is read with `_signal.getsignal`'s C function and
- * swapped with `_signal.signal`. Anything else calls the Python functions.
- * Imported on the first donated call. */
-static PyObject *interrupts_module, *interrupts_hold, *interrupts_release;
-static PyObject *interrupts_open, *interrupts_deferred, *interrupts_nested, *interrupts_signums;
-static PyObject *interrupts_getsignal, *interrupts_setsignal, *interrupts_cache_name;
-static unsigned long interrupts_main;
-
-static int
-interrupts_import(void)
-{
-    PyObject *module = PyImport_ImportModule("treemode._pipeline._interrupts");
-    if (module == NULL)
-        return -1;
-    PyObject *objects[9] = {NULL};
-    static const char *names[9] = {"hold", "release", "_open", "_deferred", "_NESTED",
-                                   "_SIGNALS", "_getsignal", "_setsignal", "_MAIN_IDENT"};
-    int ok = 1;
-    for (int i = 0; i < 9 && ok; i++) {
-        objects[i] = PyObject_GetAttrString(module, names[i]);
-        ok = objects[i] != NULL;
-    }
-    unsigned long main_ident = ok ? PyLong_AsUnsignedLong(objects[8]) : 0;
-    if (ok && PyErr_Occurred())
-        ok = 0;
-    if (ok && (!PyList_Check(objects[2]) || !PyList_Check(objects[3]) ||
-               !PyTuple_Check(objects[5]))) {
-        PyErr_SetString(PyExc_TypeError, "treemode: unexpected treemode._pipeline._interrupts layout");
-        ok = 0;
-    }
-    if (ok && interrupts_cache_name == NULL) {
-        interrupts_cache_name = PyUnicode_InternFromString("_cache");
-        ok = interrupts_cache_name != NULL;
-    }
-    if (!ok) {
-        for (int i = 0; i < 9; i++)
-            Py_XDECREF(objects[i]);
-        Py_DECREF(module);
-        return -1;
-    }
-    interrupts_hold = objects[0];
-    interrupts_release = objects[1];
-    interrupts_open = objects[2];
-    interrupts_deferred = objects[3];
-    interrupts_nested = objects[4];
-    interrupts_signums = objects[5];
-    interrupts_getsignal = objects[6];
-    interrupts_setsignal = objects[7];
-    Py_DECREF(objects[8]);
-    interrupts_main = main_ident;
-    interrupts_module = module;
-    return 0;
-}
-
-/* The planned swaps, a new reference, when the handler table is still the one
- * `_cache` planned them for; NULL without an exception when it changed. */
+/* The signal hold of a donated call (treemode._pipeline._interrupts, whose
+ * objects `configure` hands over): once the executable consumed the donated
+ * buffers, the new values are the only whole state until written, so every
+ * Python signal handler is swapped for a deferring one from before the call
+ * to after the write. Made here in the common case only: the main thread, no
+ * hold open, nothing deferred, and the handler table the one the Python hold
+ * last planned its swaps for (`hold_plan`: [handlers, swaps]); anything else is
+ * a miss, and the Python pipeline holds. */
 static PyObject *
-interrupts_planned_swaps(void)
+planned_swaps(void)
 {
-    PyObject *cache = PyObject_GetAttr(interrupts_module, interrupts_cache_name);
-    if (cache == NULL)
+    if (PyList_GET_SIZE(hold_plan) != 2)
         return NULL;
-    PyObject *swaps = NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(interrupts_signums);
-    if (PyTuple_Check(cache) && PyTuple_GET_SIZE(cache) == 2 &&
-        PyTuple_Check(PyTuple_GET_ITEM(cache, 0)) && PyTuple_Check(PyTuple_GET_ITEM(cache, 1)) &&
-        PyTuple_GET_SIZE(PyTuple_GET_ITEM(cache, 0)) == n) {
-        PyObject *handlers = PyTuple_GET_ITEM(cache, 0);
-        /* `_signal.getsignal` takes one argument (METH_O): its C function, called
-         * directly; through the generic call otherwise. */
-        int direct = PyCFunction_Check(interrupts_getsignal) &&
-                     PyCFunction_GET_FLAGS(interrupts_getsignal) == METH_O;
-        PyCFunction getsignal = direct ? PyCFunction_GET_FUNCTION(interrupts_getsignal) : NULL;
-        PyObject *self = direct ? PyCFunction_GET_SELF(interrupts_getsignal) : NULL;
-        Py_ssize_t i = 0;
-        for (; i < n; i++) {
-            PyObject *signum = PyTuple_GET_ITEM(interrupts_signums, i);
-            PyObject *handler = direct ? getsignal(self, signum)
-                                       : PyObject_CallOneArg(interrupts_getsignal, signum);
-            if (handler == NULL)
-                break;
-            Py_DECREF(handler); /* only compared; the signal module holds it */
-            if (handler != PyTuple_GET_ITEM(handlers, i))
-                break;
-        }
-        if (i == n) {
-            swaps = PyTuple_GET_ITEM(cache, 1);
-            Py_INCREF(swaps);
-        }
+    PyObject *handlers = PyList_GET_ITEM(hold_plan, 0), *swaps = PyList_GET_ITEM(hold_plan, 1);
+    Py_ssize_t n = PyTuple_GET_SIZE(hold_signals_tuple);
+    if (!PyTuple_Check(handlers) || !PyTuple_Check(swaps) || PyTuple_GET_SIZE(handlers) != n)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *handler = PyObject_CallOneArg(hold_getsignal, PyTuple_GET_ITEM(hold_signals_tuple, i));
+        if (handler == NULL)
+            return NULL;
+        Py_DECREF(handler); /* only compared; the signal module holds it */
+        if (handler != PyTuple_GET_ITEM(handlers, i))
+            return NULL;
     }
-    Py_DECREF(cache);
-    return swaps;
+    return Py_NewRef(swaps);
 }
 
+/* The token (the swaps made, a new reference), None outside the main thread,
+ * NULL with an exception (a pending signal's handler raised: nothing consumed
+ * yet), or NULL without one: a miss. */
 static PyObject *
 hold_signals(PyObject *donated)
 {
-    if (interrupts_module == NULL && interrupts_import() < 0)
-        return NULL;
-    if (PyThread_get_thread_ident() != interrupts_main)
+    if (PyThread_get_thread_ident() != hold_main_thread)
         Py_RETURN_NONE;
-    if (PyList_GET_SIZE(interrupts_open) != 0 || PyList_GET_SIZE(interrupts_deferred) != 0)
-        return PyObject_CallOneArg(interrupts_hold, donated); /* nested, or leftovers */
-    PyObject *swaps = interrupts_planned_swaps();
-    if (swaps == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        return PyObject_CallOneArg(interrupts_hold, donated); /* plans again */
-    }
+    if (PyList_GET_SIZE(hold_open) != 0 || PyList_GET_SIZE(hold_deferred) != 0)
+        return NULL;
+    PyObject *swaps = planned_swaps();
+    if (swaps == NULL)
+        return NULL;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(swaps); i++) {
         PyObject *swap = PyTuple_GET_ITEM(swaps, i); /* (signum, original, deferring) */
         PyObject *args[2] = {PyTuple_GET_ITEM(swap, 0), PyTuple_GET_ITEM(swap, 2)};
-        PyObject *old = PyObject_Vectorcall(interrupts_setsignal, args, 2, NULL);
-        if (old == NULL) { /* a pending signal's handler raised: nothing consumed yet */
+        PyObject *old = PyObject_Vectorcall(hold_setsignal, args, 2, NULL);
+        if (old == NULL) {
             Py_DECREF(swaps);
             return NULL;
         }
         Py_DECREF(old);
     }
-    if (PyList_Append(interrupts_open, donated) < 0) { /* open */
+    if (PyList_Append(hold_open, donated) < 0) {
         Py_DECREF(swaps);
         return NULL;
     }
     return swaps;
 }
 
-/* `close()` then `release(token)`, in C where `hold_signals` held in C (no
- * signal deferred): the original handlers back. 0, or -1 with an exception. */
+/* Sends the held signals again, the original handlers back: their handlers
+ * run here, in the interpreter's order, the first exception raised. */
 static int
-close_and_release(PyObject *token)
+deliver_deferred(void)
 {
-    Py_ssize_t n = PyList_GET_SIZE(interrupts_open);
-    if (n == 0) {
-        PyErr_SetString(PyExc_SystemError, "treemode: a signal hold closed twice");
+    Py_ssize_t n = PyList_GET_SIZE(hold_deferred);
+    PyObject *deferred = PyList_GetSlice(hold_deferred, 0, n);
+    if (deferred == NULL || PyList_SetSlice(hold_deferred, 0, n, NULL) < 0) {
+        Py_XDECREF(deferred);
         return -1;
     }
-    if (PyList_SetSlice(interrupts_open, n - 1, n, NULL) < 0) /* close */
-        return -1;
-    if (token == interrupts_nested)
-        return 0;
-    if (PyList_GET_SIZE(interrupts_deferred) != 0 || !PyTuple_Check(token)) {
-        PyObject *released = PyObject_CallOneArg(interrupts_release, token);
-        Py_XDECREF(released);
-        return released == NULL ? -1 : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long signum = PyLong_AsLong(PyList_GET_ITEM(deferred, i));
+        if (signum > 0)
+            raise((int)signum); /* marks the handler as due (the main thread's) */
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(token); i++) {
-        PyObject *swap = PyTuple_GET_ITEM(token, i); /* (signum, original, deferring) */
-        PyObject *args[2] = {PyTuple_GET_ITEM(swap, 0), PyTuple_GET_ITEM(swap, 1)};
-        PyObject *old = PyObject_Vectorcall(interrupts_setsignal, args, 2, NULL);
-        if (old == NULL) /* a new signal's handler raised; the rest pass through */
-            return -1;
-        Py_DECREF(old);
-    }
-    return 0;
+    Py_DECREF(deferred);
+    PyErr_Clear();
+    return PyErr_CheckSignals();
 }
 
-/* Ends the hold `token` (stolen; None: there was none). An exception already
- * set stays the one raised, unless the release raises (a held signal's
- * handler): that one is raised, with the first as its context. Returns -1
- * when an exception is set after. */
+/* Ends the hold `token` (stolen; None: there was none): the original handlers
+ * back, then the held signals delivered. An exception already set stays the
+ * one raised, unless a handler raises: that one is raised, with the first as
+ * its context. Returns -1 when an exception is set after. */
 static int
 release_signals(PyObject *token)
 {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    int released = token == Py_None ? 0 : close_and_release(token);
+    int released = 0;
+    if (token != Py_None) {
+        Py_ssize_t n = PyList_GET_SIZE(hold_open);
+        released = n > 0 ? PyList_SetSlice(hold_open, n - 1, n, NULL) : -1; /* close */
+        for (Py_ssize_t i = 0; released == 0 && i < PyTuple_GET_SIZE(token); i++) {
+            PyObject *swap = PyTuple_GET_ITEM(token, i);
+            PyObject *args[2] = {PyTuple_GET_ITEM(swap, 0), PyTuple_GET_ITEM(swap, 1)};
+            PyObject *old = PyObject_Vectorcall(hold_setsignal, args, 2, NULL);
+            released = old == NULL ? -1 : 0; /* a new signal's handler raised */
+            Py_XDECREF(old);
+        }
+        if (released == 0 && PyList_GET_SIZE(hold_deferred) != 0)
+            released = deliver_deferred();
+    }
     Py_DECREF(token);
     if (released == 0) {
         PyErr_Restore(type, value, traceback);
@@ -1636,7 +1513,6 @@ release_signals(PyObject *token)
         PyErr_Fetch(&type2, &value2, &traceback2);
         PyErr_NormalizeException(&type2, &value2, &traceback2);
         PyException_SetContext(value2, value); /* steals `value` */
-        value = NULL;
         PyErr_Restore(type2, value2, traceback2);
         Py_XDECREF(type);
         Py_XDECREF(traceback);
@@ -1644,251 +1520,241 @@ release_signals(PyObject *token)
     return -1;
 }
 
-/* A memo plan's records (treemode._accel._compiled.SitePlan, EntryPlan), checked once
- * when the memo is set (see `memo_set`); `fast_call` trusts their shape. */
-enum { SITE_SITE, SITE_SLOTS, SITE_PARTIAL, SITE_READS, SITE_FOUND, SITE_LIFTED, SITE_FIELDS };
-enum { ENTRY_JITTED, ENTRY_BINDING, ENTRY_ENTRY, ENTRY_RECORD, ENTRY_DONATION, ENTRY_FIELDS };
-
-static int
-plan_valid(PyObject *plan)
+/* The exception set, fetched as one normalized object with its traceback. */
+static PyObject *
+fetch_error(void)
 {
-    if (plan == Py_None)
-        return 1;
-    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 2)
-        return malformed("a memo plan is (SitePlan, EntryPlan) or None");
-    PyObject *site = PyTuple_GET_ITEM(plan, 0), *entry = PyTuple_GET_ITEM(plan, 1);
-    if (!PyTuple_Check(site) || PyTuple_GET_SIZE(site) != SITE_FIELDS ||
-        !PyTuple_Check(PyTuple_GET_ITEM(site, SITE_SLOTS)) ||
-        !PyTuple_Check(PyTuple_GET_ITEM(site, SITE_PARTIAL)) ||
-        !PyTuple_Check(PyTuple_GET_ITEM(site, SITE_READS)) ||
-        !PyList_Check(PyTuple_GET_ITEM(site, SITE_FOUND)) ||
-        !PyTuple_Check(PyTuple_GET_ITEM(site, SITE_LIFTED)))
-        return malformed("a SitePlan is (site, slots: tuple, partial_args: tuple, "
-                         "closure_reads: tuple, closure_found: list, lifted_slots: tuple)");
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != ENTRY_FIELDS)
-        return malformed("an EntryPlan has 5 fields");
-    PyObject *donation = PyTuple_GET_ITEM(entry, ENTRY_DONATION);
-    if (!PyCallable_Check(PyTuple_GET_ITEM(entry, ENTRY_JITTED)) ||
-        (donation != Py_None &&
-         (!PyTuple_Check(donation) || PyTuple_GET_SIZE(donation) != 3 ||
-          !PyTuple_Check(PyTuple_GET_ITEM(donation, 0)) ||
-          !PyTuple_Check(PyTuple_GET_ITEM(donation, 1)) ||
-          !PyCallable_Check(PyTuple_GET_ITEM(donation, 2)))))
-        return malformed("an EntryPlan is (jitted: callable, binding, entry, record, donation: "
-                         "None or (tuple, tuple, callable))");
-    return 1;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != NULL && value != NULL)
+        PyException_SetTraceback(value, traceback);
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    return value;
 }
 
-/* A call through a memo's plan (see plan_valid): its result, or NULL with an
- * exception, or NULL without one when the arguments do not match the memo (the
- * caller then takes the Python path, which decides everything again). */
+/* Executes `r` on `args`: the call's output; or NULL with `*error` set to the
+ * exception the compiled entry raised (the miss explains it); or NULL with an
+ * exception set (raised as it is: a failed write, which undid itself); or NULL
+ * without either: a miss. */
 static PyObject *
-fast_call(PyObject *plan, PyObject *args)
+execute(RecordObject *r, PyObject *args, PyObject **error)
 {
-    PyObject *site_part = PyTuple_GET_ITEM(plan, 0);
-    PyObject *entry_part = PyTuple_GET_ITEM(plan, 1);
-    PyObject *site = PyTuple_GET_ITEM(site_part, SITE_SITE);
-    PyObject *slots = PyTuple_GET_ITEM(site_part, SITE_SLOTS);
-    PyObject *partial = PyTuple_GET_ITEM(site_part, SITE_PARTIAL);
-    PyObject *reads = PyTuple_GET_ITEM(site_part, SITE_READS);
-    PyObject *found = PyTuple_GET_ITEM(site_part, SITE_FOUND);
-    PyObject *lifted_slots = PyTuple_GET_ITEM(site_part, SITE_LIFTED);
-    PyObject *jitted = PyTuple_GET_ITEM(entry_part, ENTRY_JITTED);
-    PyObject *binding = PyTuple_GET_ITEM(entry_part, ENTRY_BINDING);
-    PyObject *entry = PyTuple_GET_ITEM(entry_part, ENTRY_ENTRY);
-    PyObject *record = PyTuple_GET_ITEM(entry_part, ENTRY_RECORD);
-    PyObject *donation = PyTuple_GET_ITEM(entry_part, ENTRY_DONATION);
-
-    PyObject *roots = NULL, *dynamic = NULL, *sources = NULL, *kwargs = NULL, *call = NULL;
-    PyObject *result = NULL, *out = NULL, *split[2] = {NULL, NULL}, *held = NULL;
-    Gathered gathered_dynamic, gathered_sources;
+    PyObject *roots = NULL, *dynamic = NULL, *variables = NULL, *result = NULL, *out = NULL;
+    PyObject *token = NULL, *split[2] = {NULL, NULL};
+    Gathered gathered_dynamic, gathered_variables;
     gathered_init(&gathered_dynamic);
-    gathered_init(&gathered_sources);
-    int ok = 0;
-    if (PyTuple_GET_SIZE(partial) == 0) {
-        Py_INCREF(args);
-        roots = args;
-    }
-    else {
-        roots = PySequence_Concat(partial, args);
-        if (roots == NULL)
-            goto done;
-    }
-    if (PyTuple_GET_SIZE(roots) != PyTuple_GET_SIZE(slots))
-        goto done; /* a miss */
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(slots); i++) {
-        ok = match_one(PyTuple_GET_ITEM(slots, i), PyTuple_GET_ITEM(roots, i), &gathered_dynamic,
-                       &gathered_sources, cfg_array_types, cfg_match_slow);
+    gathered_init(&gathered_variables);
+    int ok;
+    roots = PyTuple_GET_SIZE(r->partial_args) == 0 ? Py_NewRef(args)
+                                                    : PySequence_Concat(r->partial_args, args);
+    if (roots == NULL || PyTuple_GET_SIZE(roots) != PyTuple_GET_SIZE(r->slots))
+        goto done;
+    /* The Variables may be written in the record's trace only. */
+    PyObject *trace = PyObject_GetAttr(trace_state, trace_attr);
+    if (trace == NULL)
+        goto done;
+    Py_DECREF(trace); /* only compared; the record holds its own */
+    if (trace != r->trace)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r->slots); i++) {
+        ok = match_one(PyTuple_GET_ITEM(r->slots, i), PyTuple_GET_ITEM(roots, i),
+                       &gathered_dynamic, &gathered_variables, NULL, NULL);
         if (ok != 1)
             goto done;
     }
-    ok = match_closure(reads, found, lifted_slots, &gathered_dynamic, &gathered_sources);
-    if (ok != 1)
+    if (closure_reads_hold(r->closure_reads, cfg_kinds, cfg_ignore, cfg_empty, cfg_ignored) != 1)
         goto done;
-    ok = -1; /* from here on, every failure is an error */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r->closure_holders); i++) {
+        PyObject *obj = held(PyTuple_GET_ITEM(r->closure_holders, i));
+        if (obj == NULL)
+            goto done; /* the object died */
+        ok = match_one(PyTuple_GET_ITEM(r->lifted_slots, i), obj, &gathered_dynamic,
+                       &gathered_variables, NULL, NULL);
+        Py_DECREF(obj);
+        if (ok != 1)
+            goto done;
+    }
     dynamic = gathered_take(&gathered_dynamic, 0);
-    sources = gathered_take(&gathered_sources, 1);
-    if (dynamic == NULL || sources == NULL)
+    variables = gathered_take(&gathered_variables, 0);
+    if (dynamic == NULL || variables == NULL)
         goto done;
-    kwargs = PyDict_New();
-    if (kwargs == NULL)
-        goto done;
-    call = site_call_new(cfg_site_call, site, roots, kwargs, dynamic, sources);
-    if (call == NULL)
-        goto done;
-    if (donation == Py_None) { /* the arrays as positional arguments */
-        result = run_bound(jitted, binding, call, &PyTuple_GET_ITEM(dynamic, 0),
-                           PyTuple_GET_SIZE(dynamic), cfg_raise_failure);
+    if (r->donated == Py_None) {
+        result = PyObject_Vectorcall(r->jitted, &PyTuple_GET_ITEM(dynamic, 0),
+                                     PyTuple_GET_SIZE(dynamic), NULL);
     }
     else {
-        if (split_donated(donation, dynamic, call, split) < 0)
+        split[0] = pick(dynamic, r->donated);
+        split[1] = split[0] == NULL ? NULL : pick(dynamic, r->kept);
+        if (split[1] == NULL || shares_an_object(split[0], split[1]) != 0)
             goto done;
-        /* From here to the end of the write, a signal's handler that raises would
-         * leave deleted buffers once the executable ran: held (see hold_signals). */
-        held = hold_signals(split[0]);
-        if (held == NULL)
+        token = hold_signals(split[0]);
+        if (token == NULL)
             goto done;
-        result = run_bound(jitted, binding, call, split, 2, cfg_raise_failure);
+        result = PyObject_Vectorcall(r->jitted, split, 2, NULL);
     }
-    if (result == NULL)
+    if (result == NULL) {
+        *error = fetch_error();
         goto done;
+    }
     if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 2) {
-        PyErr_SetString(PyExc_TypeError, "treemode: a compiled entry returns (out, updates)");
+        PyErr_SetString(PyExc_SystemError, "treemode: a compiled entry returns (out, updates)");
         goto done;
     }
-    /* A trace without updates returns (out, None): nothing to write. */
     PyObject *updates = PyTuple_GET_ITEM(result, 1);
-    if (updates != Py_None) {
-        int in_c = write_in_c(record, sources, updates);
-        if (in_c < 0)
+    if (updates != Py_None) { /* None: the trace updates nothing */
+        if (!PyTuple_Check(updates) || PyTuple_GET_SIZE(updates) != PyTuple_GET_SIZE(variables)) {
+            PyErr_SetString(PyExc_SystemError,
+                            "treemode: a compiled entry's updates differ from its record's Variables");
             goto done;
-        if (in_c == 0) {
-            PyObject *written =
-                PyObject_CallMethodObjArgs(entry, write_back_name, call, updates, NULL);
-            if (written == NULL)
-                goto done;
-            Py_DECREF(written);
+        }
+        if (write_all(variables, updates) < 0)
+            goto done;
+    }
+    out = Py_NewRef(PyTuple_GET_ITEM(result, 0));
+done:
+    if (token != NULL && release_signals(token) < 0) {
+        Py_CLEAR(out); /* a held signal's exception, raised after the write */
+        if (*error != NULL) {
+            PyObject *raised = fetch_error();
+            PyException_SetContext(raised, *error); /* steals */
+            *error = NULL;
+            PyErr_SetObject((PyObject *)Py_TYPE(raised), raised);
+            Py_DECREF(raised);
         }
     }
-    out = PyTuple_GET_ITEM(result, 0);
-    Py_INCREF(out);
-done:
-    if (ok < 0 && out == NULL && !PyErr_Occurred())
-        PyErr_SetString(PyExc_SystemError, "treemode: the memo call failed without an error");
-    if (held != NULL && release_signals(held) < 0)
-        Py_CLEAR(out); /* a deferred signal's exception, raised after the write */
     Py_XDECREF(result);
     Py_XDECREF(split[0]);
     Py_XDECREF(split[1]);
-    Py_XDECREF(call);
-    Py_XDECREF(kwargs);
-    Py_XDECREF(sources);
+    Py_XDECREF(variables);
     Py_XDECREF(dynamic);
     Py_XDECREF(roots);
     gathered_release(&gathered_dynamic);
-    gathered_release(&gathered_sources);
+    gathered_release(&gathered_variables);
     return out;
 }
 
+/* FastCall: the base of a callable whose calls execute its `_record` (None,
+ * or a FastRecord), and go to `_miss(error, args, kwargs)` otherwise. */
 typedef struct {
     PyObject_HEAD
-    PyObject *memo;
-} MemoCallObject;
+    PyObject *record;
+    PyObject *miss;
+} FastCallObject;
 
 static PyObject *
-memo_call(PyObject *self, PyObject *args, PyObject *kwargs)
+fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *memo = ((MemoCallObject *)self)->memo;
-    /* `memo_set` checked its shape: None, or (site, entry, plan or None). */
-    if (memo != NULL && memo != Py_None && PyTuple_GET_ITEM(memo, 2) != Py_None &&
-        config_call_path != NULL && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
-        Py_INCREF(memo); /* another thread may replace it meanwhile */
-        PyObject *result = fast_call(PyTuple_GET_ITEM(memo, 2), args);
-        Py_DECREF(memo);
-        if (result != NULL || PyErr_Occurred())
+    FastCallObject *f = (FastCallObject *)self;
+    PyObject *error = NULL;
+    if (f->record != NULL && is_configured && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+        PyObject *record = Py_NewRef(f->record); /* another thread may replace it meanwhile */
+        PyObject *result = execute((RecordObject *)record, args, &error);
+        Py_DECREF(record);
+        if (result != NULL || (error == NULL && PyErr_Occurred()))
             return result;
     }
-    PyObject *slow_path = PyObject_GetAttr(self, slow_call_name);
-    if (slow_path == NULL)
+    if (f->miss == NULL) {
+        Py_XDECREF(error);
+        PyErr_SetString(PyExc_TypeError, "FastCall: no miss callback was set");
         return NULL;
-    PyObject *result = PyObject_Call(slow_path, args, kwargs);
-    Py_DECREF(slow_path);
+    }
+    PyObject *call_args[3] = {error ? error : Py_None, args, kwargs ? kwargs : Py_None};
+    PyObject *result = PyObject_Vectorcall(f->miss, call_args, 3, NULL);
+    Py_XDECREF(error);
     return result;
 }
 
 static PyObject *
-memo_get(MemoCallObject *self, void *Py_UNUSED(closure))
+fast_call_get_record(FastCallObject *self, void *Py_UNUSED(closure))
 {
-    PyObject *memo = self->memo == NULL ? Py_None : self->memo;
-    Py_INCREF(memo);
-    return memo;
+    return Py_NewRef(self->record == NULL ? Py_None : self->record);
 }
 
 static int
-memo_set(MemoCallObject *self, PyObject *memo, void *Py_UNUSED(closure))
+fast_call_set_record(FastCallObject *self, PyObject *record, void *Py_UNUSED(closure))
 {
-    if (memo == NULL)
-        memo = Py_None;
-    if (memo != Py_None &&
-        (!PyTuple_Check(memo) || PyTuple_GET_SIZE(memo) != 3 || plan_valid(PyTuple_GET_ITEM(memo, 2)) < 0)) {
-        if (!PyErr_Occurred())
-            malformed("a memo is None or (CallSite, compiled entry, MemoPlan or None)");
+    if (record != NULL && record != Py_None && !Py_IS_TYPE(record, &FastRecord_Type)) {
+        PyErr_SetString(PyExc_TypeError, "_record is None or a FastRecord");
         return -1;
     }
-    Py_INCREF(memo);
-    Py_XSETREF(self->memo, memo);
+    Py_XSETREF(self->record, record == Py_None ? NULL : Py_XNewRef(record));
+    return 0;
+}
+
+static PyObject *
+fast_call_get_miss(FastCallObject *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->miss == NULL ? Py_None : self->miss);
+}
+
+static int
+fast_call_set_miss(FastCallObject *self, PyObject *miss, void *Py_UNUSED(closure))
+{
+    if (miss != NULL && !PyCallable_Check(miss)) {
+        PyErr_SetString(PyExc_TypeError, "_miss is callable");
+        return -1;
+    }
+    Py_XSETREF(self->miss, Py_XNewRef(miss));
     return 0;
 }
 
 static int
-memo_call_traverse(MemoCallObject *self, visitproc visit, void *arg)
+fast_call_traverse(FastCallObject *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->memo);
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->record);
+    Py_VISIT(self->miss);
     return 0;
 }
 
 static int
-memo_call_clear(MemoCallObject *self)
+fast_call_clear(FastCallObject *self)
 {
-    Py_CLEAR(self->memo);
+    Py_CLEAR(self->record);
+    Py_CLEAR(self->miss);
     return 0;
 }
 
 static void
-memo_call_dealloc(MemoCallObject *self)
+fast_call_dealloc(FastCallObject *self)
 {
     PyObject_GC_UnTrack(self);
-    memo_call_clear(self);
+    fast_call_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyGetSetDef memo_call_getset[] = {
-    {"_memo", (getter)memo_get, (setter)memo_set,
-     PyDoc_STR("None, or (CallSite, compiled entry, MemoPlan or None) of the last call"), NULL},
+static PyGetSetDef fast_call_getset[] = {
+    {"_record", (getter)fast_call_get_record, (setter)fast_call_set_record,
+     PyDoc_STR("None, or the FastRecord a call without keyword arguments executes"), NULL},
+    {"_miss", (getter)fast_call_get_miss, (setter)fast_call_set_miss,
+     PyDoc_STR("miss(error, args, kwargs): runs a call the record does not"), NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject MemoCall_Type = {
+static PyTypeObject FastCall_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "treemode._accel._guard.MemoCall",
-    .tp_doc = PyDoc_STR("Base of a callable whose calls first try its call-site memo's plan "
-                        "in C, then its `_call` method."),
-    .tp_basicsize = sizeof(MemoCallObject),
+    .tp_name = "treemode._accel._guard.FastCall",
+    .tp_doc = PyDoc_STR("Base of a callable whose calls execute its fast-path record, and "
+                        "call its `_miss` otherwise."),
+    .tp_basicsize = sizeof(FastCallObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
-    .tp_call = memo_call,
-    .tp_traverse = (traverseproc)memo_call_traverse,
-    .tp_clear = (inquiry)memo_call_clear,
-    .tp_dealloc = (destructor)memo_call_dealloc,
-    .tp_getset = memo_call_getset,
+    .tp_call = fast_call,
+    .tp_traverse = (traverseproc)fast_call_traverse,
+    .tp_clear = (inquiry)fast_call_clear,
+    .tp_dealloc = (destructor)fast_call_dealloc,
+    .tp_getset = fast_call_getset,
 };
 
-/* configure(layout, call_path): see treemode._accel._compiled.Layout and CallPath. */
-enum { LAYOUT_RAW_VALUE, LAYOUT_METADATA, LAYOUT_TRACE, LAYOUT_TRACE_ATTR, LAYOUT_FIELDS };
-enum {
-    CP_ARRAY_TYPES, CP_MATCH_SLOW, CP_KINDS, CP_IGNORE, CP_EMPTY, CP_IGNORED, CP_SITE_CALL,
-    CP_RAISE_FAILURE, CP_STORE_OWNER, CP_STORE_NAME, CP_DEFAULT_STORE, CP_FIELDS
+/* configure(**fields): see treemode._accel._compiled.configure. */
+static char *configure_fields[] = {
+    "raw_value", "metadata", "trace_state", "trace_attr", "array_types", "closure_kinds",
+    "closure_ignore", "closure_empty", "closure_ignored", "hold_open", "hold_deferred",
+    "hold_plan", "signals", "getsignal", "setsignal", "main_thread", NULL,
 };
+#define CONFIGURE_OBJECTS 16
 
 static int
 object_slot_member(PyObject *descr)
@@ -1899,76 +1765,62 @@ object_slot_member(PyObject *descr)
 }
 
 PyDoc_STRVAR(configure_doc,
-"configure(layout, call_path) -> None\n\n"
-"Set what the C code reads and calls (treemode._accel._compiled.configure calls it\n"
-"once). layout: (raw_value, var_metadata, current_trace, current_trace_attr):\n"
-"the Variable slots' member descriptors, and an object whose attribute\n"
-"`current_trace_attr` is the current trace's weak reference. call_path:\n"
-"(array_types: set, match_slow, closure_kinds: dict, closure_ignore,\n"
-"closure_empty, closure_ignored, site_call: a SiteCallFields subclass,\n"
-"raise_failure, store_owner, store_name: str, default_store).");
+"configure(*, raw_value, metadata, trace_state, trace_attr, array_types, closure_kinds,\n"
+"closure_ignore, closure_empty, closure_ignored, hold_open, hold_deferred, hold_plan,\n"
+"signals, getsignal, setsignal, main_thread) -> None\n\n"
+"Set what the C code reads (treemode._accel._compiled.configure). raw_value,\n"
+"metadata: the Variable slots' member descriptors; getattr(trace_state,\n"
+"trace_attr): the current trace's weak reference; array_types: the set of types\n"
+"taken as arrays; closure_*: treemode._tree._closure's read-check arguments;\n"
+"hold_*, signals, getsignal, setsignal, main_thread: the signal hold's state\n"
+"(treemode._pipeline._interrupts).");
 
 static PyObject *
-configure(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "configure(layout, call_path) takes 2 arguments");
+    PyObject *f[CONFIGURE_OBJECTS] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOOOOOOOOOOOOOO:configure",
+                                     configure_fields, &f[0], &f[1], &f[2], &f[3], &f[4], &f[5],
+                                     &f[6], &f[7], &f[8], &f[9], &f[10], &f[11], &f[12], &f[13],
+                                     &f[14], &f[15]))
+        return NULL;
+    for (int i = 0; i < CONFIGURE_OBJECTS; i++) {
+        if (f[i] == NULL)
+            return PyErr_Format(PyExc_TypeError, "configure: missing %s", configure_fields[i]);
+    }
+    unsigned long main_thread = PyLong_Check(f[15]) ? PyLong_AsUnsignedLong(f[15]) : 0;
+    if (PyErr_Occurred())
+        return NULL;
+    if (!object_slot_member(f[0]) || !object_slot_member(f[1]) || !PyUnicode_Check(f[3]) ||
+        !PyAnySet_Check(f[4]) || !PyDict_Check(f[5]) || !PyList_Check(f[9]) ||
+        !PyList_Check(f[10]) || !PyList_Check(f[11]) || !PyTuple_Check(f[12]) ||
+        !PyCallable_Check(f[13]) || !PyCallable_Check(f[14]) || !PyLong_Check(f[15])) {
+        malformed("configure: raw_value, metadata: object-slot member descriptors; "
+                  "trace_attr: str; array_types: set; closure_kinds: dict; hold_open, "
+                  "hold_deferred, hold_plan: lists; signals: tuple; getsignal, setsignal: "
+                  "callables; main_thread: int");
         return NULL;
     }
-    PyObject *layout = args[0], *path = args[1];
-    if (!PyTuple_Check(layout) || PyTuple_GET_SIZE(layout) != LAYOUT_FIELDS ||
-        !object_slot_member(PyTuple_GET_ITEM(layout, LAYOUT_RAW_VALUE)) ||
-        !object_slot_member(PyTuple_GET_ITEM(layout, LAYOUT_METADATA)) ||
-        !PyUnicode_Check(PyTuple_GET_ITEM(layout, LAYOUT_TRACE_ATTR))) {
-        malformed("configure: layout is (raw_value, var_metadata: object-slot member "
-                  "descriptors, current_trace, current_trace_attr: str)");
-        return NULL;
-    }
-    if (!PyTuple_Check(path) || PyTuple_GET_SIZE(path) != CP_FIELDS ||
-        !PyAnySet_Check(PyTuple_GET_ITEM(path, CP_ARRAY_TYPES)) ||
-        !PyCallable_Check(PyTuple_GET_ITEM(path, CP_MATCH_SLOW)) ||
-        !PyDict_Check(PyTuple_GET_ITEM(path, CP_KINDS)) ||
-        !PyType_Check(PyTuple_GET_ITEM(path, CP_SITE_CALL)) ||
-        !PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(path, CP_SITE_CALL),
-                          &SiteCallFields_Type) ||
-        !PyCallable_Check(PyTuple_GET_ITEM(path, CP_RAISE_FAILURE)) ||
-        !PyUnicode_Check(PyTuple_GET_ITEM(path, CP_STORE_NAME)) ||
-        !PyCallable_Check(PyTuple_GET_ITEM(path, CP_DEFAULT_STORE))) {
-        malformed("configure: call_path is (array_types: set, match_slow: callable, "
-                  "closure_kinds: dict, closure_ignore, closure_empty, closure_ignored, "
-                  "site_call: SiteCallFields subclass, raise_failure: callable, store_owner, "
-                  "store_name: str, default_store: callable)");
-        return NULL;
-    }
-    Py_INCREF(layout);
-    Py_XSETREF(config_layout, layout);
-    Py_INCREF(path);
-    Py_XSETREF(config_call_path, path);
-    raw_value_member = PyTuple_GET_ITEM(layout, LAYOUT_RAW_VALUE);
-    metadata_member = PyTuple_GET_ITEM(layout, LAYOUT_METADATA);
+    PyObject **targets[CONFIGURE_OBJECTS - 1] = {
+        &raw_value_member, &metadata_member, &trace_state, &trace_attr, &cfg_array_types,
+        &cfg_kinds, &cfg_ignore, &cfg_empty, &cfg_ignored, &hold_open, &hold_deferred,
+        &hold_plan, &hold_signals_tuple, &hold_getsignal, &hold_setsignal,
+    };
+    for (int i = 0; i < CONFIGURE_OBJECTS - 1; i++)
+        Py_XSETREF(*targets[i], Py_NewRef(f[i]));
     raw_value_name = PyDescr_NAME(raw_value_member);
     metadata_name = PyDescr_NAME(metadata_member);
-    current_trace = PyTuple_GET_ITEM(layout, LAYOUT_TRACE);
-    current_trace_attr = PyTuple_GET_ITEM(layout, LAYOUT_TRACE_ATTR);
-    cfg_array_types = PyTuple_GET_ITEM(path, CP_ARRAY_TYPES);
-    cfg_match_slow = PyTuple_GET_ITEM(path, CP_MATCH_SLOW);
-    cfg_kinds = PyTuple_GET_ITEM(path, CP_KINDS);
-    cfg_ignore = PyTuple_GET_ITEM(path, CP_IGNORE);
-    cfg_empty = PyTuple_GET_ITEM(path, CP_EMPTY);
-    cfg_ignored = PyTuple_GET_ITEM(path, CP_IGNORED);
-    cfg_site_call = (PyTypeObject *)PyTuple_GET_ITEM(path, CP_SITE_CALL);
-    cfg_raise_failure = PyTuple_GET_ITEM(path, CP_RAISE_FAILURE);
-    cfg_store_owner = PyTuple_GET_ITEM(path, CP_STORE_OWNER);
-    cfg_store_name = PyTuple_GET_ITEM(path, CP_STORE_NAME);
-    cfg_default_store = PyTuple_GET_ITEM(path, CP_DEFAULT_STORE);
+    hold_main_thread = main_thread;
     /* The Variable slots may be other descriptors now. */
     slot_cache_clear(&raw_value_slots);
     slot_cache_clear(&metadata_slots);
+    is_configured = 1;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
+     configure_doc},
     {"holds", (PyCFunction)(void (*)(void))holds, METH_FASTCALL, holds_doc},
     {"version_tags", (PyCFunction)version_tags, METH_O, version_tags_doc},
     {"match_into", (PyCFunction)(void (*)(void))match_into, METH_FASTCALL, match_into_doc},
@@ -1991,6 +1843,28 @@ add_type(PyObject *module, const char *name, PyTypeObject *type)
     return 0;
 }
 
+/* A tuple of the names in `names` (NULL-terminated), from `first` on. */
+static int
+add_names(PyObject *module, const char *attr, char **names, int first)
+{
+    int n = 0;
+    while (names[n] != NULL)
+        n++;
+    PyObject *tuple = PyTuple_New(n - first);
+    for (int i = first; tuple != NULL && i < n; i++) {
+        PyObject *name = PyUnicode_InternFromString(names[i]);
+        if (name == NULL)
+            Py_CLEAR(tuple);
+        else
+            PyTuple_SET_ITEM(tuple, i - first, name);
+    }
+    if (tuple == NULL || PyModule_AddObject(module, attr, tuple) < 0) {
+        Py_XDECREF(tuple);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 intern_once(PyObject **slot, const char *text)
 {
@@ -2005,19 +1879,18 @@ intern_once(PyObject **slot, const char *text)
 static int
 module_exec(PyObject *module)
 {
-    if (intern_once(&fast_name, "_fast") == NULL || intern_once(&code_name, "__code__") == NULL ||
+    if (intern_once(&code_name, "__code__") == NULL ||
         intern_once(&closure_name, "__closure__") == NULL ||
-        intern_once(&call_name, "call") == NULL ||
-        intern_once(&write_back_name, "write_back") == NULL ||
-        intern_once(&slow_call_name, "_call") == NULL ||
-        intern_once(&metadata_updates_name, "metadata_updates") == NULL ||
-        intern_once(&writable_in_name, "writable_in") == NULL ||
-        intern_once(&variables_name, "variables") == NULL ||
         intern_once(&dict_name, "__dict__") == NULL ||
         intern_once(&getattribute_name, "__getattribute__") == NULL || init_dict_access() < 0)
         return -1;
-    if (add_type(module, "SiteCallFields", &SiteCallFields_Type) < 0 ||
-        add_type(module, "MemoCall", &MemoCall_Type) < 0)
+    if (add_type(module, "Guarded", &Guarded_Type) < 0 ||
+        add_type(module, "FastRecord", &FastRecord_Type) < 0 ||
+        add_type(module, "FastCall", &FastCall_Type) < 0 ||
+        PyModule_AddIntConstant(module, "RECORD_VERSION", RECORD_VERSION) < 0 ||
+        add_names(module, "RECORD_FIELDS", record_fields, 0) < 0 ||
+        add_names(module, "CONFIGURE_FIELDS", configure_fields, 0) < 0 ||
+        add_names(module, "GUARD_STATE_FIELDS", guard_state_fields, 0) < 0)
         return -1;
     return 0;
 }
@@ -2036,7 +1909,7 @@ static PyModuleDef_Slot module_slots[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "treemode._accel._guard",
-    .m_doc = "treemode's optional compiled call path (see treemode/_accel/_compiled.py).",
+    .m_doc = "treemode's optional compiled extension (see treemode/_accel/_compiled.py).",
     .m_size = 0,
     .m_methods = methods,
     .m_slots = module_slots,

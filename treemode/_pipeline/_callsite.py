@@ -17,6 +17,13 @@ retrace) is built with `prepare` only if something asks for it.
 
 The site holds its flattenings weakly: they belong to the flattening cache,
 which drops them with their argument, so a memo never keeps a model alive.
+
+With the compiled extension, `fast_record` turns a site into the record the
+extension's executor runs (``_guard.FastRecord``): the same slots, the
+closure's reads, the compiled entry and its donation, or ``None`` where a fast
+path cannot be trusted. That is the only way the executor learns how a call
+runs; whatever it does not match goes back to the pipeline (the transform's
+miss), which decides again.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from jax.core import Tracer
+
+from .. import _compat
 from .._accel import _compiled
 from .._compat import raw_value_of as _raw_value_of
 from .._tree import _closure
@@ -39,9 +49,10 @@ from .._tree._flatten import (
 )
 from .._tree._leaves import CONCRETE_ARRAY_TYPES, is_traced
 from . import _interrupts
+from ._writeback import writable_in
 
 if TYPE_CHECKING:
-    from ._call import Call
+    from ._call import Call, PreparedCall
 
 
 class CallSite:
@@ -69,9 +80,10 @@ class CallSite:
     fn: Callable[..., Any]
     n_args: int
     kw_names: tuple[str, ...]
-    slots: tuple[weakref.ref[ArgFlat] | None, ...]  # per argument: its flattening; None: an array
+    # per argument: a weak reference to its flattening's Guarded (or the flattening); None: an array
+    slots: tuple[weakref.ref[Any] | None, ...]
     snapshot: Any  # the closure cache entry the lifted objects came from
-    lifted_slots: tuple[weakref.ref[ArgFlat], ...]
+    lifted_slots: tuple[weakref.ref[Any], ...]
     _rebuild: weakref.WeakMethod[Callable[[tuple[Any, ...], dict[str, Any]], Call]]
 
     @classmethod
@@ -86,7 +98,7 @@ class CallSite:
         """
         if call.graph or call.static_positional or call.static_keywords:
             return None
-        slots: list[weakref.ref[ArgFlat] | None] = []
+        slots: list[weakref.ref[Any] | None] = []
         for flat in call.arg_flats:
             if flat.key is ARRAY_KEY:
                 slots.append(None)
@@ -94,7 +106,7 @@ class CallSite:
             entry = _cached_entry(flat)
             if entry is None:
                 return None
-            slots.append(weakref.ref(entry))
+            slots.append(_slot(entry))
         # ``sources`` are the argument flattenings with Variables, then the closure
         # objects' ones; a closure object without Variables has no cache entry.
         n_lifted = len(call.sources) - sum(1 for f in call.arg_flats if f.variables)
@@ -113,7 +125,7 @@ class CallSite:
         site.kw_names = call.kw_names
         site.slots = tuple(slots)
         site.snapshot = snapshot
-        site.lifted_slots = tuple(map(weakref.ref, lifted))
+        site.lifted_slots = tuple(map(_slot, lifted))  # type: ignore[arg-type]
         site._rebuild = weakref.WeakMethod(rebuild)  # type: ignore[arg-type]
         return site
 
@@ -129,16 +141,22 @@ class CallSite:
                 return None
         dynamic: list[Any] = []
         sources: list[ArgFlat] = []
-        if not match_into(self.slots, roots, dynamic, sources, CONCRETE_ARRAY_TYPES, _match_slow):
+        if not match_into(self.slots, roots, dynamic, sources, _match_slow):
             return None
         lifted = unchanged_closure_objects(self.fn, self.snapshot)
         if lifted is None:
             return None
         if (lifted or self.lifted_slots) and not match_into(
-            self.lifted_slots, lifted, dynamic, sources, CONCRETE_ARRAY_TYPES, _match_slow
+            self.lifted_slots, lifted, dynamic, sources, _match_slow
         ):
             return None
         return SiteCall(self, args, kwargs, dynamic, sources)
+
+
+def _slot(entry: ArgFlat) -> weakref.ref[Any]:
+    """A memo slot: a weak reference to the entry's ``Guarded`` (what the compiled
+    match reads), or to the entry itself where it has none."""
+    return weakref.ref(entry if entry._fast is None else entry._fast)
 
 
 def _match_slow(entry: ArgFlat | None, obj: Any) -> list[Any] | None:
@@ -154,28 +172,30 @@ def _match_slow(entry: ArgFlat | None, obj: Any) -> list[Any] | None:
     return current_dynamic(entry) if still_flattens(entry, obj) else None  # None: a layout changed
 
 
+_PYTHON_NUMBERS = frozenset({bool, int, float, complex})
+
+
 def _match_into_python(
-    slots: tuple[weakref.ref[ArgFlat] | None, ...],
+    slots: tuple[weakref.ref[Any] | None, ...],
     objs: Sequence[Any],
     dynamic: list[Any],
     sources: list[ArgFlat],
-    array_types: set[type],
     slow: Callable[[ArgFlat | None, Any], list[Any] | None],
 ) -> bool:
-    """What ``_guard.match_into`` does, where it is not built."""
+    """What ``_guard.match_into`` does, where it is not built (tests/test_twins.py)."""
     if len(objs) != len(slots):
         return False
     for slot, obj in zip(slots, objs, strict=True):
         if slot is None:
-            if type(obj) in array_types:
+            if type(obj) in CONCRETE_ARRAY_TYPES or type(obj) in _PYTHON_NUMBERS:
                 dynamic.append(obj)
                 continue
             found = slow(None, obj)
         else:
-            entry = slot()
+            held = slot()
+            entry = held.flat() if held is not None and type(held) is _GUARDED else held
             if entry is None:
                 return False
-            sources.append(entry)
             ref = entry._ref
             if entry.values_only and ref is not None and ref() is obj:
                 # The compiled match's fast case, inline: `still_flattens`, then the values.
@@ -185,15 +205,19 @@ def _match_into_python(
                 values = list(map(_raw_value_of, entry.variables))
                 if not one_leaf_values(values):
                     return False  # a Variable's value changed layout: flattened again
+                sources.append(entry)
                 dynamic += values
                 continue
             found = slow(entry, obj)
+            if found is not None:
+                sources.append(entry)
         if found is None:
             return False
         dynamic += found
     return True
 
 
+_GUARDED = _compiled.Guarded
 match_into = _compiled.match_into or _match_into_python
 
 
@@ -203,17 +227,27 @@ def _cached_entry(flat: ArgFlat) -> ArgFlat | None:
     return entry if entry._ref is not None and entry._guard is not None else None
 
 
-class _PythonSiteCallFields:
-    """What ``_guard.SiteCallFields`` holds, where it is not built."""
+class SiteCall:
+    """A call matched to a `CallSite`: the site's bookkeeping and this call's arrays.
+
+    ``SiteCall(site, args, kwargs, dynamic, sources)``: ``args`` include the
+    bound arguments of a `jit_partial`; ``sources`` are the flattenings the
+    Variables come from, in order.
+    Offers what running and writing back need (``dynamic``, ``sources``,
+    ``variables``, ``transform``, ``graph``); `full` prepares the whole
+    `Call` once, for a retrace or an error message.
+    """
 
     __slots__ = ("site", "args", "kwargs", "dynamic", "sources", "_full")
+
+    graph = False
 
     def __init__(
         self,
         site: CallSite,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        dynamic: Sequence[Any],
+        dynamic: list[Any],
         sources: list[ArgFlat],
     ):
         self.site = site
@@ -222,29 +256,6 @@ class _PythonSiteCallFields:
         self.dynamic = dynamic
         self.sources = sources
         self._full: Call | None = None
-
-
-if TYPE_CHECKING:
-    _SiteCallFields = _PythonSiteCallFields
-else:  # the compiled fields, which the compiled call path makes without a Python frame
-    _SiteCallFields = _compiled.SiteCallFields or _PythonSiteCallFields
-
-
-class SiteCall(_SiteCallFields):
-    """A call matched to a `CallSite`: the site's bookkeeping and this call's arrays.
-
-    ``SiteCall(site, args, kwargs, dynamic, sources)``: ``args`` include the
-    bound arguments of a `jit_partial`; ``dynamic`` is a list, or a tuple
-    when the compiled call path made it (the tuple it hands to JAX);
-    ``sources`` are the flattenings the Variables come from, in order.
-    Offers what running and writing back need (``dynamic``, ``sources``,
-    ``variables``, ``transform``, ``graph``); `full` prepares the whole
-    `Call` once, for a retrace or an error message.
-    """
-
-    __slots__ = ()
-
-    graph = False
 
     @property
     def transform(self) -> str:
@@ -264,119 +275,82 @@ class SiteCall(_SiteCallFields):
         return self._full
 
 
-def memo_plan(
-    site: CallSite, partial_args: tuple[Any, ...], entry: _compiled.EntryPlan
-) -> _compiled.MemoPlan | None:
-    """The plan that calls matching ``site`` run: by the compiled ``MemoCall``, or by
-    its Python twin `run_plan` where the extension is off.
+def fast_record(
+    site: CallSite | None,
+    call: PreparedCall,
+    partial_args: tuple[Any, ...],
+    jitted: Callable[..., Any],
+    donation: tuple[tuple[int, ...], tuple[int, ...]] | None,
+    metadata_updates: bool,
+) -> Any:
+    """The fast-path record of the calls that match ``site``, or ``None``.
 
-    ``entry`` says how to run a matched call (see `treemode._accel._compiled.EntryPlan`):
-    the executable, the per-thread binding its `PureFunction` reads the current
-    call from, the compiled entry (called for ``write_back(call, updates)``
-    when a call has updates the C write does not make), the trace record
-    (its ``metadata_updates``), and ``None`` or, for an entry with donated
-    arrays, ``(donated indices, kept indices, check)``: the executable takes
-    the two tuples, and ``check(call)`` raises the shared-buffer error when two
-    of them are the same device buffer. ``None`` when the site was recorded
-    with keyword arguments: those calls take the `CallSite.match` path.
+    Emitted after ``call`` ran; ``partial_args`` are the arguments a
+    `jit_partial` bound (the executor matches them, then the call's own). The
+    extension's executor runs ``jitted`` on a matching call's arrays (or on
+    ``(donated, kept)``, positions given by ``donation``) and writes the
+    updates back. ``None`` (every call runs
+    through the pipeline) where a fast path cannot be trusted:
+
+    - the extension is off, or there is no memo (see `CallSite.record`);
+    - the call had keyword arguments (the executor takes positional calls);
+    - a flattening has no ``Guarded`` (its guard is not compiled, or its arrays
+      are not exactly its Variables' values);
+    - a trace of the entry recorded metadata updates (the executor writes
+      values only);
+    - a tracer is among the arrays, or a Variable may not be written in the
+      current trace (the record names that trace; another one is a miss).
+
+    A call's shared donated buffers, a retrace, an unusual signal-hold state:
+    those vary per call, so the executor checks them and misses.
     """
-    if site.kw_names:
+    if _compiled.FastRecord is None or site is None or site.kw_names or metadata_updates:
         return None
-    # The snapshot's reads and answer never change once it is made.
+    if any(isinstance(x, Tracer) for x in call.dynamic):
+        return None
+    trace = _compat.current_trace_ref()
+    if trace is None:
+        return None
+    for slot in site.slots + site.lifted_slots:
+        if slot is None:
+            continue
+        held: Any = slot()
+        flat = held.flat() if type(held) is _GUARDED else None
+        if flat is None or not writable_in(trace, flat):
+            return None
     snapshot = site.snapshot
-    matching = _compiled.SitePlan(
-        site, site.slots, partial_args, snapshot.reads, snapshot.found, site.lifted_slots
+    return _compiled.FastRecord(
+        version=_compiled.RECORD_VERSION,
+        slots=site.slots,
+        partial_args=partial_args,
+        closure_reads=snapshot.reads,
+        closure_holders=tuple(holder for _, holder in snapshot.found),
+        lifted_slots=site.lifted_slots,
+        jitted=jitted,
+        donated=None if donation is None else donation[0],
+        kept=None if donation is None else donation[1],
+        trace=trace,
     )
-    return _compiled.MemoPlan(matching, entry)
 
 
-MISS: Any = object()  # `run_plan`: the arguments do not match the memo
-
-
-def run_plan(plan: _compiled.MemoPlan, args: tuple[Any, ...]) -> Any:
-    """A call through a memo's plan, in Python: what the compiled ``MemoCall`` runs in C.
-
-    Matches ``args`` (after the plan's bound arguments) and the closure's objects
-    against the plan's flattenings, runs the executable with the call bound,
-    has a failure explained and writes back. Returns the call's output, or
-    `MISS` when something does not match: the caller then prepares the call
-    in full, which decides everything again.
-    """
-    site_plan, entry_plan = plan
-    partial = site_plan.partial_args
-    roots = partial + args if partial else args
-    dynamic: list[Any] = []
-    sources: list[ArgFlat] = []
-    if not match_into(site_plan.slots, roots, dynamic, sources, CONCRETE_ARRAY_TYPES, _match_slow):
-        return MISS
-    if not _closure.reads_hold(site_plan.closure_reads):
-        return MISS
-    found = site_plan.closure_found
-    if found or site_plan.lifted_slots:
-        lifted = _closure.held_objects(found)
-        if lifted is None or not match_into(
-            site_plan.lifted_slots, lifted, dynamic, sources, CONCRETE_ARRAY_TYPES, _match_slow
-        ):
-            return MISS  # an object died, or changed
-    call = SiteCall(site_plan.site, roots, {}, dynamic, sources)
-    jitted, binding, entry, _, donation = entry_plan
-    if donation is None:
-        return _execute(jitted, binding, call, dynamic, entry)
-    donated, kept, check = donation
-    check(call)
-    arrays = (tuple(map(dynamic.__getitem__, donated)), tuple(map(dynamic.__getitem__, kept)))
-    # Once the executable consumed the donated buffers, the new values are the only
-    # whole state until written: a signal's handler waits for the write
-    # (treemode._pipeline._interrupts, as the compiled ``MemoCall`` does).
-    token = _interrupts.hold(arrays[0])
-    try:
-        return _execute(jitted, binding, call, arrays, entry)
-    finally:
-        if token is not None:
-            _interrupts.close()
-            _interrupts.release(token)
-
-
-def _execute(jitted: Any, binding: Any, call: SiteCall, arrays: Sequence[Any], entry: Any) -> Any:
-    binding.call = call
-    try:
-        out, updates = jitted(*arrays)
-    except BaseException as error:
-        binding.call = None
-        _compiled.call_path().raise_failure(call, error)
-        raise  # raise_failure raises; this line is never reached
-    binding.call = None
-    if updates is not None:
-        entry.write_back(call, updates)
-    return out
-
-
-def call_path_config(
-    raise_failure: Callable[[SiteCall, BaseException], Any],
-    store_owner: Any,
-    store_name: str,
-    default_store: Callable[..., Any],
-) -> _compiled.CallPath:
-    """The `treemode._accel._compiled.CallPath` of the call-site match.
-
-    ``raise_failure(call, error)`` raises the error a failed executable call
-    should raise; the C write runs while ``getattr(store_owner, store_name)``
-    is ``default_store`` (the write-back hook has not been replaced).
-    """
+def configure_fields() -> dict[str, Any]:
+    """What the extension reads (`treemode._accel._compiled.configure`'s fields)."""
     kinds, ignore, empty, ignored = _closure.read_check_args()
-    return _compiled.CallPath(
-        CONCRETE_ARRAY_TYPES,
-        _match_slow,
-        kinds,
-        ignore,
-        empty,
-        ignored,
-        SiteCall,
-        raise_failure,
-        store_owner,
-        store_name,
-        default_store,
-    )
+    return {
+        "raw_value": _compat.raw_value_member,
+        "metadata": _compat.metadata_member,
+        "trace_state": _compat.CURRENT_TRACE,
+        "trace_attr": "value",
+        "array_types": CONCRETE_ARRAY_TYPES,
+        "closure_kinds": kinds,
+        "closure_ignore": ignore,
+        "closure_empty": empty,
+        "closure_ignored": ignored,
+        **_interrupts.hold_state(),
+    }
 
 
-__all__ = ["MISS", "CallSite", "SiteCall", "memo_plan", "run_plan"]
+_compiled.configure(**configure_fields())  # once, at import
+
+
+__all__ = ["CallSite", "SiteCall", "configure_fields", "fast_record"]

@@ -8,10 +8,10 @@ from a SIGTERM handler, anything a SIGALRM timeout raises) would leave the
 module holding deleted buffers.
 
 `hold`, then `close` and `release` in a ``finally``, bracket the call of the
-executable and the write-back. The compiled ``MemoCall`` runs their common
-case in C on this module's state (``_open``, ``_deferred``, the ``_cache`` of
-planned swaps: the same handler table, the same swaps) and calls these
-functions for anything else.
+executable and the write-back. The compiled executor of the fast-path record
+makes the common case in C on this module's state (`hold_state`: the same
+handler table, the same swaps, the same deferred list), and misses (leaving the
+call to the pipeline, which holds here) in any other.
 Python runs signal handlers only in the main thread, between bytecodes, so
 the hold replaces, for the duration of the call, every handler that is a
 Python callable by a deferring one. When a
@@ -102,23 +102,36 @@ class _Deferring:
         return f"<treemode held signal handler for {self.original!r}>"
 
 
-# (the handler table, its swaps): the table changes rarely, so does the plan.
-_cache: tuple[tuple[Any, ...], tuple[tuple[int, Any, _Deferring], ...]] = ((), ())
+# [the handler table, its swaps]: the table changes rarely, so does the plan.
+# A list changed in place: the compiled hold reads it (`hold_state`).
+_plan: list[Any] = [(), ()]
 
 
 def _swaps(handlers: tuple[Any, ...]) -> tuple[tuple[int, Any, _Deferring], ...]:
-    global _cache
-    cached = _cache
-    if cached[0] == handlers:
-        return cached[1]
+    if _plan[0] == handlers:
+        return _plan[1]
     swaps = []
     for signum, handler in zip(_SIGNALS, handlers, strict=True):
         if type(handler) is _Deferring:
             handler = handler.original  # left installed by an interrupted restore
         if callable(handler):
             swaps.append((signum, handler, _Deferring(handler)))
-    _cache = (handlers, tuple(swaps))
-    return _cache[1]
+    _plan[:] = [handlers, tuple(swaps)]
+    return _plan[1]
+
+
+def hold_state() -> dict[str, Any]:
+    """What the compiled hold reads (`treemode._accel._compiled.configure`'s ``hold_*``
+    fields and the others named here)."""
+    return {
+        "hold_open": _open,
+        "hold_deferred": _deferred,
+        "hold_plan": _plan,
+        "signals": _SIGNALS,
+        "getsignal": _getsignal,
+        "setsignal": _setsignal,
+        "main_thread": _MAIN_IDENT,
+    }
 
 
 def hold(donated: Sequence[Any]) -> Any:
@@ -184,4 +197,4 @@ def _deliver(deferred: list[int]) -> None:
             block(_signal.SIG_SETMASK, old)
 
 
-__all__ = ["close", "hold", "release"]
+__all__ = ["close", "hold", "hold_state", "release"]

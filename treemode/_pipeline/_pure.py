@@ -114,6 +114,22 @@ class TraceRecord:
 _Binding = threading.local  # the call a PureFunction runs, per thread
 
 
+class UnboundTrace(Exception):
+    """JAX traced a pure function while no call of the pipeline was bound to it.
+
+    The compiled executor of a fast-path record calls the entry without binding
+    its call; if JAX must trace then (new shapes, or its cache was cleared), the
+    trace raises this before running anything, and the executor's miss runs the
+    call through the pipeline, which binds it.
+    """
+
+    def __init__(self, transform: str):
+        super().__init__(
+            f"treemode.{transform}: a traced function ran outside of a treemode call "
+            "(internal: the call is retried through the pipeline)"
+        )
+
+
 class PureFunction:
     """The user function as a pure function of the dynamic arrays.
 
@@ -162,7 +178,8 @@ class PureFunction:
     @property
     def call(self) -> Call:
         call = getattr(self.binding, "call", None)
-        assert call is not None, "PureFunction traced outside of a treemode call"
+        if call is None:
+            raise UnboundTrace(self.transform)
         return call.full()
 
     def rebuild_inputs(self, dynamic: Sequence[Any]) -> Inputs:
@@ -495,4 +512,4 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
     return None
 
 
-__all__ = ["Inputs", "PureFunction", "TraceRecord", "describe_structure_change"]
+__all__ = ["Inputs", "PureFunction", "TraceRecord", "UnboundTrace", "describe_structure_change"]

@@ -6,10 +6,11 @@ target may be written in the current trace. `write_all` does the same for
 several candidate write-backs at once (the branches of ``cond``/``switch``,
 whose closure Variables differ): all of them commit, or none.
 
-`store` is the one place a Variable is written (tests inject faults there);
-while it is the default, the writes are made in bulk, in C where the extension
-is built. The compiled call path reads this module's globals (``store``),
-`DEFAULT_STORE` and `TRACE_REF`.
+`store` is the one place the pipeline writes a Variable (tests inject faults
+there); while it is the default, the writes are made in bulk, in C where the
+extension is built. The extension's executor writes in bulk too, without this
+module: faults reach it at the Variable level (a Variable type whose value
+slot refuses a write).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def check_writable(call: PreparedCall, updates: Sequence[Any]) -> None:
     # checks). Fast path: the traces' weak references compared by identity, and
     # remembered per cached argument (a Variable's trace never changes).
     ref = current_trace_ref()
-    if ref is not None and all(_writable_in(ref, flat) for flat in call.sources):
+    if ref is not None and all(writable_in(ref, flat) for flat in call.sources):
         return
     current = _compat.current_jax_trace()
     targets = [var for var, new in zip(call.variables, updates, strict=True) if new is not None]
@@ -53,7 +54,7 @@ def check_writable(call: PreparedCall, updates: Sequence[Any]) -> None:
             )
 
 
-def _writable_in(ref: Any, flat: ArgFlat) -> bool:
+def writable_in(ref: Any, flat: ArgFlat) -> bool:
     """Whether every Variable of ``flat`` was created in the trace behind ``ref``."""
     entry = flat.origin or flat  # remembered on the cache entry
     if entry.writable_in is ref:
@@ -133,9 +134,6 @@ def _any_deleted(values: Sequence[Any]) -> bool:
 
 _write_changed = _compiled.write_changed  # the compiled writes; None: the loop above
 
-# ``TRACE_REF.value``: the current trace's weak reference (`treemode._compat`; the
-# compiled write path reads the same object, see `treemode._accel._compiled.Layout`).
-TRACE_REF = _compat.CURRENT_TRACE
 current_trace_ref = _compat.current_trace_ref
 
 
@@ -150,7 +148,7 @@ def store(var: Any, value: Any, metadata: dict[str, Any] | None = None) -> None:
         _compat.set_metadata(var, metadata)
 
 
-DEFAULT_STORE = store  # the compiled write path runs only while `store` is this one
+DEFAULT_STORE = store  # the bulk writes run only while `store` is this one
 
 
 def _restore(var: Any, value: Any, metadata: dict[str, Any]) -> None:
@@ -187,9 +185,9 @@ def write_all(writes: Sequence[WriteBack]) -> None:
 
 __all__ = [
     "DEFAULT_STORE",
-    "TRACE_REF",
     "WriteBack",
     "check_writable",
+    "writable_in",
     "store",
     "write_all",
     "write_back",

@@ -30,23 +30,6 @@ R = TypeVar("R")
 _UNSET: Any = UNSPECIFIED
 
 
-def _raise_failure(call: Any, error: BaseException) -> Any:
-    """A failed memo-matched call (`_callsite.SiteCall`): `_explain.raise_explained`,
-    told how the memo's executable takes donated arrays."""
-    layout = None
-    rebuild = call.site._rebuild()
-    memo = getattr(getattr(rebuild, "__self__", None), "_memo", None)
-    if memo is not None and memo[0] is call.site and memo[1].donated:
-        layout = (memo[1].donated, memo[1].kept)
-    _explain.raise_explained(call, error, layout)
-
-
-# What the compiled call path compares with and calls back (treemode._accel._compiled), once.
-_compiled.configure(
-    _callsite.call_path_config(_raise_failure, _writeback, "store", _writeback.DEFAULT_STORE)
-)
-
-
 def _resolve_argnums(
     fn: Callable[..., Any], argnums: tuple[int, ...], argnames: tuple[str, ...], what: str
 ) -> tuple[frozenset[int], frozenset[str]]:
@@ -146,20 +129,12 @@ class _Entry:
         """Arrange a per-dynamic-array list (e.g. shardings) like `args`."""
         return self.args(per_dynamic)
 
-    def write_back(self, call: _call.PreparedCall, updates: Sequence[Any]) -> None:
-        """Store a call's updates (and any metadata update its trace recorded).
-
-        The compiled call path calls it for updates it does not write itself (for
-        a donated call, inside the call's `treemode._pipeline._interrupts` hold).
-        """
-        _writeback.write_back(call, updates, self.metadata_for(call.dynamic))
-
 
 class _EntryRecord:
     """The metadata updates of every trace of one `_Entry`, by input signature.
 
-    ``metadata_updates`` is true once any trace recorded one (the compiled call
-    path then leaves the write to `_Entry.write_back`).
+    ``metadata_updates`` is true once any trace recorded one (no fast-path
+    record is made for the entry from then on: `_callsite.fast_record`).
     """
 
     __slots__ = ("metadata_updates", "by_signature")
@@ -178,33 +153,19 @@ def _signature(dynamic: Sequence[Any]) -> tuple[Any, ...]:
     return tuple((a.shape, a.dtype, a.weak_type) for a in map(jax.typeof, dynamic))
 
 
-class _PythonMemoCall:
-    """What the compiled ``MemoCall`` does, where it is off: a call without keyword
-    arguments runs the memo's plan (`_callsite.run_plan`); any other call, or one
-    the plan does not match, runs `_call`."""
+# Calls matching the fast-path record run in C, without a Python frame
+# (treemode._accel._compiled); where the extension is off, `JitWrapped.__call__`
+# is `JitWrapped._call`, the pipeline.
+class _NoExecutor:
+    """The base of `JitWrapped` where the extension is off."""
 
-    _memo: Any = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        memo = self._memo
-        if memo is not None and memo[2] is not None and not kwargs:
-            out = _callsite.run_plan(memo[2], args)
-            if out is not _callsite.MISS:
-                return out
-        return self._call(*args, **kwargs)
-
-    def _call(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+    __slots__ = ()
 
 
-if TYPE_CHECKING:
-    _MemoCall = _PythonMemoCall
-else:
-    # Calls matching the memo run in C, without a Python frame (treemode._accel._compiled).
-    _MemoCall = _compiled.MemoCall or _PythonMemoCall
+_FastCall: Any = _NoExecutor if TYPE_CHECKING or _compiled.FastCall is None else _compiled.FastCall
 
 
-class JitWrapped(_MemoCall, Generic[P, R]):
+class JitWrapped(_FastCall, Generic[P, R]):
     """A function compiled with `treemode.jit`."""
 
     def __init__(
@@ -263,18 +224,27 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         self.donate_argnames = donate_names
         self._n_partial = n_partial
         self._cache: dict[_call.CallKey, _Entry] = {}
-        # The last call's memo (see ``_callsite``), its compiled entry and the plan
-        # the compiled call path runs (None: calls match in Python), set together
-        # (one attribute, so threads never pair one call's site with another's
-        # entry): a loop calling with the same objects skips ``prepare``.
-        self._memo: tuple[CallSite, _Entry, Any] | None = None
+        # The last call's memo (see ``_callsite``) and its compiled entry, set
+        # together (one attribute, so threads never pair one call's site with
+        # another's entry): a loop calling with the same objects skips ``prepare``.
+        self._memo: tuple[CallSite, _Entry] | None = None
+        self._start_fast_path()
         _caches.track(self)  # treemode.clear_caches() calls clear_cache()
+
+    def _start_fast_path(self) -> None:
+        # The fast-path record the extension executes (None: every call runs
+        # `_call`), and whether the memo still has to emit it (after a call ran).
+        self._record: Any = None
+        self._record_due = False
+        self._miss = self._on_miss  # the executor's one callback
 
     def __copy__(self) -> JitWrapped[P, R]:
         """``copy.copy``: a wrapper of the same function sharing its compiled entries."""
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
+        copied._start_fast_path()  # emitted again for the copy (its miss is its own)
         copied._memo = self._memo
+        copied._record_due = self._memo is not None
         _caches.track(copied)
         return copied
 
@@ -289,6 +259,7 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         if self.partial_args:
             copied.partial_args = copy.deepcopy(self.partial_args, memo)
             copied._memo = None  # the memo matched the original's bound objects
+            copied._record_due = False
         return copied
 
     def __reduce__(self) -> Any:
@@ -420,38 +391,68 @@ class JitWrapped(_MemoCall, Generic[P, R]):
         out += [None] * (len(call.variables) - len(out))
         return out
 
-    if TYPE_CHECKING:  # at run time, the base class's call (the compiled path) runs `_call`
+    if TYPE_CHECKING:  # at run time, the executor's call (or `_call`, see below)
 
         def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
+        """A call through the pipeline: the memo's `CallSite.match`, else `prepare`."""
         memo = self._memo
         if memo is not None:
-            site, entry, _ = memo
+            site, entry = memo
             matched = site.match((*self.partial_args, *args) if self._n_partial else args, kwargs)
             if matched is not None:
-                return self._run(matched, entry, entry.jitted)
+                out = self._run(matched, entry, entry.jitted)
+                if self._record_due or (self._record is not None and entry.record.metadata_updates):
+                    self._emit(matched, entry)
+                return out
         call = self._prepare(args, kwargs, abstract=False)
         new = call.key not in self._cache
         entry = self._entry(call)
         site = CallSite.record(call, self._prepare_in_full)
-        self._memo = None if site is None else (site, entry, self._plan(site, entry))
+        self._memo = None if site is None else (site, entry)
+        self._record = None  # emitted once this call ran: its trace may change the entry
+        self._record_due = site is not None
         if new and _retrace.enabled():
             # treemode says what changed in the arguments; JAX, which sees a new
             # flat function, would only say that it was never seen.
             _retrace.new_structure("jit", self.fn, call.key, list(self._cache)[:-1])
             with _retrace.jax_explanations_off():
-                return self._run(call, entry, entry.jitted)
-        return self._run(call, entry, entry.jitted)
+                out = self._run(call, entry, entry.jitted)
+        else:
+            out = self._run(call, entry, entry.jitted)
+        if self._record_due:
+            self._emit(call, entry)
+        return out
 
-    def _plan(self, site: CallSite, entry: _Entry) -> Any:
-        """The memo plan for ``site`` (``None``: calls match it through `CallSite.match`)."""
-        donation = None
-        if entry.donated:
-            check = functools.partial(_check_donation, entry=entry)
-            donation = (tuple(entry.donated), tuple(entry.kept), check)
-        run = _compiled.EntryPlan(entry.jitted, entry.pure.binding, entry, entry.record, donation)
-        return _callsite.memo_plan(site, self.partial_args, run)
+    def _emit(self, call: _call.PreparedCall, entry: _Entry) -> None:
+        """Emit the fast-path record of the memo (`_callsite.fast_record`) after ``call`` ran."""
+        memo = self._memo
+        if memo is None or memo[1] is not entry:
+            return
+        self._record_due = False
+        donation = (tuple(entry.donated), tuple(entry.kept)) if entry.donated else None
+        self._record = _callsite.fast_record(
+            memo[0],
+            call,
+            self.partial_args,
+            entry.jitted,
+            donation,
+            entry.record.metadata_updates,
+        )
+
+    def _on_miss(self, error: BaseException | None, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """The executor's miss: run the call through the pipeline, or explain the
+        error its compiled entry raised (``error``)."""
+        if error is None or type(error) is _pure.UnboundTrace:
+            return self._call(*args, **(kwargs or {}))
+        call = self._prepare(args, kwargs or {}, abstract=False)
+        memo = self._memo
+        layout = None
+        if memo is not None and memo[1].donated:
+            layout = (memo[1].donated, memo[1].kept)
+        _explain.raise_explained(call, error, layout)
+        raise error  # raise_explained raises; this line is never reached
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
         """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
@@ -513,6 +514,8 @@ class JitWrapped(_MemoCall, Generic[P, R]):
             jitted.clear_cache()
         self._cache.clear()
         self._memo = None
+        self._record = None
+        self._record_due = False
 
     # -- what Flax's and JAX's wrappers offer --------------------------------------
 
@@ -538,6 +541,10 @@ class JitWrapped(_MemoCall, Generic[P, R]):
     def __repr__(self) -> str:
         bound = f" with {len(self.partial_args)} bound argument(s)" if self.partial_args else ""
         return f"<treemode.jit of {self.fn!r}{bound}>"
+
+
+if _compiled.FastCall is None:
+    JitWrapped.__call__ = JitWrapped._call  # type: ignore[method-assign]
 
 
 class JittedFunctions:

@@ -51,6 +51,8 @@ from ._specs import (
 
 # The compiled guard (treemode._accel._compiled); None where it is off: the same checks in Python.
 _compiled_holds = _compiled.holds
+_GUARD_STATE_FIELDS = _compiled.GUARD_STATE_FIELDS
+_Guarded = _compiled.Guarded
 _version_tags = _compiled.version_tags
 
 Variable = Any  # nnx.Variable; kept loose for speed-critical annotations
@@ -125,7 +127,7 @@ class ArgFlat:
         self.origin: ArgFlat | None = None
         self.writable_in: Any = None
         self._variable_specs: tuple[VarSpec, ...] | None = None
-        self._fast: tuple[weakref.ref[Any], tuple[Any, ...], tuple[Any, ...]] | None = None
+        self._fast: Any = None  # a ``_guard.Guarded`` (see `_fast_state`)
 
     def leaf_dynamic_counts(self) -> list[int]:
         """Per leaf, how many dynamic arrays it contributes."""
@@ -250,24 +252,29 @@ class _Guard:
         self.compiled_state: tuple[Any, ...] | None = None
         if compiled:
             entries = tuple(tuple(chain.from_iterable(m.items())) for m in self.metadata)
-            self.compiled_state = (
-                self.sized,
-                lens,
-                tuple(dicts),
-                values,
-                tuple(ordered),
-                items,
-                self.metadata,
-                entries,
-                self.nodes,
-                node_types,
-                self.owners,
-                owner_dicts,
-                variable_types,
-                self.top_type,
-                self.top_dict,
-                *(tags if tags and None not in tags else ()),
-            )
+            fields = {
+                "sized": self.sized,
+                "lens": lens,
+                "dicts": tuple(dicts),
+                "values": values,
+                "ordered": tuple(ordered),
+                "items": items,
+                "metadata": self.metadata,
+                "metadata_entries": entries,
+                "nodes": self.nodes,
+                "node_types": node_types,
+                "owners": self.owners,
+                "owner_dicts": owner_dicts,
+                "variable_types": variable_types,
+                "top_type": self.top_type,
+                "top_dict": self.top_dict,
+            }
+            if tags and None not in tags:
+                fields.update(
+                    zip(("dict_tags", "ordered_tags", "metadata_tags"), tags, strict=True)
+                )
+            # In the order the C code defines (``_guard.GUARD_STATE_FIELDS``).
+            self.compiled_state = tuple(fields[name] for name in _GUARD_STATE_FIELDS[: len(fields)])
 
     def holds(self, variables: list[Any], top: Any) -> bool:
         """Whether the snapshot still describes the objects walked from ``top``.
@@ -526,20 +533,19 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     return flat
 
 
-def _fast_state(entry: ArgFlat) -> tuple[weakref.ref[Any], tuple[Any, ...], tuple[Any, ...]] | None:
-    """What the compiled call-site match (``_guard.match_into``) reads of a cache entry.
+def _fast_state(entry: ArgFlat) -> Any:
+    """What the compiled call-site match reads of a cache entry: a ``_guard.Guarded``.
 
-    ``(weak reference to the argument, compiled guard state, Variables)``, for an
-    entry whose dynamic arrays are exactly its Variables' values and whose guard
-    is compiled; ``None`` otherwise (the match asks `still_flattens` and
-    `current_dynamic` instead).
+    For an entry whose dynamic arrays are exactly its Variables' values and
+    whose guard is compiled; ``None`` otherwise (the match asks `still_flattens`
+    and `current_dynamic` instead, and no fast-path record is made).
     """
     guard = entry._guard
-    if entry._ref is None or guard is None or guard.compiled_state is None:
+    if _Guarded is None or entry._ref is None or guard is None or guard.compiled_state is None:
         return None
     if not entry.values_only:
         return None
-    return (entry._ref, guard.compiled_state, tuple(entry.variables))
+    return _Guarded(entry._ref, guard.compiled_state, tuple(entry.variables), weakref.ref(entry))
 
 
 def _is_tracer(x: Any) -> bool:
