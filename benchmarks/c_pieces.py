@@ -6,7 +6,6 @@ hands it, compiled and in Python, and the whole memo-matched call is timed
 against the pipeline's memo path:
 
 - ``holds``: the flattening guard (`treemode._tree._flatten._Guard.holds`);
-- ``match_into``: the call-site match of the arguments (`treemode._pipeline._callsite`);
 - ``reads_hold``: the closure-read check (`treemode._tree._closure._Snapshot`);
 - ``write_changed``: the all-or-nothing write of a train step's new values;
 - ``FastCall``: the whole call by the executor of the fast-path record,
@@ -32,7 +31,7 @@ from flax import nnx
 
 import treemode
 from treemode._accel import _compiled
-from treemode._pipeline import _callsite, _writeback
+from treemode._pipeline import _writeback
 from treemode._tree import _closure, _flatten
 from treemode._tree._leaves import is_array
 
@@ -73,20 +72,6 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
             per_call_us(lambda: guard.holds(state, variables, m)),
             per_call_us(lambda: _python_holds(g, variables, m)),
         )
-    )
-
-    def match(impl):
-        def run():
-            dynamic: list[Any] = []
-            sources: list[Any] = []
-            impl(site.slots, (m, x), dynamic, sources, _slow)
-
-        return run
-
-    _slow = _callsite._match_slow
-    python_match = _python(match(_callsite._match_into_python), g)
-    rows.append(
-        ("match_into (call-site match)", per_call_us(match(guard.match_into)), python_match())
     )
 
     snap = site.snapshot

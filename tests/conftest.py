@@ -84,7 +84,7 @@ def implementation(request, monkeypatch):
 
     In ``"python"`` every compiled helper that modules look up per call is
     replaced by its Python twin (the flattening guard, the closure-read check,
-    the call-site match, the bulk write), and no fast-path record is emitted
+    the bulk write), and no fast-path record is emitted
     (every call runs through the pipeline, as with the extension off). The
     base class the extension provides (``FastCall``) is fixed at import:
     `make test-python` runs without it.
@@ -95,7 +95,6 @@ def implementation(request, monkeypatch):
     if request.param == "python":
         monkeypatch.setattr(_flatten, "_compiled_holds", None)
         monkeypatch.setattr(_closure, "_reads_hold", None)
-        monkeypatch.setattr(_callsite, "match_into", _callsite._match_into_python)
         monkeypatch.setattr(_callsite, "fast_record", lambda *args: None)
         monkeypatch.setattr(_writeback, "_write_changed", None)
     return request.param

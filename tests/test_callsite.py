@@ -36,18 +36,15 @@ def _step(m: Counter, x: jax.Array) -> jax.Array:
     return jnp.sum(m.w[...])
 
 
-MATCHERS = ["record", "compiled match", "python"] if "compiled" in IMPLEMENTATIONS else ["python"]
+MATCHERS = ["record", "python"] if "compiled" in IMPLEMENTATIONS else ["python"]
 
 
 @pytest.fixture(autouse=True, params=MATCHERS)
 def matcher(request, monkeypatch):
     """How a repeated call runs: the extension's executor of the fast-path record
-    (``FastCall``), or the pipeline's `CallSite.match` with the compiled
-    ``match_into`` or its Python twin (no record emitted)."""
+    (``FastCall``), or the pipeline's `CallSite.match` (no record emitted)."""
     if request.param != "record":
         monkeypatch.setattr(_callsite, "fast_record", lambda *args: None)
-    if request.param == "python":
-        monkeypatch.setattr(_callsite, "match_into", _callsite._match_into_python)
     return request.param
 
 
@@ -536,3 +533,33 @@ def test_a_shallow_copy_of_a_jitted_function_calls_like_the_original():
     g = copy.copy(f)
     np.testing.assert_allclose(g(m, jnp.ones(3)), f(m, jnp.ones(3)) - 3.0)
     assert m.count[...] == 3 and g._cache is f._cache
+
+
+def test_keyword_arguments_and_bound_arguments_run_the_record(matcher):
+    f = treemode.jit(_step)
+    m, n = Counter(), Counter()
+    f(m, x=jnp.ones(3))
+    assert (f._record is not None) == (matcher == "record")
+    if matcher == "record":
+        f._miss = _no_miss  # keyword calls like the recorded one: executed in C
+    for _ in range(2):
+        f(m, x=jnp.ones(3))
+    assert int(m.count[...]) == 3
+    if matcher == "record":
+        missed: list[object] = []
+        real = f._on_miss
+
+        def miss(error, args, kwargs):
+            missed.append(kwargs)
+            return real(error, args, kwargs)
+
+        f._miss = miss
+        f(m, jnp.ones(3))  # positional where the record has a keyword: a miss
+        f(n, x=jnp.ones(3))  # another object: a miss
+        assert len(missed) == 2 and missed[0] is None and list(missed[1]) == ["x"]
+        assert int(m.count[...]) == 4 and int(n.count[...]) == 1
+    bound = treemode.jit_partial(_step, n)
+    for _ in range(3):
+        bound(x=jnp.ones(3))
+    assert (bound._record is not None) == (matcher == "record")
+    assert int(n.count[...]) == (4 if matcher == "record" else 3)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from treemode import _compat
 from treemode._accel import _compiled
 
 ERRORS = (TypeError, ValueError)
@@ -80,27 +81,6 @@ def test_version_tags(extension):
         extension.version_tags(None)
 
 
-def _slow(entry: Any, obj: Any) -> list[Any] | None:
-    return None
-
-
-@pytest.mark.parametrize(
-    "args",
-    [
-        (),
-        (None, [], [], [], _slow),
-        ((), [], None, [], _slow),
-        ((), [], [], None, _slow),
-        ((), [], [], [], None),
-        ((), None, [], [], _slow),
-        (("not a weakref",), [1], [], [], _slow),
-    ],
-)
-def test_match_into_arguments(extension, args):
-    with pytest.raises(ERRORS):
-        extension.match_into(*args)
-
-
 @pytest.mark.parametrize(
     "fields",
     [
@@ -116,11 +96,20 @@ def test_guarded_arguments(extension, fields):
         extension.Guarded(*fields)
 
 
-def test_match_into_malformed_guard_state(extension):
+def test_an_executed_record_with_a_malformed_guard_state_raises(extension):
     holder = _Holder()
     guarded = extension.Guarded(weakref.ref(Plain), ("a",) * 15, (), weakref.ref(holder))
+
+    class Fn(extension.FastCall):
+        pass
+
+    f = Fn()
+    f._miss = lambda error, args, kwargs: "missed"
+    f._record = extension.FastRecord(
+        **_record_fields(slots=(weakref.ref(guarded),), trace=_compat.current_trace_ref())
+    )
     with pytest.raises(ERRORS):
-        extension.match_into((weakref.ref(guarded),), [Plain], [], [], _slow)
+        f(Plain)
 
 
 class _Holder:
@@ -189,6 +178,7 @@ def _record_fields(**changes: Any) -> dict[str, Any]:
         "version": _compiled.RECORD_VERSION,
         "slots": (None,),
         "partial_args": (),
+        "kw_names": (),
         "closure_reads": ((),) * 7,
         "closure_holders": (),
         "lifted_slots": (),
@@ -208,6 +198,7 @@ def _record_fields(**changes: Any) -> dict[str, Any]:
         {"slots": [None]},
         {"slots": ("not a weak reference",)},
         {"partial_args": None},
+        {"kw_names": ("x", 1)},
         {"closure_reads": ((),) * 6},
         {"closure_reads": ((),) * 6 + (None,)},
         {"closure_holders": (len,)},  # no slot for it

@@ -1,9 +1,10 @@
 """Differential tests: each compiled kernel and its Python twin decide alike.
 
 The compiled extension (``treemode/_accel/_guard.c``) and the Python code implement the
-same kernels: the flattening guard (``holds``), the call-site match
-(``match_into``), the closure-read check (``reads_hold``) and the bulk write
-(``write_changed``). Here both are fed the same hypothesis-generated models,
+same kernels: the flattening guard (``holds``), the closure-read check
+(``reads_hold``) and the bulk write (``write_changed``); and the executor of
+the fast-path record matches what the pipeline's memo matches
+(``_callsite.match_into``). Here both are fed the same hypothesis-generated models,
 mutations and call sequences, and must give the same decisions: hit or miss,
 what is collected or written, the error raised. The compiled module is loaded
 directly, so these tests run in both CI modes (with ``TREEMODE_NO_EXTENSION=1``
@@ -210,50 +211,6 @@ def test_holds_decides_as_its_python_twin(tree, steps):
         assert compiled == python, (how, compiled, python)
         if how in ("none", "new value", "same static again"):
             assert compiled, how
-
-
-# -- match_into --------------------------------------------------------------------
-
-
-def _slow(entry: Any, obj: Any) -> list[Any] | None:
-    return _callsite._match_slow(entry, obj)
-
-
-@given(
-    trees_=st.lists(trees(), min_size=1, max_size=3),
-    arrays=st.integers(0, 2),
-    steps=st.lists(st.tuples(st.sampled_from(MUTATIONS), st.integers(0, 50)), max_size=3),
-    swap=st.booleans(),
-)
-def test_match_into_decides_as_its_python_twin(trees_, arrays, steps, swap):
-    _flatten._cache.clear()
-    objs: list[Any] = [*trees_, *[jnp.ones(2) * i for i in range(arrays)]]
-    slots: list[Any] = []
-    keep = []
-    for obj in objs:
-        if isinstance(obj, jnp.ndarray):
-            slots.append(None)
-            continue
-        entry = _flatten.flatten_arg(obj, _leaves.is_array)
-        entry = _callsite._cached_entry(entry)
-        if entry is None:
-            return
-        keep.append(entry)
-        slots.append(_callsite._slot(entry))
-    for how, pick in steps:
-        _mutate(trees_[pick % len(trees_)], how, pick)
-    if swap and len(objs) > 1:
-        objs = [objs[-1], *objs[:-1]]
-    results = []
-    for match in (COMPILED.match_into, _callsite._match_into_python):
-        dynamic: list[Any] = []
-        sources: list[Any] = []
-        hit = match(tuple(slots), objs, dynamic, sources, _slow)
-        results.append((hit, [id(x) for x in dynamic], [id(s) for s in sources]))
-    (c_hit, c_dynamic, c_sources), (p_hit, p_dynamic, p_sources) = results
-    assert c_hit == p_hit
-    if c_hit:
-        assert c_dynamic == p_dynamic and c_sources == p_sources
 
 
 # -- the executor against the pipeline's memo -------------------------------------

@@ -4,14 +4,15 @@ The extension holds two kinds of code:
 
 - kernels that treemode's Python code also implements (each pair bound by a
   differential test, tests/test_twins.py): the flattening guard (``holds``,
-  ``version_tags``), the call-site match (``match_into``), the closure-read
-  check (``reads_hold``) and the bulk write (``write_changed``);
+  ``version_tags``), the closure-read check (``reads_hold``) and the bulk
+  write (``write_changed``);
 - the executor of the fast-path record: the Python pipeline decides how a
   repeated ``treemode.jit`` call runs and emits a ``FastRecord``
   (`treemode._pipeline._callsite.fast_record`); ``FastCall``, the base of
   ``treemode.jit``'s wrapper, executes it, and hands every doubt back to the
   pipeline through one callback, the miss. The cached flattenings it matches
-  are ``Guarded`` objects.
+  are ``Guarded`` objects (the pipeline's own match, its twin, is
+  `treemode._pipeline._callsite.match_into`).
 
 Every other module takes these from here: each is ``None`` where the
 extension is off, and the caller uses its Python twin (or, for the executor,
@@ -194,7 +195,6 @@ def extension_status() -> ExtensionStatus:
 
 holds: Callable[..., bool] | None = guard.holds if guard else None
 version_tags: Callable[..., bytes | None] | None = guard.version_tags if guard else None
-match_into: Callable[..., bool] | None = guard.match_into if guard else None
 reads_hold: Callable[..., bool] | None = guard.reads_hold if guard else None
 write_changed: Callable[..., int] | None = guard.write_changed if guard else None
 Guarded: type | None = guard.Guarded if guard else None

@@ -4,7 +4,7 @@
  *
  * - kernels, each with a Python twin bound to it by tests/test_twins.py: the
  *   flattening guard (`holds`, `version_tags`), the call-site match
- *   (`match_into`), the closure-read check (`reads_hold`) and the bulk write
+ *   (twin `_callsite.match_into`), the closure-read check (`reads_hold`) and the bulk write
  *   (`write_changed`);
  * - the executor of the fast-path record (`FastRecord`, `FastCall`): the
  *   Python pipeline decides how a repeated `treemode.jit` call runs and emits
@@ -656,7 +656,7 @@ gather_raw_value(Gathered *out, PyObject *var)
     return pushed < 0 ? -1 : 1;
 }
 
-/* ---- Guarded: a cached flattening, as the call-site match reads it ----
+/* ---- Guarded: a cached flattening, as the executor reads it ----
  *
  * treemode/_tree/_flatten.py makes one for each cache entry whose dynamic
  * arrays are exactly its Variables' values and whose guard is compiled: the
@@ -736,7 +736,7 @@ static PyTypeObject Guarded_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "treemode._accel._guard.Guarded",
     .tp_doc = PyDoc_STR("Guarded(arg, state, variables, flat): a cached flattening as the "
-                        "call-site match reads it."),
+                        "executor reads it."),
     .tp_basicsize = sizeof(GuardedObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = guarded_new,
@@ -759,7 +759,7 @@ bare_array(PyObject *obj)
 }
 
 /* A Guarded against the object passed: 1 matched (its Variables' values
- * pushed to `dynamic`, the Variables to `variables` where not NULL), 0 not, 2
+ * pushed to `dynamic`, the Variables to `variables`), 0 not, 2
  * undecided (a value is no longer an array of a known type: a Python number,
  * or a layout change), -1 error. */
 static int
@@ -791,129 +791,32 @@ match_guarded(GuardedObject *g, PyObject *obj, Gathered *dynamic, Gathered *vari
         }
         seen_type = type;
     }
-    for (Py_ssize_t i = 0; variables != NULL && i < PyTuple_GET_SIZE(g->variables); i++) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g->variables); i++) {
         if (gathered_push(variables, PyTuple_GET_ITEM(g->variables, i)) < 0)
             return -1;
     }
     return 1;
 }
 
-/* One object against its call-site slot: 1 matched, 0 not, -1 error.
- *
- * A slot is None (a bare array) or a weak reference to a `Guarded` or, in the
- * Python pipeline's memo only, to a cache entry without one. On a match, the
- * object's arrays are pushed to `dynamic`, its Variables to `variables` and its
- * cache entry to `sources` (each where not NULL). What this cannot decide goes
- * to `slow(entry or None, obj)` (the arrays, or None) where `slow` is given;
- * without it, the executor's case, it is a miss. */
+/* One object against its record slot: 1 matched (its arrays pushed to
+ * `dynamic`, its Variables to `variables`), 0 not (a miss), -1 error. A slot is
+ * None (a bare array) or a weak reference to a `Guarded`; a value that is no
+ * longer an array of a known type is a miss too. */
 static int
-match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *variables,
-          Gathered *sources, PyObject *slow)
+match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *variables)
 {
-    PyObject *held_obj = NULL, *entry = NULL;
-    int result = 0;
     if (slot == Py_None) {
-        result = bare_array(obj);
-        if (result != 0)
-            return result < 0 ? -1 : (gathered_push(dynamic, obj) < 0 ? -1 : 1);
+        int known = bare_array(obj);
+        return known != 1 ? known : (gathered_push(dynamic, obj) < 0 ? -1 : 1);
     }
-    else {
-        if (!PyWeakref_CheckRef(slot))
-            return malformed("a call-site slot is None or a weak reference");
-        held_obj = referent(slot);
-        if (held_obj == NULL)
-            return 0; /* the flattening was dropped */
-        if (Py_IS_TYPE(held_obj, &Guarded_Type)) {
-            entry = referent(((GuardedObject *)held_obj)->flat);
-            if (entry == NULL)
-                goto done;
-            result = match_guarded((GuardedObject *)held_obj, obj, dynamic, variables);
-            if (result != 2)
-                goto done;
-        }
-        else {
-            entry = Py_NewRef(held_obj); /* an entry the fast case cannot read */
-        }
-    }
-    result = 0;
-    if (slow == NULL)
-        goto done;
-    PyObject *found = PyObject_CallFunctionObjArgs(slow, entry ? entry : Py_None, obj, NULL);
-    if (found == NULL) {
-        result = -1;
-    }
-    else if (found != Py_None) {
-        PyObject *items = PySequence_Fast(found, "the slow match returns a list or None");
-        result = items == NULL ? -1 : 1;
-        for (Py_ssize_t i = 0; result == 1 && i < PySequence_Fast_GET_SIZE(items); i++)
-            result = gathered_push(dynamic, PySequence_Fast_GET_ITEM(items, i)) < 0 ? -1 : 1;
-        Py_XDECREF(items);
-    }
-    Py_XDECREF(found);
-done:
-    if (result == 1 && sources != NULL && entry != NULL && gathered_push(sources, entry) < 0)
-        result = -1;
-    Py_XDECREF(held_obj);
-    Py_XDECREF(entry);
-    if (result < 0 && !PyErr_Occurred())
-        result = 0;
-    return result;
-}
-
-/* Appends the gathered references to `list`, emptying `g`: 0, or -1. */
-static int
-gathered_extend(Gathered *g, PyObject *list)
-{
-    PyObject *items = gathered_take(g, 0);
-    if (items == NULL)
-        return -1;
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    int result = PyList_SetSlice(list, n, n, items);
-    Py_DECREF(items);
-    return result;
-}
-
-PyDoc_STRVAR(match_into_doc,
-"match_into(slots, objs, dynamic, sources, slow) -> bool\n\n"
-"Whether every object of `objs` still matches its slot of a call-site memo\n"
-"(treemode._pipeline._callsite); if so, appends their arrays to `dynamic` and the\n"
-"matched cache entries to `sources`.\n\n"
-"A slot is None (a bare array: an array of a known type or a Python number)\n"
-"or a weak reference to a `Guarded` (the argument must be its object, the\n"
-"guard must hold, and each Variable's value is appended) or to a cache entry.\n"
-"Anything else calls `slow(entry or None, obj)`, which returns the arrays or None.");
-
-static PyObject *
-match_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (!configured())
-        return NULL;
-    if (nargs != 5 || !PyTuple_Check(args[0]) || !PyList_Check(args[2]) ||
-        !PyList_Check(args[3]) || !PyCallable_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "match_into(slots: tuple, objs, dynamic: list, sources: list, slow)");
-        return NULL;
-    }
-    PyObject *slots = args[0];
-    PyObject *objs = PySequence_Fast(args[1], "objs must be a sequence");
-    if (objs == NULL)
-        return NULL;
-    Gathered dynamic, sources;
-    gathered_init(&dynamic);
-    gathered_init(&sources);
-    int ok = PySequence_Fast_GET_SIZE(objs) == PyTuple_GET_SIZE(slots);
-    for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(slots); i++) {
-        ok = match_one(PyTuple_GET_ITEM(slots, i), PySequence_Fast_GET_ITEM(objs, i), &dynamic,
-                       NULL, &sources, args[4]);
-    }
-    Py_DECREF(objs);
-    if (ok == 1 && (gathered_extend(&dynamic, args[2]) < 0 || gathered_extend(&sources, args[3]) < 0))
-        ok = -1;
-    gathered_release(&dynamic);
-    gathered_release(&sources);
-    if (ok < 0)
-        return NULL;
-    return PyBool_FromLong(ok);
+    PyObject *held_obj = referent(slot); /* the record checked: a weak reference */
+    if (held_obj == NULL)
+        return 0; /* the flattening was dropped */
+    int result = Py_IS_TYPE(held_obj, &Guarded_Type)
+                     ? match_guarded((GuardedObject *)held_obj, obj, dynamic, variables)
+                     : 0;
+    Py_DECREF(held_obj);
+    return result == 2 ? 0 : result;
 }
 
 /* The object a holder of the closure snapshot gives (a weak reference or a
@@ -1207,7 +1110,7 @@ write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
  * `FastCall` (the base of treemode.jit's wrapper) executes it: match the
  * arguments and the closure's objects, call the compiled entry, write the new
  * values. Every doubt (a mismatch, a shared donated buffer, a trace JAX must
- * make, an unusual signal-hold state, keyword arguments) is a miss, handed to
+ * make, an unusual signal-hold state, other keyword names) is a miss, handed to
  * the one Python callback, `miss(error, args, kwargs)`: `error` is None, or
  * the exception the compiled entry raised. */
 
@@ -1215,16 +1118,16 @@ write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
 
 typedef struct {
     PyObject_HEAD
-    PyObject *slots, *partial_args, *closure_reads, *closure_holders, *lifted_slots, *jitted,
-        *donated, *kept, *trace;
+    PyObject *slots, *partial_args, *kw_names, *closure_reads, *closure_holders, *lifted_slots,
+        *jitted, *donated, *kept, *trace;
 } RecordObject;
 
 /* The record's fields, in the order of `RecordObject` (after `version`). */
 static char *record_fields[] = {
-    "version", "slots", "partial_args", "closure_reads", "closure_holders", "lifted_slots",
-    "jitted", "donated", "kept", "trace", NULL,
+    "version", "slots", "partial_args", "kw_names", "closure_reads", "closure_holders",
+    "lifted_slots", "jitted", "donated", "kept", "trace", NULL,
 };
-#define RECORD_OBJECTS 9
+#define RECORD_OBJECTS 10
 
 static PyTypeObject FastRecord_Type;
 
@@ -1250,9 +1153,9 @@ static PyObject *
 record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *version = NULL, *f[RECORD_OBJECTS] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOOOOOOOO:FastRecord", record_fields,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOOOOOOOOO:FastRecord", record_fields,
                                      &version, &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6],
-                                     &f[7], &f[8]))
+                                     &f[7], &f[8], &f[9]))
         return NULL;
     for (int i = -1; i < RECORD_OBJECTS; i++) {
         if ((i < 0 ? version : f[i]) == NULL)
@@ -1264,19 +1167,22 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return PyErr_Format(PyExc_ValueError,
                             "FastRecord: a version %R record; this extension executes version %d",
                             version, RECORD_VERSION);
-    PyObject *reads = f[2], *donated = f[6], *kept = f[7];
-    int reads_ok = PyTuple_Check(reads) && PyTuple_GET_SIZE(reads) == 7;
-    for (Py_ssize_t i = 0; reads_ok && i < 7; i++)
-        reads_ok = PyTuple_Check(PyTuple_GET_ITEM(reads, i));
-    if (!tuple_of(f[0], 0) || !PyTuple_Check(f[1]) || !reads_ok || !PyTuple_Check(f[3]) ||
-        !tuple_of(f[4], 0) || PyTuple_GET_SIZE(f[3]) != PyTuple_GET_SIZE(f[4]) ||
-        !PyCallable_Check(f[5]) ||
+    PyObject *kw_names = f[2], *reads = f[3], *donated = f[7], *kept = f[8];
+    int ok = PyTuple_Check(kw_names) && PyTuple_Check(reads) && PyTuple_GET_SIZE(reads) == 7;
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(kw_names); i++)
+        ok = PyUnicode_CheckExact(PyTuple_GET_ITEM(kw_names, i));
+    for (Py_ssize_t i = 0; ok && i < 7; i++)
+        ok = PyTuple_Check(PyTuple_GET_ITEM(reads, i));
+    if (!ok || !tuple_of(f[0], 0) || !PyTuple_Check(f[1]) || !PyTuple_Check(f[4]) ||
+        !tuple_of(f[5], 0) || PyTuple_GET_SIZE(f[4]) != PyTuple_GET_SIZE(f[5]) ||
+        !PyCallable_Check(f[6]) ||
         !((donated == Py_None && kept == Py_None) || (tuple_of(donated, 1) && tuple_of(kept, 1)))) {
         PyErr_SetString(PyExc_TypeError,
                         "FastRecord(version, slots: tuple of None or weak references, "
-                        "partial_args: tuple, closure_reads: 7-tuple of tuples, closure_holders: "
-                        "tuple, lifted_slots: tuple of weak references (one per holder), jitted: "
-                        "callable, donated, kept: both None or both tuples of indices, trace)");
+                        "partial_args: tuple, kw_names: tuple of str, closure_reads: 7-tuple of "
+                        "tuples, closure_holders: tuple, lifted_slots: tuple of weak references "
+                        "(one per holder), jitted: callable, donated, kept: both None or both "
+                        "tuples of indices, trace)");
         return NULL;
     }
     RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
@@ -1320,6 +1226,7 @@ static PyMemberDef record_members[] = {
     RECORD_MEMBER(slots, "per argument (bound ones first): None (an array) or a weak "
                          "reference to its Guarded"),
     RECORD_MEMBER(partial_args, "the arguments jit_partial bound"),
+    RECORD_MEMBER(kw_names, "the names of the keyword arguments, in the slots' order"),
     RECORD_MEMBER(closure_reads, "the reads the closure search's answer depends on"),
     RECORD_MEMBER(closure_holders, "holders of the closure objects the search lifted"),
     RECORD_MEMBER(lifted_slots, "weak references to their Guarded"),
@@ -1333,7 +1240,7 @@ static PyMemberDef record_members[] = {
 static PyTypeObject FastRecord_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "treemode._accel._guard.FastRecord",
-    .tp_doc = PyDoc_STR("FastRecord(*, version, slots, partial_args, closure_reads, "
+    .tp_doc = PyDoc_STR("FastRecord(*, version, slots, partial_args, kw_names, closure_reads, "
                         "closure_holders, lifted_slots, jitted, donated, kept, trace): how a "
                         "repeated treemode.jit call runs, as the Python pipeline decided it."),
     .tp_basicsize = sizeof(RecordObject),
@@ -1539,7 +1446,7 @@ fetch_error(void)
  * exception set (raised as it is: a failed write, which undid itself); or NULL
  * without either: a miss. */
 static PyObject *
-execute(RecordObject *r, PyObject *args, PyObject **error)
+execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
 {
     PyObject *roots = NULL, *dynamic = NULL, *variables = NULL, *result = NULL, *out = NULL;
     PyObject *token = NULL, *split[2] = {NULL, NULL};
@@ -1547,10 +1454,30 @@ execute(RecordObject *r, PyObject *args, PyObject **error)
     gathered_init(&gathered_dynamic);
     gathered_init(&gathered_variables);
     int ok;
-    roots = PyTuple_GET_SIZE(r->partial_args) == 0 ? Py_NewRef(args)
-                                                    : PySequence_Concat(r->partial_args, args);
-    if (roots == NULL || PyTuple_GET_SIZE(roots) != PyTuple_GET_SIZE(r->slots))
+    /* The roots: the bound arguments, the positional ones, the keyword ones by name. */
+    Py_ssize_t n_partial = PyTuple_GET_SIZE(r->partial_args), n_args = PyTuple_GET_SIZE(args);
+    Py_ssize_t n_kw = PyTuple_GET_SIZE(r->kw_names);
+    if ((kwargs == NULL ? 0 : PyDict_GET_SIZE(kwargs)) != n_kw ||
+        n_partial + n_args + n_kw != PyTuple_GET_SIZE(r->slots))
         goto done;
+    if (n_partial == 0 && n_kw == 0) {
+        roots = Py_NewRef(args);
+    }
+    else {
+        roots = PyTuple_New(n_partial + n_args + n_kw);
+        if (roots == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < n_partial; i++)
+            PyTuple_SET_ITEM(roots, i, Py_NewRef(PyTuple_GET_ITEM(r->partial_args, i)));
+        for (Py_ssize_t i = 0; i < n_args; i++)
+            PyTuple_SET_ITEM(roots, n_partial + i, Py_NewRef(PyTuple_GET_ITEM(args, i)));
+        for (Py_ssize_t i = 0; i < n_kw; i++) {
+            PyObject *value = PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(r->kw_names, i));
+            if (value == NULL)
+                goto done; /* another name (a miss), or an error */
+            PyTuple_SET_ITEM(roots, n_partial + n_args + i, Py_NewRef(value));
+        }
+    }
     /* The Variables may be written in the record's trace only. */
     PyObject *trace = PyObject_GetAttr(trace_state, trace_attr);
     if (trace == NULL)
@@ -1560,7 +1487,7 @@ execute(RecordObject *r, PyObject *args, PyObject **error)
         goto done;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r->slots); i++) {
         ok = match_one(PyTuple_GET_ITEM(r->slots, i), PyTuple_GET_ITEM(roots, i),
-                       &gathered_dynamic, &gathered_variables, NULL, NULL);
+                       &gathered_dynamic, &gathered_variables);
         if (ok != 1)
             goto done;
     }
@@ -1571,7 +1498,7 @@ execute(RecordObject *r, PyObject *args, PyObject **error)
         if (obj == NULL)
             goto done; /* the object died */
         ok = match_one(PyTuple_GET_ITEM(r->lifted_slots, i), obj, &gathered_dynamic,
-                       &gathered_variables, NULL, NULL);
+                       &gathered_variables);
         Py_DECREF(obj);
         if (ok != 1)
             goto done;
@@ -1648,9 +1575,9 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     FastCallObject *f = (FastCallObject *)self;
     PyObject *error = NULL;
-    if (f->record != NULL && is_configured && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+    if (f->record != NULL && is_configured) {
         PyObject *record = Py_NewRef(f->record); /* another thread may replace it meanwhile */
-        PyObject *result = execute((RecordObject *)record, args, &error);
+        PyObject *result = execute((RecordObject *)record, args, kwargs, &error);
         Py_DECREF(record);
         if (result != NULL || (error == NULL && PyErr_Occurred()))
             return result;
@@ -1727,7 +1654,7 @@ fast_call_dealloc(FastCallObject *self)
 
 static PyGetSetDef fast_call_getset[] = {
     {"_record", (getter)fast_call_get_record, (setter)fast_call_set_record,
-     PyDoc_STR("None, or the FastRecord a call without keyword arguments executes"), NULL},
+     PyDoc_STR("None, or the FastRecord a call executes"), NULL},
     {"_miss", (getter)fast_call_get_miss, (setter)fast_call_set_miss,
      PyDoc_STR("miss(error, args, kwargs): runs a call the record does not"), NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -1823,7 +1750,6 @@ static PyMethodDef methods[] = {
      configure_doc},
     {"holds", (PyCFunction)(void (*)(void))holds, METH_FASTCALL, holds_doc},
     {"version_tags", (PyCFunction)version_tags, METH_O, version_tags_doc},
-    {"match_into", (PyCFunction)(void (*)(void))match_into, METH_FASTCALL, match_into_doc},
     {"reads_hold", (PyCFunction)(void (*)(void))reads_hold, METH_FASTCALL, reads_hold_doc},
     {"write_changed", (PyCFunction)(void (*)(void))write_changed, METH_FASTCALL,
      write_changed_doc},

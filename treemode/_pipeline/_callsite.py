@@ -175,14 +175,22 @@ def _match_slow(entry: ArgFlat | None, obj: Any) -> list[Any] | None:
 _PYTHON_NUMBERS = frozenset({bool, int, float, complex})
 
 
-def _match_into_python(
+def match_into(
     slots: tuple[weakref.ref[Any] | None, ...],
     objs: Sequence[Any],
     dynamic: list[Any],
     sources: list[ArgFlat],
     slow: Callable[[ArgFlat | None, Any], list[Any] | None],
 ) -> bool:
-    """What ``_guard.match_into`` does, where it is not built (tests/test_twins.py)."""
+    """Whether every object of ``objs`` still matches its memo slot; if so, their
+    arrays are appended to ``dynamic`` and their cache entries to ``sources``.
+
+    A slot is ``None`` (a bare array: an array of a known type or a Python
+    number) or a weak reference to a cache entry's ``Guarded`` (or to the entry
+    itself). What the fast case cannot decide goes to ``slow(entry or None, obj)``,
+    which returns the arrays or ``None``. The executor of the fast-path record
+    matches the same slots in C (tests/test_twins.py checks they decide alike).
+    """
     if len(objs) != len(slots):
         return False
     for slot, obj in zip(slots, objs, strict=True):
@@ -218,7 +226,6 @@ def _match_into_python(
 
 
 _GUARDED = _compiled.Guarded
-match_into = _compiled.match_into or _match_into_python
 
 
 def _cached_entry(flat: ArgFlat) -> ArgFlat | None:
@@ -293,7 +300,6 @@ def fast_record(
     through the pipeline) where a fast path cannot be trusted:
 
     - the extension is off, or there is no memo (see `CallSite.record`);
-    - the call had keyword arguments (the executor takes positional calls);
     - a flattening has no ``Guarded`` (its guard is not compiled, or its arrays
       are not exactly its Variables' values);
     - a trace of the entry recorded metadata updates (the executor writes
@@ -304,7 +310,7 @@ def fast_record(
     A call's shared donated buffers, a retrace, an unusual signal-hold state:
     those vary per call, so the executor checks them and misses.
     """
-    if _compiled.FastRecord is None or site is None or site.kw_names or metadata_updates:
+    if _compiled.FastRecord is None or site is None or metadata_updates:
         return None
     if any(isinstance(x, Tracer) for x in call.dynamic):
         return None
@@ -323,6 +329,7 @@ def fast_record(
         version=_compiled.RECORD_VERSION,
         slots=site.slots,
         partial_args=partial_args,
+        kw_names=site.kw_names,
         closure_reads=snapshot.reads,
         closure_holders=tuple(holder for _, holder in snapshot.found),
         lifted_slots=site.lifted_slots,
