@@ -1575,14 +1575,14 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     FastCallObject *f = (FastCallObject *)self;
     PyObject *error = NULL;
-    if (f->record != NULL && is_configured) {
+    if (f->record != NULL && Py_IS_TYPE(f->record, &FastRecord_Type) && is_configured) {
         PyObject *record = Py_NewRef(f->record); /* another thread may replace it meanwhile */
         PyObject *result = execute((RecordObject *)record, args, kwargs, &error);
         Py_DECREF(record);
         if (result != NULL || (error == NULL && PyErr_Occurred()))
             return result;
     }
-    if (f->miss == NULL) {
+    if (f->miss == NULL || f->miss == Py_None) {
         Py_XDECREF(error);
         PyErr_SetString(PyExc_TypeError, "FastCall: no miss callback was set");
         return NULL;
@@ -1591,40 +1591,6 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
     PyObject *result = PyObject_Vectorcall(f->miss, call_args, 3, NULL);
     Py_XDECREF(error);
     return result;
-}
-
-static PyObject *
-fast_call_get_record(FastCallObject *self, void *Py_UNUSED(closure))
-{
-    return Py_NewRef(self->record == NULL ? Py_None : self->record);
-}
-
-static int
-fast_call_set_record(FastCallObject *self, PyObject *record, void *Py_UNUSED(closure))
-{
-    if (record != NULL && record != Py_None && !Py_IS_TYPE(record, &FastRecord_Type)) {
-        PyErr_SetString(PyExc_TypeError, "_record is None or a FastRecord");
-        return -1;
-    }
-    Py_XSETREF(self->record, record == Py_None ? NULL : Py_XNewRef(record));
-    return 0;
-}
-
-static PyObject *
-fast_call_get_miss(FastCallObject *self, void *Py_UNUSED(closure))
-{
-    return Py_NewRef(self->miss == NULL ? Py_None : self->miss);
-}
-
-static int
-fast_call_set_miss(FastCallObject *self, PyObject *miss, void *Py_UNUSED(closure))
-{
-    if (miss != NULL && !PyCallable_Check(miss)) {
-        PyErr_SetString(PyExc_TypeError, "_miss is callable");
-        return -1;
-    }
-    Py_XSETREF(self->miss, Py_XNewRef(miss));
-    return 0;
 }
 
 static int
@@ -1652,12 +1618,12 @@ fast_call_dealloc(FastCallObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyGetSetDef fast_call_getset[] = {
-    {"_record", (getter)fast_call_get_record, (setter)fast_call_set_record,
-     PyDoc_STR("None, or the FastRecord a call executes"), NULL},
-    {"_miss", (getter)fast_call_get_miss, (setter)fast_call_set_miss,
-     PyDoc_STR("miss(error, args, kwargs): runs a call the record does not"), NULL},
-    {NULL, NULL, NULL, NULL, NULL},
+static PyMemberDef fast_call_members[] = {
+    {"_record", T_OBJECT, offsetof(FastCallObject, record), 0,
+     "None, or the FastRecord a call executes (anything else: every call misses)"},
+    {"_miss", T_OBJECT, offsetof(FastCallObject, miss), 0,
+     "miss(error, args, kwargs): runs a call the record does not"},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject FastCall_Type = {
@@ -1672,7 +1638,7 @@ static PyTypeObject FastCall_Type = {
     .tp_traverse = (traverseproc)fast_call_traverse,
     .tp_clear = (inquiry)fast_call_clear,
     .tp_dealloc = (destructor)fast_call_dealloc,
-    .tp_getset = fast_call_getset,
+    .tp_members = fast_call_members,
 };
 
 /* configure(**fields): see treemode._accel._compiled.configure. */
