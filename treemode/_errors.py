@@ -6,6 +6,8 @@ caller's terms (``args[0].layers[1].kernel``) and what to do about it.
 
 from __future__ import annotations
 
+import sys
+
 
 class TreemodeError(Exception):
     """Base class of every error raised by treemode."""
@@ -82,6 +84,22 @@ class ProxyError(TreemodeError, AttributeError):
     The proxy is a pytree whose state changes only through method calls or a
     ``with proxy as module:`` block, which writes the edits back when it exits.
     """
+
+
+def user_stacklevel(*packages: str) -> int:
+    """The ``warnings.warn`` stacklevel, for the function calling this one, that
+    points at the first frame outside treemode and ``packages`` (top-level
+    package names, e.g. ``"jax"``): the user's line."""
+    skipped = ("treemode", *packages)
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.partition(".")[0] not in skipped:
+            return level
+        frame = frame.f_back
+        level += 1
+    return 1
 
 
 __all__ = [

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import functools
 import gc
-import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import jax
 from flax import nnx
 from jax.core import Tracer
 
+from .._errors import user_stacklevel
 from .._tree._closure import (
     ALIAS_PREFIX,
     ClosureWarning,
@@ -196,7 +196,7 @@ def warn_unlifted(transform: str, fn: Callable[..., Any], known: set[int]) -> No
             "closure cell, a global, a list, dict or attribute of your own object; "
             "see docs/concepts.md#closures-are-lifted).",
             ClosureWarning,
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel("jax", "flax"),
         )
     if not complete:
         warnings.warn(
@@ -205,21 +205,8 @@ def warn_unlifted(transform: str, fn: Callable[..., Any], known: set[int]) -> No
             "Any NNX object beyond is a constant of the compiled code: pass modules "
             "as arguments.",
             ClosureWarning,
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel("jax", "flax"),
         )
-
-
-def _user_stacklevel() -> int:
-    """The stack level of the first frame outside treemode, JAX and Flax."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if not name.startswith(("treemode", "jax", "flax")):
-            return level
-        frame = frame.f_back
-        level += 1
-    return 1
 
 
 __all__ = ["MAX_OBJECTS", "unlifted_objects", "warn_unlifted"]

@@ -32,7 +32,6 @@ new value would be silently lost.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -49,19 +48,21 @@ from .._tree._leaves import ARRAY_TYPES, is_variable
 from ._grad import DiffSplit, dynamic_like, float0_zeros, is_differentiable
 from ._lifts import refuse_lifts
 from ._signature import as_tuple, resolve_argnums, suggests_keywords
+from ._wrapped import Wrapped
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class CustomVjp(Generic[P, R]):
+class CustomVjp(Wrapped, Generic[P, R]):
     """A function with a custom VJP, made by `treemode.custom_vjp`."""
+
+    transform = "custom_vjp"
 
     def __init__(
         self, fn: Callable[P, R], nondiff_argnums: Sequence[int] = (), graph: bool = False
     ):
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
-        self.fn = fn
+        self._wrap(fn)
         self.nondiff_argnums = tuple(sorted(set(nondiff_argnums)))
         self.graph = graph
         self.fwd: Callable[..., Any] | None = None
@@ -72,9 +73,6 @@ class CustomVjp(Generic[P, R]):
     def fun(self) -> Callable[P, R]:
         """The primal function (Flax's name for `fn`)."""
         return self.fn
-
-    def __repr__(self) -> str:
-        return f"<treemode.custom_vjp of {self.fn!r}>"
 
     def defvjp(
         self,
@@ -124,11 +122,6 @@ class CustomVjp(Generic[P, R]):
         self.fwd = fwd
         self.bwd = bwd
         self.bwd_takes_updates = _takes_updates_g(bwd)
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return self
-        return functools.partial(self, obj)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self.fwd is None or self.bwd is None:

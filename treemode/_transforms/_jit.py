@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
@@ -23,6 +22,7 @@ from ._lifts import refuse_lifts
 from ._names import FLAT_ARGUMENTS, SPLIT_ARGUMENTS, named
 from ._prefix import broadcast_to_dynamic, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED, as_tuple, resolve_argnums, suggests_keywords
+from ._wrapped import Wrapped
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -165,8 +165,10 @@ class _NoExecutor:
 _FastCall: Any = _NoExecutor if TYPE_CHECKING or _compiled.FastCall is None else _compiled.FastCall
 
 
-class JitWrapped(_FastCall, Generic[P, R]):
+class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
     """A function compiled with `treemode.jit`."""
+
+    transform = "jit"
 
     def __init__(
         self,
@@ -186,8 +188,7 @@ class JitWrapped(_FastCall, Generic[P, R]):
         graph: bool = False,
         partial_args: tuple[Any, ...] = (),
     ):
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
-        self.fn = fn
+        self._wrap(fn)
         self.graph = graph
         # Flax's graph-mode prefixes (nnx.prefix(..., graph=True)) made module-shaped.
         self.in_shardings = decode_flax_prefixes(in_shardings, transform="jit", what="in_shardings")
@@ -268,13 +269,6 @@ class JitWrapped(_FastCall, Generic[P, R]):
             " (jax.jit's wrappers cannot be pickled either). Pickle the function itself "
             "and apply treemode.jit again after loading."
         )
-
-    # -- descriptor protocol: methods ------------------------------------------
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return self
-        return functools.partial(self, obj)
 
     # -- calling -----------------------------------------------------------------
 

@@ -8,13 +8,12 @@ same key, so every example draws the same numbers.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 
+from .._errors import user_stacklevel
 from .._tree._specs import DYNAMIC, VarSpec
 
 if TYPE_CHECKING:
@@ -126,19 +125,8 @@ def warn_broadcast_draws(call: Call, variable_axes: Any, updates: Any, in_axes: 
         "None in a module-shaped in_axes (treemode.prefix) or filter "
         "treemode.BroadcastRngsWarning.",
         BroadcastRngsWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside treemode (the user's call)."""
-    package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
-    frame = sys._getframe(1)
-    level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame = frame.f_back
-        level += 1
-    return level
 
 
 def _blanket_none(call: Call, index: int, in_axes: Any) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ from ._metadata import _split_metadata, with_axis_metadata
 from ._names import Stable
 from ._prefix import broadcast_to_leaves, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED, suggests_keywords
+from ._wrapped import Wrapped
 
 
 class Carry:
@@ -191,8 +191,10 @@ class _Entry:
         self.step = step  # handed to jax.lax.scan: the same object on every call
 
 
-class ScanWrapped:
+class ScanWrapped(Wrapped):
     """A function scanned with `treemode.scan`."""
+
+    transform = "scan"
 
     def __init__(
         self,
@@ -206,8 +208,7 @@ class ScanWrapped:
         transform_metadata: Mapping[str, Any] | None,
         graph: bool,
     ):
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
-        self.fn = fn
+        self._wrap(fn)
         self.length = length
         self.reverse = reverse
         self.unroll = unroll
@@ -273,14 +274,6 @@ class ScanWrapped:
                 graph,
             ),
         )
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return self
-        return functools.partial(self, obj)
-
-    def __repr__(self) -> str:
-        return f"<treemode.scan of {self.fn!r}>"
 
     def clear_cache(self) -> None:
         """Drop the traced steps of this function (shared by its scan wrappers with

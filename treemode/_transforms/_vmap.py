@@ -10,7 +10,6 @@ resolve and check the specification and which JAX transform to call.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
@@ -26,6 +25,7 @@ from ._names import named
 from ._prefix import decode_flax_prefixes, graph_output_prefix
 from ._rng_hints import warn_broadcast_draws
 from ._signature import suggests_keywords
+from ._wrapped import Wrapped
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -47,7 +47,7 @@ def _whole(out: Any) -> Any:
     return out
 
 
-class MappedWrapper:
+class MappedWrapper(Wrapped):
     """Base of the wrappers returned by ``vmap``, ``pmap`` and ``shard_map``."""
 
     transform = "vmap"
@@ -67,8 +67,7 @@ class MappedWrapper:
         donate_argnums: frozenset[int] = frozenset(),
         transform_metadata: Mapping[str, Any] | None = None,
     ):
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
-        self.fn = fn
+        self._wrap(fn)
         in_what, out_what = self.spec_names
         # Flax's graph-mode prefixes (nnx.prefix(..., graph=True)) made module-shaped.
         self.in_axes = decode_flax_prefixes(in_axes, transform=self.transform, what=in_what)
@@ -83,14 +82,6 @@ class MappedWrapper:
             check_metadata(self.metadata, self.transform)
         # Per wrapper; `VmapWrapped` shares it between wrappers of one function.
         self._cache: TraceCache[_Entry] = TraceCache()
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return self
-        return functools.partial(self, obj)
-
-    def __repr__(self) -> str:
-        return f"<treemode.{self.transform} of {self.fn!r}>"
 
     # -- hooks for subclasses -----------------------------------------------------
 
