@@ -60,24 +60,35 @@ def run(
     ``layout`` says how an executable with donated arrays takes them (see
     `raise_explained`).
     """
-    pairs = ((pure, call),) if isinstance(pure, PureFunction) else pure
-    for p, c in pairs:
-        p.bind(c)
-    try:
-        out, writes = jax_call()
-    except EXPLAINED_OR_NAMING as e:
-        raise_explained(call, e, layout)
-    finally:
-        for p, _ in pairs:
-            p.bind(None)
+    if isinstance(pure, PureFunction):  # one trace (most transforms): bound directly
+        binding = pure.binding
+        binding.call = call
+        try:
+            out, writes = jax_call()
+        except EXPLAINED_OR_NAMING as e:
+            raise_explained(call, e, layout)
+        finally:
+            binding.call = None
+        first: Any = pure
+    else:
+        for p, c in pure:
+            p.bind(c)
+        try:
+            out, writes = jax_call()
+        except EXPLAINED_OR_NAMING as e:
+            raise_explained(call, e, layout)
+        finally:
+            for p, _ in pure:
+                p.bind(None)
+        first = pure[0][0] if pure else None
     if writes is not None:
         kind = type(writes)
-        if kind is WriteBacks:
-            write_all(writes)
-        elif kind is WriteBack:
+        if kind is WriteBack:
             write_back(*writes)
+        elif kind is WriteBacks:
+            write_all(writes)
         else:
-            write_back(call, writes, pairs[0][0].record.metadata_updates)
+            write_back(call, writes, first.record.metadata_updates)
     return _graph.from_tree(out) if finish and call.graph else out
 
 
