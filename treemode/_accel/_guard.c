@@ -1384,6 +1384,36 @@ deliver_deferred(void)
     return PyErr_CheckSignals();
 }
 
+/* The exception set, fetched as one normalized object with its traceback. */
+static PyObject *
+fetch_error(void)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != NULL && value != NULL)
+        PyException_SetTraceback(value, traceback);
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    return value;
+}
+
+/* Raises `error` (stolen) again, with its traceback. */
+static void
+restore_error(PyObject *error)
+{
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(error)), error, PyException_GetTraceback(error));
+}
+
+/* The exception set now gets `context` (stolen) as its context. */
+static void
+chain(PyObject *context)
+{
+    PyObject *raised = fetch_error();
+    PyException_SetContext(raised, context);
+    restore_error(raised);
+}
+
 /* Ends the hold `token` (stolen; None: there was none): the original handlers
  * back, then the held signals delivered. An exception already set stays the
  * one raised, unless a handler raises: that one is raised, with the first as
@@ -1391,8 +1421,7 @@ deliver_deferred(void)
 static int
 release_signals(PyObject *token)
 {
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *pending = PyErr_Occurred() ? fetch_error() : NULL;
     int released = 0;
     if (token != Py_None) {
         Py_ssize_t n = PyList_GET_SIZE(hold_open);
@@ -1409,36 +1438,13 @@ release_signals(PyObject *token)
     }
     Py_DECREF(token);
     if (released == 0) {
-        PyErr_Restore(type, value, traceback);
-        return type == NULL ? 0 : -1;
+        if (pending != NULL)
+            restore_error(pending);
+        return pending == NULL ? 0 : -1;
     }
-    if (type != NULL) {
-        PyErr_NormalizeException(&type, &value, &traceback);
-        if (traceback != NULL)
-            PyException_SetTraceback(value, traceback);
-        PyObject *type2, *value2, *traceback2;
-        PyErr_Fetch(&type2, &value2, &traceback2);
-        PyErr_NormalizeException(&type2, &value2, &traceback2);
-        PyException_SetContext(value2, value); /* steals `value` */
-        PyErr_Restore(type2, value2, traceback2);
-        Py_XDECREF(type);
-        Py_XDECREF(traceback);
-    }
+    if (pending != NULL)
+        chain(pending);
     return -1;
-}
-
-/* The exception set, fetched as one normalized object with its traceback. */
-static PyObject *
-fetch_error(void)
-{
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyErr_NormalizeException(&type, &value, &traceback);
-    if (traceback != NULL && value != NULL)
-        PyException_SetTraceback(value, traceback);
-    Py_XDECREF(type);
-    Py_XDECREF(traceback);
-    return value;
 }
 
 /* Executes `r` on `args`: the call's output; or NULL with `*error` set to the
@@ -1544,11 +1550,8 @@ done:
     if (token != NULL && release_signals(token) < 0) {
         Py_CLEAR(out); /* a held signal's exception, raised after the write */
         if (*error != NULL) {
-            PyObject *raised = fetch_error();
-            PyException_SetContext(raised, *error); /* steals */
+            chain(*error);
             *error = NULL;
-            PyErr_SetObject((PyObject *)Py_TYPE(raised), raised);
-            Py_DECREF(raised);
         }
     }
     Py_XDECREF(result);
