@@ -456,7 +456,9 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
         if entry.donated:
             _check_donation(call, entry)
-        arrays = entry.args(call.dynamic)
+            arrays = entry.args(call.dynamic)
+        else:
+            arrays = tuple(call.dynamic)
 
         def jax_call() -> tuple[Any, Any]:
             out, updates = executable(*arrays)
