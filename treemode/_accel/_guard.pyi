@@ -1,17 +1,13 @@
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-def configure(layout: tuple[Any, ...], call_path: tuple[Any, ...], /) -> None: ...
+RECORD_VERSION: int
+RECORD_FIELDS: tuple[str, ...]
+CONFIGURE_FIELDS: tuple[str, ...]
+GUARD_STATE_FIELDS: tuple[str, ...]
+
+def configure(**fields: Any) -> None: ...
 def holds(state: tuple[Any, ...], variables: Sequence[Any], top: Any, /) -> bool: ...
-def match_into(
-    slots: tuple[Any, ...],
-    objs: Sequence[Any],
-    dynamic: list[Any],
-    sources: list[Any],
-    array_types: set[type],
-    slow: Callable[[Any, Any], list[Any] | None],
-    /,
-) -> bool: ...
 def reads_hold(
     reads: tuple[tuple[Any, ...], ...],
     kinds: dict[type, int],
@@ -21,25 +17,31 @@ def reads_hold(
     /,
 ) -> bool: ...
 def write_changed(variables: Sequence[Any], updates: Sequence[Any], /) -> int: ...
+def version_tags(containers: Sequence[Any], /) -> bytes | None: ...
 
-class SiteCallFields:
-    site: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    dynamic: Sequence[Any]
-    sources: list[Any]
-    _full: Any
+class Guarded:
+    arg: Any
+    state: tuple[Any, ...]
+    variables: tuple[Any, ...]
+    flat: Any
     def __init__(
-        self,
-        site: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        dynamic: Sequence[Any],
-        sources: list[Any],
+        self, arg: Any, state: tuple[Any, ...], variables: tuple[Any, ...], flat: Any
     ) -> None: ...
 
-class MemoCall:
-    _memo: Any
-    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+class FastRecord:
+    slots: tuple[Any, ...]
+    partial_args: tuple[Any, ...]
+    kw_names: tuple[str, ...]
+    closure_reads: tuple[tuple[Any, ...], ...]
+    closure_holders: tuple[Any, ...]
+    lifted_slots: tuple[Any, ...]
+    jitted: Any
+    donated: tuple[int, ...] | None
+    kept: tuple[int, ...] | None
+    trace: Any
+    def __init__(self, **fields: Any) -> None: ...
 
-def version_tags(containers: Sequence[Any], /) -> bytes | None: ...
+class FastCall:
+    _record: FastRecord | None
+    _miss: Any
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
