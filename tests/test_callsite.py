@@ -357,7 +357,7 @@ def test_many_variables_through_the_memo(matcher):
     np.testing.assert_allclose(m.ws[69][...], np.full(2, 72.0))
 
 
-def _no_miss(error, args, kwargs):
+def _no_miss(wrapper, error, args, kwargs):
     raise AssertionError(f"missed: {error!r}")
 
 
@@ -547,11 +547,10 @@ def test_keyword_arguments_and_bound_arguments_run_the_record(matcher):
     assert int(m.count[...]) == 3
     if matcher == "record":
         missed: list[object] = []
-        real = f._on_miss
 
-        def miss(error, args, kwargs):
+        def miss(wrapper, error, args, kwargs):
             missed.append(kwargs)
-            return real(error, args, kwargs)
+            return wrapper._on_miss(error, args, kwargs)
 
         f._miss = miss
         f(m, jnp.ones(3))  # positional where the record has a keyword: a miss
@@ -563,3 +562,20 @@ def test_keyword_arguments_and_bound_arguments_run_the_record(matcher):
         bound(x=jnp.ones(3))
     assert (bound._record is not None) == (matcher == "record")
     assert int(n.count[...]) == (4 if matcher == "record" else 3)
+
+
+def test_a_wrapper_with_a_record_is_freed_without_the_garbage_collector(matcher):
+    # The executor's miss is held as a function, not a bound method: no cycle.
+    f = treemode.jit(_step)
+    m = Counter()
+    f(m, jnp.ones(3))
+    f(m, jnp.ones(3))
+    assert (f._record is not None) == (matcher == "record")
+    ref = weakref.ref(f)
+    gc.collect()
+    gc.disable()
+    try:
+        del f
+        assert ref() is None
+    finally:
+        gc.enable()

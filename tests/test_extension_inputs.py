@@ -104,7 +104,7 @@ def test_an_executed_record_with_a_malformed_guard_state_raises(extension):
         pass
 
     f = Fn()
-    f._miss = lambda error, args, kwargs: "missed"
+    f._miss = lambda self, error, args, kwargs: "missed"
     f._record = extension.FastRecord(
         **_record_fields(slots=(weakref.ref(guarded),), trace=_compat.current_trace_ref())
     )
@@ -238,7 +238,7 @@ def test_fast_call_misses_without_a_record_or_with_anything_else(extension):
     f._miss = 3
     with pytest.raises(TypeError):
         f(1)  # not callable
-    f._miss = lambda error, args, kwargs: seen.append((error, args, kwargs)) or "missed"
+    f._miss = lambda self, error, args, kwargs: seen.append((error, args, kwargs)) or "missed"
     assert f._record is None and f(1, k=2) == "missed"
     f._record = ("not", "a", "record")
     assert f(2) == "missed"

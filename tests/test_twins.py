@@ -245,11 +245,9 @@ def test_the_executor_decides_as_the_pipelines_memo(tree, calls):
         missed: list[Any] = []
         real_miss = f._miss
 
-        def miss(
-            error: Any, args: Any, kwargs: Any, real: Any = real_miss, seen: Any = missed
-        ) -> Any:
+        def miss(wrapper: Any, error: Any, args: Any, kwargs: Any, seen: Any = missed) -> Any:
             seen.append(error)
-            return real(error, args, kwargs)
+            return wrapper._on_miss(error, args, kwargs)
 
         f._miss = miss
         before = _snapshot_values(tree)

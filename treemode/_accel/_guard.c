@@ -1111,7 +1111,7 @@ write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
  * arguments and the closure's objects, call the compiled entry, write the new
  * values. Every doubt (a mismatch, a shared donated buffer, a trace JAX must
  * make, an unusual signal-hold state, other keyword names) is a miss, handed to
- * the one Python callback, `miss(error, args, kwargs)`: `error` is None, or
+ * the one Python callback, `miss(self, error, args, kwargs)`: `error` is None, or
  * the exception the compiled entry raised. */
 
 #define RECORD_VERSION 1
@@ -1566,7 +1566,8 @@ done:
 }
 
 /* FastCall: the base of a callable whose calls execute its `_record` (None,
- * or a FastRecord), and go to `_miss(error, args, kwargs)` otherwise. */
+ * or a FastRecord), and go to `_miss(self, error, args, kwargs)` otherwise
+ * (`_miss` is a function, not a bound method: no reference cycle). */
 typedef struct {
     PyObject_HEAD
     PyObject *record;
@@ -1590,8 +1591,8 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_TypeError, "FastCall: no miss callback was set");
         return NULL;
     }
-    PyObject *call_args[3] = {error ? error : Py_None, args, kwargs ? kwargs : Py_None};
-    PyObject *result = PyObject_Vectorcall(f->miss, call_args, 3, NULL);
+    PyObject *call_args[4] = {self, error ? error : Py_None, args, kwargs ? kwargs : Py_None};
+    PyObject *result = PyObject_Vectorcall(f->miss, call_args, 4, NULL);
     Py_XDECREF(error);
     return result;
 }
@@ -1625,7 +1626,7 @@ static PyMemberDef fast_call_members[] = {
     {"_record", T_OBJECT, offsetof(FastCallObject, record), 0,
      "None, or the FastRecord a call executes (anything else: every call misses)"},
     {"_miss", T_OBJECT, offsetof(FastCallObject, miss), 0,
-     "miss(error, args, kwargs): runs a call the record does not"},
+     "miss(self, error, args, kwargs): runs a call the record does not"},
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -237,7 +237,10 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         # `_call`), and whether the memo still has to emit it (after a call ran).
         self._record: Any = None
         self._record_due = False
-        self._miss = self._on_miss  # the executor's one callback
+        if _compiled.FastCall is not None:
+            # The executor's one callback, called with the wrapper first: a function,
+            # not a bound method, so the wrapper makes no reference cycle.
+            self._miss = type(self)._on_miss
 
     def __copy__(self) -> JitWrapped[P, R]:
         """``copy.copy``: a wrapper of the same function sharing its compiled entries."""
