@@ -819,24 +819,17 @@ match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *variables)
     return result == 2 ? 0 : result;
 }
 
-/* The object a holder of the closure snapshot gives (a weak reference or a
- * strong holder, both called with no arguments): a new reference, or NULL
- * (no exception) if it is gone. */
+/* The object a holder of the closure snapshot gives (a weak reference, or a
+ * 1-tuple for an object that cannot be weakly referenced): a new reference,
+ * or NULL (no exception) if it is gone or the holder is neither. */
 static PyObject *
 held(PyObject *holder)
 {
     if (PyWeakref_CheckRef(holder))
         return referent(holder);
-    PyObject *obj = PyObject_CallNoArgs(holder);
-    if (obj == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    if (obj == Py_None) {
-        Py_DECREF(obj);
-        return NULL;
-    }
-    return obj;
+    if (PyTuple_Check(holder) && PyTuple_GET_SIZE(holder) == 1)
+        return Py_NewRef(PyTuple_GET_ITEM(holder, 0));
+    return NULL;
 }
 
 /* Whether getattr(obj, name, None) is `expected`. */

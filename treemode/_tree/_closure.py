@@ -297,16 +297,20 @@ def _forget(ref: _Ref) -> None:
         _snapshots.pop(ref.key, None)
 
 
-class _Strong:
-    """A holder for an object that cannot be weakly referenced (a Variable)."""
+class _Strong(tuple[Any]):
+    """A holder for an object that cannot be weakly referenced (a Variable).
 
-    __slots__ = ("obj",)
+    A 1-tuple, so the compiled code reads the object without calling Python;
+    called like a weak reference, it gives the object.
+    """
 
-    def __init__(self, obj: Any):
-        self.obj = obj
+    __slots__ = ()
+
+    def __new__(cls, obj: Any) -> _Strong:
+        return super().__new__(cls, (obj,))
 
     def __call__(self) -> Any:
-        return self.obj
+        return self[0]
 
 
 def _hold(obj: Any) -> Any:
