@@ -75,11 +75,10 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     )
 
     snap = site.snapshot
-    args = _closure.read_check_args()
     rows.append(
         (
             "reads_hold (closure reads)",
-            per_call_us(lambda: guard.reads_hold(snap.reads, *args)),
+            per_call_us(lambda: guard.reads_hold(snap.reads)),
             _python(snap.still_valid, g)(),
         )
     )

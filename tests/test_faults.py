@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 import treemode
 from treemode import _compat
+from treemode._pipeline import _callsite
 
 
 class Model(nnx.Module):
@@ -675,6 +676,36 @@ def test_a_fault_inside_the_write_of_a_matched_call_leaves_inputs(implementation
     f(m, jnp.ones(2))
     np.testing.assert_allclose(m.a[...], np.full(2, 4.0))
     np.testing.assert_allclose(m.b[...], np.full(2, 4.0))
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["record", "pipeline"])
+def test_a_refused_write_after_a_donated_call_is_finished(
+    implementation, refusing, record, monkeypatch
+):
+    # The call consumed the old buffers: undoing the write would leave deleted
+    # arrays behind. The write is finished instead (the refusing Variable's value
+    # goes into its slot) and the refusal is raised.
+    if not record:
+        monkeypatch.setattr(_callsite, "fast_record", lambda *args: None)
+    f = treemode.jit(_bump, donate_argnums=0)
+    m = Refusing()
+    for _ in range(3):
+        f(m, jnp.ones(2))
+    executed_in_c = f._record is not None
+    assert executed_in_c == (implementation == "compiled" and record)
+    old = [m.a.get_raw_value(), m.b.get_raw_value()]
+    refusing.refuse = True
+    with pytest.raises(CheckFault, match="refused") as raised:
+        f(m, jnp.ones(2))
+    frames = [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
+    assert ("write_back" in frames) != executed_in_c, frames
+    assert all(x.is_deleted() for x in old)
+    for v in (m.a, m.b):
+        assert not v.get_raw_value().is_deleted()
+        np.testing.assert_allclose(v[...], np.full(2, 4.0))  # the fourth step, whole
+    refusing.refuse = False
+    f(m, jnp.ones(2))
+    np.testing.assert_allclose(m.b[...], np.full(2, 5.0))
 
 
 def test_interrupted_donated_write_back_leaves_the_new_values(hooks):

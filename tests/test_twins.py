@@ -288,7 +288,6 @@ def test_reads_hold_decides_as_its_python_twin(n_globals, n_cells, changes):
     snapshot = _closure.closure_snapshot(fn)
     if snapshot is None:
         return
-    kinds, ignore, empty, ignored = _closure.read_check_args()
     for change in changes:
         if change == "global" and n_globals:
             namespace["g0"] = nnx.Linear(1, 1, rngs=nnx.Rngs(99))
@@ -298,7 +297,7 @@ def test_reads_hold_decides_as_its_python_twin(n_globals, n_cells, changes):
             fn.__closure__[0].cell_contents = nnx.Linear(1, 1, rngs=nnx.Rngs(98))
         elif change == "code":
             fn.__code__ = fn.__code__.replace(co_name="f")  # another code object
-        compiled = COMPILED.reads_hold(snapshot.reads, kinds, ignore, empty, ignored)
+        compiled = COMPILED.reads_hold(snapshot.reads)
         python = _closure.reads_hold_python(snapshot.reads)
         assert compiled == python, change
 

@@ -1,30 +1,20 @@
 /* treemode's optional compiled extension (imported only by treemode/_accel/_compiled.py).
  *
- * Two kinds of code live here:
+ * Kernels, each with a Python twin bound to it by tests/test_twins.py (the
+ * flattening guard `holds`/`version_tags`, the closure-read check
+ * `reads_hold`, the bulk write `write_changed`), and the executor of the
+ * fast-path record the Python pipeline emits (`FastRecord`, run by `FastCall`;
+ * every doubt goes back to Python through one callback, the miss). Nothing here
+ * reads a private Flax or JAX name, nor an attribute of treemode's objects by
+ * name: `configure` hands over, once and by keyword, what treemode/_compat.py
+ * verified and the signal hold's objects; the record and the cached flattenings
+ * (`Guarded`) are C structures. docs/contributing.md describes both kinds.
  *
- * - kernels, each with a Python twin bound to it by tests/test_twins.py: the
- *   flattening guard (`holds`, `version_tags`), the call-site match
- *   (twin `_callsite.match_into`), the closure-read check (`reads_hold`) and the bulk write
- *   (`write_changed`);
- * - the executor of the fast-path record (`FastRecord`, `FastCall`): the
- *   Python pipeline decides how a repeated `treemode.jit` call runs and emits
- *   one record; `FastCall` executes it with those kernels, and hands every
- *   doubt back to Python through one callback, the miss.
- *
- * Nothing here knows a private Flax or JAX name: `configure` receives, once,
- * the Variable slots and JAX trace state that treemode/_compat.py verified,
- * and the objects of the signal hold (treemode/_pipeline/_interrupts.py).
- * No attribute of treemode's own objects is read by name: the record, the
- * cached flattenings the executor matches (`Guarded`) and the configuration
- * are C structures or keyword-checked arguments.
- *
- * The guard: a cached flattening of an argument stays valid while every
- * container it walked through still holds the very same objects. `_Guard` in
- * treemode/_tree/_flatten.py snapshots those containers; `holds` compares the
- * snapshot with their current contents by pointer, in one pass, without
- * calling any Python code except one attribute read per Variable. The saved
- * snapshot keeps every saved object alive, so equal pointers mean the same
- * object.
+ * The guard: a cached flattening stays valid while every container it walked
+ * through still holds the very same objects; `holds` compares the snapshot
+ * `_Guard` (treemode/_tree/_flatten.py) saved with the current contents by
+ * pointer, calling no Python code but one attribute read per Variable. The
+ * snapshot keeps every saved object alive, so equal pointers mean the same object.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -509,17 +499,8 @@ state_holds(PyObject *state, PyObject *variables, PyObject *top)
 
 PyDoc_STRVAR(holds_doc,
 "holds(state, variables, top) -> bool\n\n"
-"Whether the objects and Variables of a flattening snapshot are unchanged.\n\n"
-"state: (sized, lens, dicts, values, ordered, items, metadata, metadata_entries,\n"
-"nodes, node_types, owners, owner_dicts, variable_types, top_type, top_dict),\n"
-"built by treemode._tree._flatten._Guard (then, where the interpreter has them, three\n"
-"version tags): the dicts/lists whose lengths are checked and those lengths;\n"
-"the dicts whose values are checked and all those values; the plain dicts/lists\n"
-"whose iteration is checked and all those items; per Variable its metadata dict\n"
-"and that dict's entries (k0, v0, k1, v1, ...); the objects whose type is\n"
-"checked and those types; the objects whose __dict__ is checked and those\n"
-"dicts; the Variables' types; the type and __dict__ of `top`, the top-level\n"
-"argument (None: not checked). Every comparison is by identity.");
+"Whether the objects and Variables of a flattening snapshot are unchanged (the\n"
+"state's fields: GUARD_STATE_FIELDS, built by treemode._tree._flatten._Guard).");
 
 static PyObject *
 holds(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
@@ -561,99 +542,23 @@ referent(PyObject *ref)
 #endif
 }
 
-/* References gathered while matching, in order: a buffer on the C stack that
- * becomes a tuple or a list once the count is known (no list regrowth, and the
- * arrays reach JAX without another copy). Holds new references. */
-#define GATHERED_INLINE 32
-typedef struct {
-    PyObject **items;
-    Py_ssize_t n, cap;
-    PyObject *inline_items[GATHERED_INLINE];
-} Gathered;
-
-static void
-gathered_init(Gathered *g)
-{
-    g->items = g->inline_items;
-    g->n = 0;
-    g->cap = GATHERED_INLINE;
-}
-
+/* Appends `var`'s `_raw_value` to `out`: 1, 0 if it has none, -1 on error. */
 static int
-gathered_push(Gathered *g, PyObject *obj)
-{
-    if (g->n == g->cap) {
-        Py_ssize_t cap = g->cap * 2;
-        PyObject **items;
-        if (g->items == g->inline_items) {
-            items = PyMem_New(PyObject *, cap);
-            if (items != NULL)
-                memcpy(items, g->inline_items, g->n * sizeof(PyObject *));
-        }
-        else { /* (PyMem_Resize would overwrite g->items with NULL on failure) */
-            items = (PyObject **)PyMem_Realloc(g->items, cap * sizeof(PyObject *));
-        }
-        if (items == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        g->items = items;
-        g->cap = cap;
-    }
-    Py_INCREF(obj);
-    g->items[g->n++] = obj;
-    return 0;
-}
-
-static void
-gathered_release(Gathered *g)
-{
-    Py_ssize_t n = g->n;
-    g->n = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        Py_DECREF(g->items[i]);
-    if (g->items != g->inline_items)
-        PyMem_Free(g->items);
-    gathered_init(g);
-}
-
-/* The gathered references as a new tuple (as_list 0) or list; empties `g`. */
-static PyObject *
-gathered_take(Gathered *g, int as_list)
-{
-    PyObject *out = as_list ? PyList_New(g->n) : PyTuple_New(g->n);
-    if (out == NULL) {
-        gathered_release(g);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < g->n; i++) {
-        if (as_list)
-            PyList_SET_ITEM(out, i, g->items[i]);
-        else
-            PyTuple_SET_ITEM(out, i, g->items[i]);
-    }
-    g->n = 0; /* the references moved into `out` */
-    gathered_release(g);
-    return out;
-}
-
-/* Gathers `var`'s `_raw_value`: 1, 0 if it has none, -1 on error. */
-static int
-gather_raw_value(Gathered *out, PyObject *var)
+gather_raw_value(PyObject *out, PyObject *var)
 {
     Py_ssize_t offset = raw_value_offset(Py_TYPE(var));
     if (offset >= 0) {
         PyObject *value = *(PyObject **)((char *)var + offset); /* borrowed; NULL if unset */
-        return value == NULL ? 0 : (gathered_push(out, value) < 0 ? -1 : 1);
+        return value == NULL ? 0 : (PyList_Append(out, value) < 0 ? -1 : 1);
     }
     PyObject *value = PyObject_GetAttr(var, raw_value_name);
     if (value == NULL) {
         PyErr_Clear();
         return 0;
     }
-    int pushed = gathered_push(out, value);
+    int appended = PyList_Append(out, value);
     Py_DECREF(value);
-    return pushed < 0 ? -1 : 1;
+    return appended < 0 ? -1 : 1;
 }
 
 /* ---- Guarded: a cached flattening, as the executor reads it ----
@@ -759,11 +664,11 @@ bare_array(PyObject *obj)
 }
 
 /* A Guarded against the object passed: 1 matched (its Variables' values
- * pushed to `dynamic`, the Variables to `variables`), 0 not, 2
- * undecided (a value is no longer an array of a known type: a Python number,
- * or a layout change), -1 error. */
+ * appended to `dynamic`, the Variables to `variables`), 0 not (also where a
+ * value is no longer an array of a known type: a Python number, or a layout
+ * change), -1 error. */
 static int
-match_guarded(GuardedObject *g, PyObject *obj, Gathered *dynamic, Gathered *variables)
+match_guarded(GuardedObject *g, PyObject *obj, PyObject *dynamic, PyObject *variables)
 {
     PyObject *arg = referent(g->arg);
     Py_XDECREF(arg); /* only compared */
@@ -772,42 +677,34 @@ match_guarded(GuardedObject *g, PyObject *obj, Gathered *dynamic, Gathered *vari
     int result = state_holds(g->state, g->variables, obj);
     if (result != 1)
         return result;
-    Py_ssize_t start = dynamic->n;
+    Py_ssize_t n = PyTuple_GET_SIZE(g->variables);
     PyTypeObject *seen_type = NULL; /* the last type found in `cfg_array_types` */
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g->variables); i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         result = gather_raw_value(dynamic, PyTuple_GET_ITEM(g->variables, i));
         if (result != 1)
             return result;
-        PyTypeObject *type = Py_TYPE(dynamic->items[dynamic->n - 1]);
+        PyTypeObject *type = Py_TYPE(PyList_GET_ITEM(dynamic, PyList_GET_SIZE(dynamic) - 1));
         if (type == seen_type)
             continue;
         int known = PySet_Contains(cfg_array_types, (PyObject *)type);
-        if (known < 0)
-            return -1;
-        if (!known) {
-            while (dynamic->n > start)
-                Py_DECREF(dynamic->items[--dynamic->n]);
-            return 2;
-        }
+        if (known != 1)
+            return known;
         seen_type = type;
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g->variables); i++) {
-        if (gathered_push(variables, PyTuple_GET_ITEM(g->variables, i)) < 0)
-            return -1;
-    }
-    return 1;
+    Py_ssize_t end = PyList_GET_SIZE(variables);
+    return PyList_SetSlice(variables, end, end, g->variables) < 0 ? -1 : 1;
 }
 
-/* One object against its record slot: 1 matched (its arrays pushed to
+/* One object against its record slot: 1 matched (its arrays appended to
  * `dynamic`, its Variables to `variables`), 0 not (a miss), -1 error. A slot is
  * None (a bare array) or a weak reference to a `Guarded`; a value that is no
  * longer an array of a known type is a miss too. */
 static int
-match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *variables)
+match_one(PyObject *slot, PyObject *obj, PyObject *dynamic, PyObject *variables)
 {
     if (slot == Py_None) {
         int known = bare_array(obj);
-        return known != 1 ? known : (gathered_push(dynamic, obj) < 0 ? -1 : 1);
+        return known != 1 ? known : (PyList_Append(dynamic, obj) < 0 ? -1 : 1);
     }
     PyObject *held_obj = referent(slot); /* the record checked: a weak reference */
     if (held_obj == NULL)
@@ -816,7 +713,7 @@ match_one(PyObject *slot, PyObject *obj, Gathered *dynamic, Gathered *variables)
                      ? match_guarded((GuardedObject *)held_obj, obj, dynamic, variables)
                      : 0;
     Py_DECREF(held_obj);
-    return result == 2 ? 0 : result;
+    return result;
 }
 
 /* The object a holder of the closure snapshot gives (a weak reference, or a
@@ -847,8 +744,7 @@ attribute_is(PyObject *obj, PyObject *name, PyObject *expected)
 
 /* Whether the cells of the function behind `holder` hold `contents`. */
 static int
-same_cells(PyObject *holder, PyObject *contents, PyObject *kinds, PyObject *ignore,
-           PyObject *empty, PyObject *ignored)
+same_cells(PyObject *holder, PyObject *contents)
 {
     PyObject *f = held(holder);
     if (f == NULL)
@@ -868,18 +764,18 @@ same_cells(PyObject *holder, PyObject *contents, PyObject *kinds, PyObject *igno
         }
         PyObject *current = PyCell_GET(cell); /* borrowed; NULL if empty */
         PyObject *expected = PyTuple_GET_ITEM(contents, i);
-        if (expected == empty) {
+        if (expected == cfg_empty) {
             same = current == NULL;
         }
-        else if (expected == ignored) {
+        else if (expected == cfg_ignored) {
             /* Still a value of an ignored type (not kept, so not compared). */
             if (current == NULL) {
                 same = 0;
             }
             else {
-                PyObject *kind = PyDict_GetItemWithError(kinds, (PyObject *)Py_TYPE(current));
+                PyObject *kind = PyDict_GetItemWithError(cfg_kinds, (PyObject *)Py_TYPE(current));
                 same = kind == NULL ? (PyErr_Occurred() ? -1 : 0)
-                                    : PyObject_RichCompareBool(kind, ignore, Py_EQ);
+                                    : PyObject_RichCompareBool(kind, cfg_ignore, Py_EQ);
             }
         }
         else {
@@ -893,23 +789,16 @@ same_cells(PyObject *holder, PyObject *contents, PyObject *kinds, PyObject *igno
 }
 
 PyDoc_STRVAR(reads_hold_doc,
-"reads_hold(reads, kinds, ignore, empty, ignored) -> bool\n\n"
-"Whether every read behind a cached closure search (treemode._tree._closure) still\n"
-"gives the same object. `reads` is (dicts, names, values, functions, codes,\n"
-"cells, attrs): dicts[i].get(names[i]) must be values[i]; each function\n"
-"holder's function must still have its code; each (function holder,\n"
-"contents) pair's cells must hold `contents` (`empty`: an empty cell;\n"
-"`ignored`: any value whose type `kinds` maps to `ignore`; else a holder of the\n"
-"object); each (owner, name, value) must still be getattr(owner, name, None).");
+"reads_hold(reads) -> bool\n\n"
+"Whether every read of a closure search still gives the same object (twin:\n"
+"treemode._tree._closure.reads_hold_python; `reads` is a _Snapshot's).");
 
 /* What `reads_hold` answers: 1, 0, or -1 with an exception set. */
 static int
-closure_reads_hold(PyObject *reads, PyObject *kinds, PyObject *ignore, PyObject *empty,
-                   PyObject *ignored)
+closure_reads_hold(PyObject *reads)
 {
-    if (!PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) != 7 || !PyDict_Check(kinds)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "reads_hold(reads: 7-tuple, kinds: dict, ignore, empty, ignored)");
+    if (!PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) != 7) {
+        PyErr_SetString(PyExc_TypeError, "reads_hold(reads): reads is a 7-tuple");
         return -1;
     }
     for (Py_ssize_t i = 0; i < 7; i++) {
@@ -956,8 +845,7 @@ closure_reads_hold(PyObject *reads, PyObject *kinds, PyObject *ignore, PyObject 
             PyErr_SetString(PyExc_TypeError, "reads_hold: a cell read is (holder, contents)");
             return -1;
         }
-        ok = same_cells(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), kinds, ignore,
-                        empty, ignored);
+        ok = same_cells(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1));
     }
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(attrs); i++) {
         PyObject *triple = PyTuple_GET_ITEM(attrs, i);
@@ -972,16 +860,10 @@ closure_reads_hold(PyObject *reads, PyObject *kinds, PyObject *ignore, PyObject 
 }
 
 static PyObject *
-reads_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+reads_hold(PyObject *Py_UNUSED(module), PyObject *reads)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "reads_hold takes 5 arguments");
-        return NULL;
-    }
-    int ok = closure_reads_hold(args[0], args[1], args[2], args[3], args[4]);
-    if (ok < 0)
-        return NULL;
-    return PyBool_FromLong(ok);
+    int ok = configured() ? closure_reads_hold(reads) : -1;
+    return ok < 0 ? NULL : PyBool_FromLong(ok);
 }
 
 /* Sets `var._raw_value` to `value` (a new reference is taken) and appends
@@ -1146,36 +1028,34 @@ static PyObject *
 record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *version = NULL, *f[RECORD_OBJECTS] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOOOOOOOOO:FastRecord", record_fields,
-                                     &version, &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6],
-                                     &f[7], &f[8], &f[9]))
+    PyTypeObject *t = &PyTuple_Type;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$O!O!O!O!O!O!O!OOOO:FastRecord", record_fields,
+                                     &PyLong_Type, &version, t, &f[0], t, &f[1], t, &f[2], t,
+                                     &f[3], t, &f[4], t, &f[5], &f[6], &f[7], &f[8], &f[9]))
         return NULL;
     for (int i = -1; i < RECORD_OBJECTS; i++) {
         if ((i < 0 ? version : f[i]) == NULL)
             return PyErr_Format(PyExc_TypeError, "FastRecord: missing field %s",
                                 record_fields[i + 1]);
     }
-    long v = PyLong_Check(version) ? PyLong_AsLong(version) : -1;
-    if (v != RECORD_VERSION)
+    if (PyLong_AsLong(version) != RECORD_VERSION)
         return PyErr_Format(PyExc_ValueError,
                             "FastRecord: a version %R record; this extension executes version %d",
                             version, RECORD_VERSION);
     PyObject *kw_names = f[2], *reads = f[3], *donated = f[7], *kept = f[8];
-    int ok = PyTuple_Check(kw_names) && PyTuple_Check(reads) && PyTuple_GET_SIZE(reads) == 7;
+    int ok = PyTuple_GET_SIZE(reads) == 7 && tuple_of(f[0], 0) && tuple_of(f[5], 0) &&
+             PyTuple_GET_SIZE(f[4]) == PyTuple_GET_SIZE(f[5]) && PyCallable_Check(f[6]) &&
+             ((donated == Py_None && kept == Py_None) || (tuple_of(donated, 1) && tuple_of(kept, 1)));
     for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(kw_names); i++)
         ok = PyUnicode_CheckExact(PyTuple_GET_ITEM(kw_names, i));
     for (Py_ssize_t i = 0; ok && i < 7; i++)
         ok = PyTuple_Check(PyTuple_GET_ITEM(reads, i));
-    if (!ok || !tuple_of(f[0], 0) || !PyTuple_Check(f[1]) || !PyTuple_Check(f[4]) ||
-        !tuple_of(f[5], 0) || PyTuple_GET_SIZE(f[4]) != PyTuple_GET_SIZE(f[5]) ||
-        !PyCallable_Check(f[6]) ||
-        !((donated == Py_None && kept == Py_None) || (tuple_of(donated, 1) && tuple_of(kept, 1)))) {
+    if (!ok) {
         PyErr_SetString(PyExc_TypeError,
-                        "FastRecord(version, slots: tuple of None or weak references, "
-                        "partial_args: tuple, kw_names: tuple of str, closure_reads: 7-tuple of "
-                        "tuples, closure_holders: tuple, lifted_slots: tuple of weak references "
-                        "(one per holder), jitted: callable, donated, kept: both None or both "
-                        "tuples of indices, trace)");
+                        "FastRecord: slots are None or weak references, kw_names str, "
+                        "closure_reads 7 tuples, "
+                        "lifted_slots weak references (one per closure holder), jitted a "
+                        "callable, donated and kept both None or both tuples of indices");
         return NULL;
     }
     RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
@@ -1264,13 +1144,13 @@ pick(PyObject *arrays, PyObject *indices)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t j = PyLong_AsSsize_t(PyTuple_GET_ITEM(indices, i));
-        if (j < 0 || j >= PyTuple_GET_SIZE(arrays)) {
+        if (j < 0 || j >= PyList_GET_SIZE(arrays)) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_IndexError, "treemode: a donation index is out of range");
             Py_DECREF(out);
             return NULL;
         }
-        PyTuple_SET_ITEM(out, i, Py_NewRef(PyTuple_GET_ITEM(arrays, j)));
+        PyTuple_SET_ITEM(out, i, Py_NewRef(PyList_GET_ITEM(arrays, j)));
     }
     return out;
 }
@@ -1440,19 +1320,36 @@ release_signals(PyObject *token)
     return -1;
 }
 
+/* After a donated call a failed write cannot be undone (the old buffers were
+ * consumed): it is finished instead, each new value stored in its Variable's
+ * value slot (a Variable whose own setter refused included); the exception
+ * raised stays the one raised. */
+static void
+finish_write(PyObject *variables, PyObject *updates)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    descrsetfunc set = Py_TYPE(raw_value_member)->tp_descr_set;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(variables); i++) {
+        PyObject *update = PyTuple_GET_ITEM(updates, i);
+        if (update != Py_None && set(raw_value_member, PyList_GET_ITEM(variables, i), update) < 0)
+            PyErr_Clear();
+    }
+    PyErr_Restore(type, value, traceback);
+}
+
 /* Executes `r` on `args`: the call's output; or NULL with `*error` set to the
  * exception the compiled entry raised (the miss explains it); or NULL with an
- * exception set (raised as it is: a failed write, which undid itself); or NULL
- * without either: a miss. */
+ * exception set (raised as it is: a failed write, undone, or finished after a
+ * donated call); or NULL without either: a miss. */
 static PyObject *
 execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
 {
-    PyObject *roots = NULL, *dynamic = NULL, *variables = NULL, *result = NULL, *out = NULL;
-    PyObject *token = NULL, *split[2] = {NULL, NULL};
-    Gathered gathered_dynamic, gathered_variables;
-    gathered_init(&gathered_dynamic);
-    gathered_init(&gathered_variables);
+    PyObject *roots = NULL, *result = NULL, *out = NULL, *token = NULL, *split[2] = {NULL, NULL};
+    PyObject *dynamic = PyList_New(0), *variables = PyList_New(0);
     int ok;
+    if (dynamic == NULL || variables == NULL)
+        goto done;
     /* The roots: the bound arguments, the positional ones, the keyword ones by name. */
     Py_ssize_t n_partial = PyTuple_GET_SIZE(r->partial_args), n_args = PyTuple_GET_SIZE(args);
     Py_ssize_t n_kw = PyTuple_GET_SIZE(r->kw_names);
@@ -1485,30 +1382,25 @@ execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
     if (trace != r->trace)
         goto done;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r->slots); i++) {
-        ok = match_one(PyTuple_GET_ITEM(r->slots, i), PyTuple_GET_ITEM(roots, i),
-                       &gathered_dynamic, &gathered_variables);
+        ok = match_one(PyTuple_GET_ITEM(r->slots, i), PyTuple_GET_ITEM(roots, i), dynamic,
+                       variables);
         if (ok != 1)
             goto done;
     }
-    if (closure_reads_hold(r->closure_reads, cfg_kinds, cfg_ignore, cfg_empty, cfg_ignored) != 1)
+    if (closure_reads_hold(r->closure_reads) != 1)
         goto done;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r->closure_holders); i++) {
         PyObject *obj = held(PyTuple_GET_ITEM(r->closure_holders, i));
         if (obj == NULL)
             goto done; /* the object died */
-        ok = match_one(PyTuple_GET_ITEM(r->lifted_slots, i), obj, &gathered_dynamic,
-                       &gathered_variables);
+        ok = match_one(PyTuple_GET_ITEM(r->lifted_slots, i), obj, dynamic, variables);
         Py_DECREF(obj);
         if (ok != 1)
             goto done;
     }
-    dynamic = gathered_take(&gathered_dynamic, 0);
-    variables = gathered_take(&gathered_variables, 0);
-    if (dynamic == NULL || variables == NULL)
-        goto done;
     if (r->donated == Py_None) {
-        result = PyObject_Vectorcall(r->jitted, &PyTuple_GET_ITEM(dynamic, 0),
-                                     PyTuple_GET_SIZE(dynamic), NULL);
+        result = PyObject_Vectorcall(r->jitted, PySequence_Fast_ITEMS(dynamic),
+                                     PyList_GET_SIZE(dynamic), NULL);
     }
     else {
         split[0] = pick(dynamic, r->donated);
@@ -1530,13 +1422,16 @@ execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
     }
     PyObject *updates = PyTuple_GET_ITEM(result, 1);
     if (updates != Py_None) { /* None: the trace updates nothing */
-        if (!PyTuple_Check(updates) || PyTuple_GET_SIZE(updates) != PyTuple_GET_SIZE(variables)) {
+        if (!PyTuple_Check(updates) || PyTuple_GET_SIZE(updates) != PyList_GET_SIZE(variables)) {
             PyErr_SetString(PyExc_SystemError,
                             "treemode: a compiled entry's updates differ from its record's Variables");
             goto done;
         }
-        if (write_all(variables, updates) < 0)
+        if (write_all(variables, updates) < 0) {
+            if (r->donated != Py_None)
+                finish_write(variables, updates);
             goto done;
+        }
     }
     out = Py_NewRef(PyTuple_GET_ITEM(result, 0));
 done:
@@ -1553,8 +1448,6 @@ done:
     Py_XDECREF(variables);
     Py_XDECREF(dynamic);
     Py_XDECREF(roots);
-    gathered_release(&gathered_dynamic);
-    gathered_release(&gathered_variables);
     return out;
 }
 
@@ -1655,40 +1548,32 @@ object_slot_member(PyObject *descr)
 }
 
 PyDoc_STRVAR(configure_doc,
-"configure(*, raw_value, metadata, trace_state, trace_attr, array_types, closure_kinds,\n"
-"closure_ignore, closure_empty, closure_ignored, hold_open, hold_deferred, hold_plan,\n"
-"signals, getsignal, setsignal, main_thread) -> None\n\n"
-"Set what the C code reads (treemode._accel._compiled.configure). raw_value,\n"
-"metadata: the Variable slots' member descriptors; getattr(trace_state,\n"
-"trace_attr): the current trace's weak reference; array_types: the set of types\n"
-"taken as arrays; closure_*: treemode._tree._closure's read-check arguments;\n"
-"hold_*, signals, getsignal, setsignal, main_thread: the signal hold's state\n"
-"(treemode._pipeline._interrupts).");
+"configure(**fields) -> None\n\n"
+"Set what the C code reads, by keyword (CONFIGURE_FIELDS; documented by\n"
+"treemode._accel._compiled.configure).");
 
 static PyObject *
 configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
 {
     PyObject *f[CONFIGURE_OBJECTS] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOOOOOOOOOOOOOO:configure",
-                                     configure_fields, &f[0], &f[1], &f[2], &f[3], &f[4], &f[5],
-                                     &f[6], &f[7], &f[8], &f[9], &f[10], &f[11], &f[12], &f[13],
-                                     &f[14], &f[15]))
+    PyTypeObject *list = &PyList_Type;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "|$OOOO!O!O!OOOO!O!O!O!OOO!:configure", configure_fields, &f[0], &f[1],
+            &f[2], &PyUnicode_Type, &f[3], &PySet_Type, &f[4], &PyDict_Type, &f[5], &f[6], &f[7],
+            &f[8], list, &f[9], list, &f[10], list, &f[11], &PyTuple_Type, &f[12], &f[13], &f[14],
+            &PyLong_Type, &f[15]))
         return NULL;
     for (int i = 0; i < CONFIGURE_OBJECTS; i++) {
         if (f[i] == NULL)
             return PyErr_Format(PyExc_TypeError, "configure: missing %s", configure_fields[i]);
     }
-    unsigned long main_thread = PyLong_Check(f[15]) ? PyLong_AsUnsignedLong(f[15]) : 0;
+    unsigned long main_thread = PyLong_AsUnsignedLong(f[15]);
     if (PyErr_Occurred())
         return NULL;
-    if (!object_slot_member(f[0]) || !object_slot_member(f[1]) || !PyUnicode_Check(f[3]) ||
-        !PyAnySet_Check(f[4]) || !PyDict_Check(f[5]) || !PyList_Check(f[9]) ||
-        !PyList_Check(f[10]) || !PyList_Check(f[11]) || !PyTuple_Check(f[12]) ||
-        !PyCallable_Check(f[13]) || !PyCallable_Check(f[14]) || !PyLong_Check(f[15])) {
+    if (!object_slot_member(f[0]) || !object_slot_member(f[1]) || !PyCallable_Check(f[13]) ||
+        !PyCallable_Check(f[14])) {
         malformed("configure: raw_value, metadata: object-slot member descriptors; "
-                  "trace_attr: str; array_types: set; closure_kinds: dict; hold_open, "
-                  "hold_deferred, hold_plan: lists; signals: tuple; getsignal, setsignal: "
-                  "callables; main_thread: int");
+                  "getsignal, setsignal: callables");
         return NULL;
     }
     PyObject **targets[CONFIGURE_OBJECTS - 1] = {
@@ -1713,7 +1598,7 @@ static PyMethodDef methods[] = {
      configure_doc},
     {"holds", (PyCFunction)(void (*)(void))holds, METH_FASTCALL, holds_doc},
     {"version_tags", (PyCFunction)version_tags, METH_O, version_tags_doc},
-    {"reads_hold", (PyCFunction)(void (*)(void))reads_hold, METH_FASTCALL, reads_hold_doc},
+    {"reads_hold", (PyCFunction)reads_hold, METH_O, reads_hold_doc},
     {"write_changed", (PyCFunction)(void (*)(void))write_changed, METH_FASTCALL,
      write_changed_doc},
     {NULL, NULL, 0, NULL},

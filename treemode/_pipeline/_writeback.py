@@ -80,7 +80,12 @@ def write_back(
         # The common case, in one C pass: new values only, with the default hook.
         if any(map(operator.is_not, updates, repeat(None))):
             check_writable(call, updates)
-            _write_changed(call.variables, updates)
+            try:
+                _write_changed(call.variables, updates)
+            except BaseException:  # undone: the old values are back, unless they are gone
+                if _any_deleted(list(map(_raw_value_of, call.variables))):
+                    _finish(call.variables, updates)
+                raise
         return
     changed = list(map(operator.is_not, updates, repeat(None)))
     if not metadata_updates and not any(changed):
@@ -108,8 +113,7 @@ def write_back(
         if _any_deleted(old_values):
             # The call donated the old buffers and they are gone: the only whole
             # state left to give is the new one, so the write is finished instead.
-            for var, value in zip(targets, values, strict=True):
-                _setattr(var, _compat.RAW_VALUE, value)
+            _finish(targets, values)
             if metadata_updates:
                 for var, metadata in zip(meta_targets, metadata_updates.values(), strict=True):
                     _setattr(var, _compat.VAR_METADATA, dict(metadata))
@@ -122,6 +126,27 @@ def write_back(
 
 
 _setattr = object.__setattr__
+
+
+def _finish(variables: Sequence[Any], values: Sequence[Any]) -> None:
+    """Store every new value (``None``: unchanged) after a donated call's write failed.
+
+    Each goes into the Variable's value slot itself, so a Variable whose own
+    setter refused the write holds its new value too (as the extension's
+    executor does); where the slot is not the known one, setattr is tried and a
+    refusal skipped.
+    """
+    member = _compat.raw_value_member
+    for var, value in zip(variables, values, strict=True):
+        if value is None:
+            continue
+        try:
+            if member is not None:
+                member.__set__(var, value)
+            else:
+                _setattr(var, _compat.RAW_VALUE, value)
+        except Exception:
+            continue
 
 
 def _any_deleted(values: Sequence[Any]) -> bool:

@@ -612,7 +612,7 @@ class _Snapshot:
 def reads_hold(reads: tuple[tuple[Any, ...], ...]) -> bool:
     """Whether every read of a closure search (a `_Snapshot`'s ``reads``) still holds."""
     if _reads_hold is not None:
-        return _reads_hold(reads, _kinds, _IGNORE, _EMPTY, _IGNORED)
+        return _reads_hold(reads)
     return reads_hold_python(reads)
 
 
