@@ -36,8 +36,12 @@ def check_writable(call: PreparedCall, updates: Sequence[Any]) -> None:
     # checks). Fast path: the traces' weak references compared by identity, and
     # remembered per cached argument (a Variable's trace never changes).
     ref = current_trace_ref()
-    if ref is not None and all(writable_in(ref, flat) for flat in call.sources):
-        return
+    if ref is not None:
+        for flat in call.sources:
+            if (flat.origin or flat).writable_in is not ref and not writable_in(ref, flat):
+                break
+        else:
+            return
     current = _compat.current_jax_trace()
     targets = [var for var, new in zip(call.variables, updates, strict=True) if new is not None]
     for var in targets:

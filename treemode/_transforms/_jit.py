@@ -465,8 +465,10 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
 
         def jax_call() -> tuple[Any, Any]:
             out, updates = executable(*arrays)
-            if updates is None:
-                return out, None
+            if updates is None or not entry.record.metadata_updates:
+                # No trace of this entry recorded metadata updates (the pure function's
+                # last one among them): `run` writes the values.
+                return out, updates
             return out, _writeback.WriteBack(call, updates, entry.metadata_for(call.dynamic))
 
         if entry.donated:
