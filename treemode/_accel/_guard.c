@@ -598,24 +598,36 @@ guarded_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
+/* The C types here (`Guarded`, `FastRecord`, `FastCall`) keep their objects in
+ * consecutive fields: one traverse and one clear serve them all. */
+static int
+fields_traverse(PyObject **fields, int n, visitproc visit, void *arg)
+{
+    for (int i = 0; i < n; i++)
+        Py_VISIT(fields[i]);
+    return 0;
+}
+
+static int
+fields_clear(PyObject **fields, int n)
+{
+    for (int i = 0; i < n; i++)
+        Py_CLEAR(fields[i]);
+    return 0;
+}
+
+#define GUARDED_OBJECTS 4 /* arg, state, variables, flat */
+
 static int
 guarded_traverse(GuardedObject *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->arg);
-    Py_VISIT(self->state);
-    Py_VISIT(self->variables);
-    Py_VISIT(self->flat);
-    return 0;
+    return fields_traverse(&self->arg, GUARDED_OBJECTS, visit, arg);
 }
 
 static int
 guarded_clear(GuardedObject *self)
 {
-    Py_CLEAR(self->arg);
-    Py_CLEAR(self->state);
-    Py_CLEAR(self->variables);
-    Py_CLEAR(self->flat);
-    return 0;
+    return fields_clear(&self->arg, GUARDED_OBJECTS);
 }
 
 static void
@@ -1070,19 +1082,13 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static int
 record_traverse(RecordObject *self, visitproc visit, void *arg)
 {
-    PyObject **fields = &self->slots;
-    for (int i = 0; i < RECORD_OBJECTS; i++)
-        Py_VISIT(fields[i]);
-    return 0;
+    return fields_traverse(&self->slots, RECORD_OBJECTS, visit, arg);
 }
 
 static int
 record_clear(RecordObject *self)
 {
-    PyObject **fields = &self->slots;
-    for (int i = 0; i < RECORD_OBJECTS; i++)
-        Py_CLEAR(fields[i]);
-    return 0;
+    return fields_clear(&self->slots, RECORD_OBJECTS);
 }
 
 static void
@@ -1487,17 +1493,13 @@ static int
 fast_call_traverse(FastCallObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->record);
-    Py_VISIT(self->miss);
-    return 0;
+    return fields_traverse(&self->record, 2, visit, arg); /* record, miss */
 }
 
 static int
 fast_call_clear(FastCallObject *self)
 {
-    Py_CLEAR(self->record);
-    Py_CLEAR(self->miss);
-    return 0;
+    return fields_clear(&self->record, 2);
 }
 
 static void

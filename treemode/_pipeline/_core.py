@@ -60,27 +60,22 @@ def run(
     ``layout`` says how an executable with donated arrays takes them (see
     `raise_explained`).
     """
-    if isinstance(pure, PureFunction):  # one trace (most transforms): bound directly
-        binding = pure.binding
-        binding.call = call
-        try:
-            out, writes = jax_call()
-        except EXPLAINED_OR_NAMING as e:
-            raise_explained(call, e, layout)
-        finally:
-            binding.call = None
-        first: Any = pure
+    single = isinstance(pure, PureFunction)  # one trace (most transforms): bound directly
+    if single:
+        pure.binding.call = call
     else:
         for p, c in pure:
             p.bind(c)
-        try:
-            out, writes = jax_call()
-        except EXPLAINED_OR_NAMING as e:
-            raise_explained(call, e, layout)
-        finally:
+    try:
+        out, writes = jax_call()
+    except EXPLAINED_OR_NAMING as e:
+        raise_explained(call, e, layout)
+    finally:
+        if single:
+            pure.binding.call = None
+        else:
             for p, _ in pure:
                 p.bind(None)
-        first = pure[0][0] if pure else None
     if writes is not None:
         kind = type(writes)
         if kind is WriteBack:
@@ -88,6 +83,7 @@ def run(
         elif kind is WriteBacks:
             write_all(writes)
         else:
+            first = pure if single else pure[0][0]
             write_back(call, writes, first.record.metadata_updates)
     return _graph.from_tree(out) if finish and call.graph else out
 
