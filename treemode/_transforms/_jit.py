@@ -61,6 +61,7 @@ class _Entry:
         "jitted",
         "donated",
         "kept",
+        "layout",
         "record",
         "_order",
         "_compact",
@@ -77,6 +78,8 @@ class _Entry:
         donated_set = set(donated)
         self.donated = donated
         self.kept = [i for i in range(n) if i not in donated_set]
+        # How the executable takes donated arrays (`_explain`, the fast-path record).
+        self.layout = (tuple(donated), tuple(self.kept)) if donated else None
         # Position of each dynamic array in ``donated + kept`` (the inverse
         # permutation, computed in linear time).
         self._order = [0] * n
@@ -428,13 +431,12 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         if memo is None or memo[1] is not entry:
             return
         self._record_due = False
-        donation = (tuple(entry.donated), tuple(entry.kept)) if entry.donated else None
         self._record = _callsite.fast_record(
             memo[0],
             call,
             self.partial_args,
             entry.jitted,
-            donation,
+            entry.layout,
             entry.record.metadata_updates,
         )
 
@@ -445,10 +447,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
             return self._call(*args, **(kwargs or {}))
         call = self._prepare(args, kwargs or {}, abstract=False)
         memo = self._memo
-        layout = None
-        if memo is not None and memo[1].donated:
-            layout = (memo[1].donated, memo[1].kept)
-        _explain.raise_explained(call, error, layout)
+        _explain.raise_explained(call, error, None if memo is None else memo[1].layout)
         raise error  # raise_explained raises; this line is never reached
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
@@ -478,7 +477,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
             # anything was consumed, is raised at once).
             token = _interrupts.hold(arrays[0])
             try:
-                return _core.run(call, entry.pure, jax_call, layout=(entry.donated, entry.kept))
+                return _core.run(call, entry.pure, jax_call, layout=entry.layout)
             finally:
                 if token is not None:
                     _interrupts.close()
