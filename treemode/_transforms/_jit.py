@@ -75,11 +75,10 @@ class _Entry:
         self.record = _EntryRecord()
         self.traced_types: list[tuple[Any, ...]] = []  # per trace (see `_retrace`)
         self._compact = "out_shardings" not in jit_kwargs
-        donated_set = set(donated)
-        self.donated = donated
-        self.kept = [i for i in range(n) if i not in donated_set]
         # How the executable takes donated arrays (`_explain`, the fast-path record).
-        self.layout = (tuple(donated), tuple(self.kept)) if donated else None
+        self.layout = _donation_layout(donated, n)
+        self.donated = donated
+        self.kept = list(self.layout[1]) if self.layout else list(range(n))
         # Position of each dynamic array in ``donated + kept`` (the inverse
         # permutation, computed in linear time).
         self._order = [0] * n
@@ -124,13 +123,28 @@ class _Entry:
         return self.record.by_signature.get(_signature(dynamic))
 
     def args(self, dynamic: Sequence[Any]) -> tuple[Any, ...]:
-        if not self.donated:
-            return tuple(dynamic)
-        return tuple(dynamic[i] for i in self.donated), tuple(dynamic[i] for i in self.kept)
+        return _arrange(dynamic, self.layout)
 
-    def split(self, per_dynamic: list[Any]) -> tuple[Any, ...]:
-        """Arrange a per-dynamic-array list (e.g. shardings) like `args`."""
-        return self.args(per_dynamic)
+
+def _donation_layout(
+    donated: Sequence[int], n: int
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(donated, kept)`` indices of ``n`` dynamic arrays, or None when none is donated."""
+    if not donated:
+        return None
+    donated_set = set(donated)
+    return tuple(donated), tuple(i for i in range(n) if i not in donated_set)
+
+
+def _arrange(
+    per_dynamic: Sequence[Any], layout: tuple[tuple[int, ...], tuple[int, ...]] | None
+) -> tuple[Any, ...]:
+    """One value per dynamic array (the arrays, or their shardings) as the entry's
+    executable takes them: positionally, or as the donated and the kept tuples."""
+    if layout is None:
+        return tuple(per_dynamic)
+    donated, kept = layout
+    return tuple(per_dynamic[i] for i in donated), tuple(per_dynamic[i] for i in kept)
 
 
 class _EntryRecord:
@@ -322,11 +336,9 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
             jit_kwargs["backend"] = self.backend
         if self.compiler_options is not None:
             jit_kwargs["compiler_options"] = self.compiler_options
-        layout = _Entry.__new__(_Entry)
-        layout.donated = donate_flat
-        layout.kept = [i for i in range(len(call.dynamic)) if i not in set(donate_flat)]
         if self.in_shardings is not _UNSET:
-            jit_kwargs["in_shardings"] = layout.split(self._flat_in_shardings(call))
+            layout = _donation_layout(donate_flat, len(call.dynamic))
+            jit_kwargs["in_shardings"] = _arrange(self._flat_in_shardings(call), layout)
         if self.out_shardings is not _UNSET or self.in_shardings is not _UNSET:
             var_shardings = self._variable_shardings(call)
             out = None if self.out_shardings is _UNSET else self._jax_out_shardings
