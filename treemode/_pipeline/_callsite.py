@@ -41,7 +41,6 @@ from .._tree import _closure
 from .._tree._closure import closure_snapshot, unchanged_closure_objects
 from .._tree._flatten import (
     ARRAY_KEY,
-    ONE_LEAF_TYPES,
     ArgFlat,
     current_dynamic,
     one_leaf_values,
@@ -212,7 +211,7 @@ def match_into(
                 if guard is None or not guard.holds(entry.variables, obj):
                     return False
                 values = list(map(_raw_value_of, entry.variables))
-                if not ONE_LEAF_TYPES.issuperset(map(type, values)) and not one_leaf_values(values):
+                if not one_leaf_values(values):
                     return False  # a Variable's value changed layout: flattened again
                 sources.append(entry)
                 dynamic += values

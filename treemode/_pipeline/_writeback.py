@@ -38,7 +38,7 @@ def check_writable(call: PreparedCall, updates: Sequence[Any]) -> None:
     ref = current_trace_ref()
     if ref is not None:
         for flat in call.sources:
-            if (flat.origin or flat).writable_in is not ref and not writable_in(ref, flat):
+            if not writable_in(ref, flat):
                 break
         else:
             return

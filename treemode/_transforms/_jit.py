@@ -59,8 +59,6 @@ class _Entry:
     __slots__ = (
         "pure",
         "jitted",
-        "donated",
-        "kept",
         "layout",
         "record",
         "_order",
@@ -77,12 +75,11 @@ class _Entry:
         self._compact = "out_shardings" not in jit_kwargs
         # How the executable takes donated arrays (`_explain`, the fast-path record).
         self.layout = _donation_layout(donated, n)
-        self.donated = donated
-        self.kept = list(self.layout[1]) if self.layout else list(range(n))
         # Position of each dynamic array in ``donated + kept`` (the inverse
         # permutation, computed in linear time).
         self._order = [0] * n
-        for position, i in enumerate(donated + self.kept):
+        order = self.layout[0] + self.layout[1] if self.layout else range(n)
+        for position, i in enumerate(order):
             self._order[i] = position
         # Named like the user function: JAX's program (``jit_<name>``), its
         # messages and profiles then read like the user's code (`_names`).
@@ -468,8 +465,8 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
 
     def _run(self, call: _call.PreparedCall, entry: _Entry, executable: Callable[..., Any]) -> Any:
         """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
-        if entry.donated:
-            _check_donation(call, entry)
+        if entry.layout is not None:
+            _check_donation(call, *entry.layout)
             arrays = entry.args(call.dynamic)
         else:
             arrays = tuple(call.dynamic)
@@ -482,7 +479,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
                 return out, updates
             return out, _writeback.WriteBack(call, updates, entry.metadata_for(call.dynamic))
 
-        if entry.donated:
+        if entry.layout is not None:
             # Once the executable consumed the donated buffers, the new values are the
             # only whole state until written: a signal's handler waits for the write
             # (treemode._pipeline._interrupts; one raised during the trace or compilation, before
@@ -600,7 +597,7 @@ def _is_sharding(x: Any) -> bool:
     return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
 
 
-def _check_donation(call: _call.PreparedCall, entry: _Entry) -> None:
+def _check_donation(call: _call.PreparedCall, donated: Sequence[int], kept: Sequence[int]) -> None:
     """Two donated leaves sharing a buffer fail inside XLA: name them here.
 
     A donated device buffer must appear once among the call's arrays; arrays
@@ -610,18 +607,16 @@ def _check_donation(call: _call.PreparedCall, entry: _Entry) -> None:
     object, not a buffer).
     """
     dynamic = call.dynamic
-    donated_ids = {id(dynamic[i]) for i in entry.donated}
-    if len(donated_ids) == len(entry.donated) and donated_ids.isdisjoint(
-        id(dynamic[i]) for i in entry.kept
-    ):
+    donated_ids = {id(dynamic[i]) for i in donated}
+    if len(donated_ids) == len(donated) and donated_ids.isdisjoint(id(dynamic[i]) for i in kept):
         return
     seen: set[int] = set()
-    for i in entry.donated:
+    for i in donated:
         if _is_buffer(dynamic[i]):
             if id(dynamic[i]) in seen:
                 _raise_shared_buffer(call.full(), dynamic[i])
             seen.add(id(dynamic[i]))
-    for i in entry.kept:
+    for i in kept:
         if id(dynamic[i]) in seen:
             _raise_shared_buffer(call.full(), dynamic[i])
 

@@ -624,7 +624,7 @@ def current_dynamic(entry: ArgFlat) -> list[Any] | None:
 
 # Types seen as a Variable value that is one traced leaf (tracers excluded: see
 # `CONCRETE_ARRAY_TYPES`): a cached flattening reads each value once per call.
-ONE_LEAF_TYPES: set[type] = {bool, int, float, complex}
+_ONE_LEAF_TYPES: set[type] = {bool, int, float, complex}
 
 
 def one_leaf_values(values: Iterable[Any]) -> bool:
@@ -635,15 +635,15 @@ def one_leaf_values(values: Iterable[Any]) -> bool:
     argument's structure, as a fresh flattening would see.
     """
     values = values if isinstance(values, list) else list(values)
-    if ONE_LEAF_TYPES.issuperset(map(type, values)):
+    if _ONE_LEAF_TYPES.issuperset(map(type, values)):
         return True
     for value in values:
-        if type(value) in ONE_LEAF_TYPES:
+        if type(value) in _ONE_LEAF_TYPES:
             continue
         if not is_variable_value_leaf(value):
             return False
         if not isinstance(value, Tracer):
-            ONE_LEAF_TYPES.add(type(value))
+            _ONE_LEAF_TYPES.add(type(value))
             is_array(value)  # an array type: the compiled match then checks it in C
     return True
 
