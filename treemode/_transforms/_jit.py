@@ -467,9 +467,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
         if entry.layout is not None:
             _check_donation(call, *entry.layout)
-            arrays = entry.args(call.dynamic)
-        else:
-            arrays = tuple(call.dynamic)
+        arrays = entry.args(call.dynamic)
 
         def jax_call() -> tuple[Any, Any]:
             out, updates = executable(*arrays)
