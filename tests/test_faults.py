@@ -895,13 +895,17 @@ class _Forms:
         return m, lambda: self.retraced(m, longer)
 
 
+# The call forms that trace and compile on every call (the others run a cached entry).
+TRACING_FORMS = ("first call", "retrace")
+
+
 def _next_step(form: str, node: Any, call: Callable[[], Any]) -> Callable[[], Any]:
     """The step after an interrupted call. As with ``jax.jit``, an interrupt that lands
     inside JAX's tracing caches can leave the entry of the function being traced
     unusable (JAX then raises ``RecursionError: Recursively calling ...`` for those
     argument types: 1 in 300 interrupted first calls of a plain ``jax.jit``), so after
     an interrupted trace the model runs its next step through a new ``treemode.jit``."""
-    if form not in ("first call", "retrace"):
+    if form not in TRACING_FORMS:
         return call
     fresh = treemode.jit(_step_counted, donate_argnums=0)
     return lambda: fresh(node, jnp.ones(2))
@@ -930,7 +934,7 @@ def _swallowed_by_jax(form: str, error: Exception, handler: _Counting, fired: in
     the same. Only calls that trace can meet it, and nothing was consumed yet: the
     model must still be whole, which the caller checks. (JAX's traceback filtering
     drops its own frames: the tests that call this turn it off.)"""
-    if form not in ("first call", "retrace") or handler.fired == fired:
+    if form not in TRACING_FORMS or handler.fired == fired:
         return False
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:
