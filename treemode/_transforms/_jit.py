@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from jax.core import Tracer
 
-from .. import _caches
+from .. import _caches, _compat
 from .._accel import _compiled
 from .._errors import DonationError, StructureError
 from .._pipeline import _call, _callsite, _core, _explain, _interrupts, _pure, _retrace, _writeback
@@ -50,6 +50,21 @@ class _Entry:
     output tree on every call. Not with explicit shardings, whose
     ``out_shardings`` give one entry per Variable.
 
+    **Donation by effect.** An entry with donated arguments donates exactly the
+    buffers the function writes: the values of the Variables its trace updates,
+    and the donated arrays that are not Variable values (as ``jax.jit`` does).
+    Read-only Variables of a donated argument are passed undonated, are not
+    outputs, and keep their buffers. What a trace writes is known only once it
+    is traced, so a call of a signature not seen yet first traces the user
+    function once, without donation (``probe``, a ``jax.jit`` that is never
+    compiled), and the donated executable of that write set (``jitted``,
+    ``layout``) replays the probe's jaxpr (`_Replay`): the user function runs
+    once per signature, as under ``jax.jit``. A signature whose trace writes
+    another set gets its own executable; the one called last is the entry's
+    ``jitted``. The executable of one set raises `_Unprobed` when JAX traces it
+    for a signature it was not probed for (new shapes, or another set): nothing
+    has run, and the caller probes and calls again.
+
     Metadata updates are static, so each trace records its own in `record`,
     under the abstract values of its inputs: ``jax.jit`` keeps one executable
     per input shape under this one entry, and a call writes back the metadata
@@ -61,41 +76,57 @@ class _Entry:
         "jitted",
         "layout",
         "record",
-        "_order",
-        "_compact",
         "traced_types",
+        "probe",
+        "_compact",
+        "_candidates",
+        "_owner",
+        "_in_shardings",
+        "_jit_kwargs",
+        "_replays",
+        "_executables",
     )
 
     def __init__(
-        self, pure: _pure.PureFunction, jit_kwargs: dict[str, Any], donated: list[int], n: int
+        self,
+        pure: _pure.PureFunction,
+        jit_kwargs: dict[str, Any],
+        donated: list[int],
+        n: int,
+        owner: Sequence[int] = (),
+        in_shardings: Sequence[Any] | None = None,
     ):
         self.pure = pure
         self.record = _EntryRecord()
         self.traced_types: list[tuple[Any, ...]] = []  # per trace (see `_retrace`)
         self._compact = "out_shardings" not in jit_kwargs
-        # How the executable takes donated arrays (`_explain`, the fast-path record).
-        self.layout = _donation_layout(donated, n)
-        # Position of each dynamic array in ``donated + kept`` (the inverse
-        # permutation, computed in linear time).
-        self._order = [0] * n
-        order = self.layout[0] + self.layout[1] if self.layout else range(n)
-        for position, i in enumerate(order):
-            self._order[i] = position
         # Named like the user function: JAX's program (``jit_<name>``), its
         # messages and profiles then read like the user's code (`_names`).
+        flat = named(self._call_flat, pure.fn, FLAT_ARGUMENTS)
+        if in_shardings is not None:
+            jit_kwargs = dict(jit_kwargs, in_shardings=tuple(in_shardings))
+        self.probe: Any = None
+        self.layout: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         if donated:
             _explain.note_donation()
-            split = named(self._call_split, pure.fn, SPLIT_ARGUMENTS)
-            self.jitted = jax.jit(split, donate_argnums=0, **jit_kwargs)
+            # Per dynamic array, the Variable whose value it is (-1: another leaf).
+            self._owner = owner
+            self._candidates = tuple(donated)
+            self._in_shardings = in_shardings
+            self._jit_kwargs = jit_kwargs
+            self._replays: dict[tuple[Any, ...], _Replay] = {}
+            self._executables: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+            self.probe = jax.jit(flat, **jit_kwargs)
+            self.jitted: Any = None  # set by the first `probe_call`
         else:
-            self.jitted = jax.jit(named(self._call_flat, pure.fn, FLAT_ARGUMENTS), **jit_kwargs)
+            self.jitted = jax.jit(flat, **jit_kwargs)
+
+    @property
+    def donates(self) -> bool:
+        return self.probe is not None
 
     def _call_flat(self, *dynamic: Any) -> Any:
         return self._traced(dynamic)
-
-    def _call_split(self, donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
-        joined = donated + kept
-        return self._traced([joined[j] for j in self._order])
 
     def _traced(self, dynamic: Sequence[Any]) -> tuple[Any, tuple[Any, ...] | None]:
         self._record_types(dynamic)
@@ -113,6 +144,49 @@ class _Entry:
         if call is not None:
             _retrace.new_types("jit", self.pure.fn, call, self.traced_types, dynamic)
 
+    def probe_call(self, dynamic: Sequence[Any]) -> None:
+        """Trace the function for ``dynamic``'s signature (the pure function bound to
+        the call) and make the donated executable of what it writes the current one."""
+        traced = self.probe.trace(*dynamic)
+        out_info, updates_info = traced.out_info
+        n = len(dynamic)
+        written: set[int] = set()
+        if updates_info is not None:
+            written = {i for i, u in enumerate(updates_info) if u is not None}
+        owner = self._owner
+        donated = tuple(j for j in self._candidates if owner[j] < 0 or owner[j] in written)
+        layout = _donation_layout(donated, n) or ((), tuple(range(n)))
+        signature = tuple((a.shape, a.dtype, a.weak_type) for a in traced.jaxpr.in_avals)
+        self._replays[signature] = _Replay(
+            traced.jaxpr, jax.tree_util.tree_structure(traced.out_info), layout
+        )
+        jitted = self._executables.get(layout)
+        if jitted is None:
+            jitted = self._executables[layout] = self._donating(layout)
+        self.jitted = jitted
+        self.layout = layout
+
+    def _donating(self, layout: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
+        """The ``jax.jit`` of the replayed traces that donate ``layout[0]``."""
+        order = [0] * (len(layout[0]) + len(layout[1]))
+        for position, i in enumerate(layout[0] + layout[1]):
+            order[i] = position
+        replays = self._replays
+
+        def call_split(donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
+            joined = donated + kept
+            dynamic = [joined[j] for j in order]
+            replay = replays.get(_signature(dynamic))
+            if replay is None or replay.layout != layout:
+                raise _Unprobed(self.pure.transform)
+            return replay(dynamic)
+
+        kwargs = self._jit_kwargs
+        if self._in_shardings is not None:
+            kwargs = dict(kwargs, in_shardings=_arrange(self._in_shardings, layout))
+        split = named(call_split, self.pure.fn, SPLIT_ARGUMENTS)
+        return jax.jit(split, donate_argnums=0, **kwargs)
+
     def metadata_for(self, dynamic: Sequence[Any]) -> dict[int, dict[str, Any]] | None:
         """The metadata updates of the trace whose executable ran on ``dynamic``."""
         if not self.record.metadata_updates:
@@ -121,6 +195,45 @@ class _Entry:
 
     def args(self, dynamic: Sequence[Any]) -> tuple[Any, ...]:
         return _arrange(dynamic, self.layout)
+
+    def executables(self) -> tuple[Any, ...]:
+        """Every ``jax.jit`` function of this entry that compiles."""
+        if self.probe is None:
+            return (self.jitted,)
+        return tuple(self._executables.values())
+
+    def clear(self) -> None:
+        for jitted in self.executables():
+            jitted.clear_cache()
+        if self.probe is not None:
+            self.probe.clear_cache()
+            self._replays.clear()
+            self._executables.clear()
+            self.jitted = None
+            self.layout = None
+
+
+class _Replay:
+    """The jaxpr of one probed trace, replayed by the donated executable of its write set."""
+
+    __slots__ = ("run", "out_tree", "layout")
+
+    def __init__(self, jaxpr: Any, out_tree: Any, layout: tuple[tuple[int, ...], tuple[int, ...]]):
+        self.run = _compat.jaxpr_as_fun(jaxpr)
+        self.out_tree = out_tree
+        self.layout = layout
+
+    def __call__(self, dynamic: Sequence[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(self.out_tree, self.run(*dynamic))
+
+
+class _Unprobed(_pure.UnboundTrace):
+    """A donated executable was traced for a signature its write set was not probed for.
+
+    Raised while JAX traces, before anything runs or is donated: the caller probes
+    (`_Entry.probe_call`) and calls again. The compiled executor treats it as any
+    `UnboundTrace`: a miss.
+    """
 
 
 def _donation_layout(
@@ -313,17 +426,18 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
 
     def _build(self, call: _call.Call) -> _Entry:
         donated = self._donated_roots(call)
-        force: set[int] = set()
         donate_flat: list[int] = []
-        var_offset = 0
         dyn_offset = 0
         for k, flat in enumerate(call.arg_flats):
             if k in donated:
-                force.update(range(var_offset, var_offset + len(flat.variables)))
                 donate_flat.extend(range(dyn_offset, dyn_offset + len(flat.dynamic)))
-            var_offset += len(flat.variables)
             dyn_offset += len(flat.dynamic)
-        pure = _pure.PureFunction(call, force_updates=frozenset(force))
+        owner = [-1] * len(call.dynamic)
+        if donate_flat:
+            for i, indices in enumerate(call.variable_dynamic_ranges()):
+                for j in indices:
+                    owner[j] = i
+        pure = _pure.PureFunction(call)
         if self.graph and self.out_shardings is not _UNSET:  # one per shared Variable
             pure.output_spec = ("out_shardings", self.out_shardings, _whole, _is_sharding, "output")
         jit_kwargs: dict[str, Any] = dict(keep_unused=self.keep_unused, inline=self.inline)
@@ -333,14 +447,14 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
             jit_kwargs["backend"] = self.backend
         if self.compiler_options is not None:
             jit_kwargs["compiler_options"] = self.compiler_options
+        in_shardings = None
         if self.in_shardings is not _UNSET:
-            layout = _donation_layout(donate_flat, len(call.dynamic))
-            jit_kwargs["in_shardings"] = _arrange(self._flat_in_shardings(call), layout)
+            in_shardings = self._flat_in_shardings(call)
         if self.out_shardings is not _UNSET or self.in_shardings is not _UNSET:
             var_shardings = self._variable_shardings(call)
             out = None if self.out_shardings is _UNSET else self._jax_out_shardings
             jit_kwargs["out_shardings"] = (out, tuple(var_shardings))
-        return _Entry(pure, jit_kwargs, donate_flat, len(call.dynamic))
+        return _Entry(pure, jit_kwargs, donate_flat, len(call.dynamic), owner, in_shardings)
 
     def _positional_roots(self, call: _call.Call) -> list[tuple[ArgFlat, Any]]:
         trees = [t for _, t in call.arg_roots()]
@@ -411,7 +525,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
             site, entry = memo
             matched = site.match((*self.partial_args, *args) if self._n_partial else args, kwargs)
             if matched is not None:
-                out = self._run(matched, entry, entry.jitted)
+                out = self._run(matched, entry)
                 if self._record_due or (self._record is not None and entry.record.metadata_updates):
                     self._emit(matched, entry)
                 return out
@@ -427,9 +541,9 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
             # flat function, would only say that it was never seen.
             _retrace.new_structure("jit", self.fn, call.key, list(self._cache)[:-1])
             with _retrace.jax_explanations_off():
-                out = self._run(call, entry, entry.jitted)
+                out = self._run(call, entry)
         else:
-            out = self._run(call, entry, entry.jitted)
+            out = self._run(call, entry)
         if self._record_due:
             self._emit(call, entry)
         return out
@@ -452,7 +566,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
     def _on_miss(self, error: BaseException | None, args: tuple[Any, ...], kwargs: Any) -> Any:
         """The executor's miss: run the call through the pipeline, or explain the
         error its compiled entry raised (``error``)."""
-        if error is None or type(error) is _pure.UnboundTrace:
+        if error is None or isinstance(error, _pure.UnboundTrace):  # `_Unprobed` too
             return self._call(*args, **(kwargs or {}))
         call = self._prepare(args, kwargs or {}, abstract=False)
         memo = self._memo
@@ -463,11 +577,40 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
         return self._prepare(args[self._n_partial :], kwargs, abstract=False)
 
-    def _run(self, call: _call.PreparedCall, entry: _Entry, executable: Callable[..., Any]) -> Any:
-        """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
-        if entry.layout is not None:
-            _check_donation(call, *entry.layout)
-        arrays = entry.args(call.dynamic)
+    def _run(
+        self, call: _call.PreparedCall, entry: _Entry, compiled: Compiled | None = None
+    ) -> Any:
+        """Run ``call`` on its entry's executable (or on ``compiled``, an AOT-compiled one)."""
+        if compiled is not None:
+            return self._execute(call, entry, compiled._stage, compiled._layout)
+        if not entry.donates:
+            return self._execute(call, entry, entry.jitted, None)
+        if entry.jitted is None:
+            self._probe(call, entry)
+        try:
+            return self._execute(call, entry, entry.jitted, entry.layout)
+        except _Unprobed:
+            # JAX traced the executable for a signature it was not probed for;
+            # nothing ran: probe this one and call its executable.
+            self._probe(call, entry)
+            return self._execute(call, entry, entry.jitted, entry.layout)
+
+    def _probe(self, call: _call.PreparedCall, entry: _Entry) -> None:
+        """`_Entry.probe_call` with the call bound, failures explained as a call's."""
+        dynamic = call.dynamic
+        _core.run(call, entry.pure, lambda: (entry.probe_call(dynamic), None), finish=False)
+
+    def _execute(
+        self,
+        call: _call.PreparedCall,
+        entry: _Entry,
+        executable: Callable[..., Any],
+        layout: tuple[tuple[int, ...], tuple[int, ...]] | None,
+    ) -> Any:
+        """Run ``executable``, taking ``call``'s arrays as ``layout`` says, and write back."""
+        if layout is not None:
+            _check_donation(call, *layout)
+        arrays = _arrange(call.dynamic, layout)
 
         def jax_call() -> tuple[Any, Any]:
             out, updates = executable(*arrays)
@@ -477,14 +620,14 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
                 return out, updates
             return out, _writeback.WriteBack(call, updates, entry.metadata_for(call.dynamic))
 
-        if entry.layout is not None:
+        if layout is not None:
             # Once the executable consumed the donated buffers, the new values are the
             # only whole state until written: a signal's handler waits for the write
             # (treemode._pipeline._interrupts; one raised during the trace or compilation, before
             # anything was consumed, is raised at once).
             token = _interrupts.hold(arrays[0])
             try:
-                return _core.run(call, entry.pure, jax_call, layout=entry.layout)
+                return _core.run(call, entry.pure, jax_call, layout=layout)
             finally:
                 if token is not None:
                     _interrupts.close()
@@ -497,11 +640,12 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         """Trace without compiling; ``.jaxpr`` and ``.lower()`` are available."""
         call = self._prepare(args, kwargs, abstract=True)
         entry = self._entry(call)
-        arrays = entry.args(call.dynamic)
-        traced = _core.run(
-            call, entry.pure, lambda: (entry.jitted.trace(*arrays), None), finish=False
-        )
-        return Traced(self, call.key, traced)
+        if entry.donates:
+            self._probe(call, entry)  # the donated executable of what this trace writes
+        jitted, layout = entry.jitted, entry.layout
+        arrays = _arrange(call.dynamic, layout)
+        traced = _core.run(call, entry.pure, lambda: (jitted.trace(*arrays), None), finish=False)
+        return Traced(self, call.key, traced, layout)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -517,8 +661,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
     def clear_cache(self) -> None:
         """Drop every compiled entry (as ``jax.jit``'s ``clear_cache``); the next call traces."""
         for entry in self._cache.values():
-            jitted: Any = entry.jitted  # a jax.jit function (its stub omits clear_cache)
-            jitted.clear_cache()
+            entry.clear()
         self._cache.clear()
         self._memo = None
         self._record = None
@@ -570,7 +713,7 @@ class JittedFunctions:
     @property
     def functions(self) -> tuple[Any, ...]:
         """The ``jax.jit`` functions, in the order their structures were first called."""
-        return tuple(entry.jitted for entry in self._wrapped._cache.values())
+        return tuple(f for entry in self._wrapped._cache.values() for f in entry.executables())
 
     def _cache_size(self) -> int:
         """The number of executables compiled so far, over every call structure."""
@@ -645,10 +788,17 @@ class _Stage:
     handling for calls and remembers the call structure it was made for.
     """
 
-    def __init__(self, wrapped: JitWrapped[Any, Any], key: _call.CallKey, stage: Any):
+    def __init__(
+        self,
+        wrapped: JitWrapped[Any, Any],
+        key: _call.CallKey,
+        stage: Any,
+        layout: tuple[tuple[int, ...], tuple[int, ...]] | None,
+    ):
         self._wrapped = wrapped
         self._key = key
         self._stage = stage
+        self._layout = layout  # how the stage takes donated arrays (`_donation_layout`)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stage, name)
@@ -658,14 +808,15 @@ class Traced(_Stage):
     """The result of `JitWrapped.trace` (a ``jax.stages.Traced``): ``.jaxpr``, ``.lower()``."""
 
     def lower(self, **kwargs: Any) -> Lowered:
-        return Lowered(self._wrapped, self._key, self._stage.lower(**kwargs))
+        return Lowered(self._wrapped, self._key, self._stage.lower(**kwargs), self._layout)
 
 
 class Lowered(_Stage):
     """The result of `JitWrapped.lower` (a ``jax.stages.Lowered``): ``.compile()``."""
 
     def compile(self, *args: Any, **kwargs: Any) -> Compiled:
-        return Compiled(self._wrapped, self._key, self._stage.compile(*args, **kwargs))
+        stage = self._stage.compile(*args, **kwargs)
+        return Compiled(self._wrapped, self._key, stage, self._layout)
 
 
 class Compiled(_Stage):
@@ -685,7 +836,7 @@ class Compiled(_Stage):
                 "differ). Lower and compile again for these arguments, or call the "
                 "treemode.jit function itself, which compiles per structure."
             )
-        return wrapped._run(call, wrapped._entry(call), self._stage)
+        return wrapped._run(call, wrapped._entry(call), self)
 
 
 @overload
