@@ -257,6 +257,26 @@ def _arrange(
     return tuple(per_dynamic[i] for i in donated), tuple(per_dynamic[i] for i in kept)
 
 
+# How many sets of objects a wrapper keeps on its fast path (as JAX keeps one
+# executable per signature): a train step and an eval of its EMA copy, a teacher
+# and a student, the models of an ensemble.
+_MEMOS = 8
+
+
+class _Memo:
+    """One set of objects a `JitWrapped` was called with: the call-site memo
+    (`CallSite`), the compiled entry, and the fast-path record emitted for them
+    (``None``: not yet, or not trustable; ``due``: to emit after the next run)."""
+
+    __slots__ = ("site", "entry", "record", "due")
+
+    def __init__(self, site: CallSite, entry: _Entry):
+        self.site = site
+        self.entry = entry
+        self.record: Any = None
+        self.due = True
+
+
 class _EntryRecord:
     """The metadata updates of every trace of one `_Entry`, by input signature.
 
@@ -352,18 +372,15 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         self.donate_argnames = donate_names
         self._n_partial = n_partial
         self._cache: dict[_call.CallKey, _Entry] = {}
-        # The last call's memo (see ``_callsite``) and its compiled entry, set
-        # together (one attribute, so threads never pair one call's site with
-        # another's entry): a loop calling with the same objects skips ``prepare``.
-        self._memo: tuple[CallSite, _Entry] | None = None
         self._start_fast_path()
         _caches.track(self)  # treemode.clear_caches() calls clear_cache()
 
-    def _start_fast_path(self) -> None:
-        # The fast-path record the extension executes (None: every call runs
-        # `_call`), and whether the memo still has to emit it (after a call ran).
-        self._record: Any = None
-        self._record_due = False
+    def _start_fast_path(self, memos: tuple[_Memo, ...] = ()) -> None:
+        # One memo per set of objects called with (see `_Memo`), the most recent
+        # first (a tuple replaced whole: threads never see one half-changed), and
+        # their fast-path records, which the extension's executor tries in order.
+        self._memos = tuple(_Memo(m.site, m.entry) for m in memos)
+        self._records: Any = ()
         if _compiled.FastCall is not None:
             # The executor's one callback, called with the wrapper first: a function,
             # not a bound method, so the wrapper makes no reference cycle.
@@ -373,9 +390,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         """``copy.copy``: a wrapper of the same function sharing its compiled entries."""
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
-        copied._start_fast_path()  # emitted again for the copy (its miss is its own)
-        copied._memo = self._memo
-        copied._record_due = self._memo is not None
+        copied._start_fast_path(self._memos)  # records emitted again (the miss is the copy's)
         _caches.track(copied)
         return copied
 
@@ -389,8 +404,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         copied = self.__copy__()
         if self.partial_args:
             copied.partial_args = copy.deepcopy(self.partial_args, memo)
-            copied._memo = None  # the memo matched the original's bound objects
-            copied._record_due = False
+            copied._start_fast_path()  # the memos matched the original's bound objects
         return copied
 
     def __reduce__(self) -> Any:
@@ -519,23 +533,34 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
-        """A call through the pipeline: the memo's `CallSite.match`, else `prepare`."""
-        memo = self._memo
-        if memo is not None:
-            site, entry = memo
-            matched = site.match((*self.partial_args, *args) if self._n_partial else args, kwargs)
-            if matched is not None:
-                out = self._run(matched, entry)
-                if self._record_due or (self._record is not None and entry.record.metadata_updates):
-                    self._emit(matched, entry)
-                return out
+        """A call through the pipeline: a memo's `CallSite.match`, else `prepare`."""
+        memos = self._memos
+        if memos:
+            roots = (*self.partial_args, *args) if self._n_partial else args
+            for memo in memos:
+                matched = memo.site.match(roots, kwargs)
+                if matched is not None:
+                    entry = memo.entry
+                    out = self._run(matched, entry)
+                    record = memo.record
+                    if memo.due or (
+                        record is not None
+                        and (entry.record.metadata_updates or record.jitted is not entry.jitted)
+                    ):
+                        self._emit(memo, matched)
+                    return out
         call = self._prepare(args, kwargs, abstract=False)
         new = call.key not in self._cache
         entry = self._entry(call)
         site = CallSite.record(call, self._prepare_in_full)
-        self._memo = None if site is None else (site, entry)
-        self._record = None  # emitted once this call ran: its trace may change the entry
-        self._record_due = site is not None
+        memo = None
+        if site is not None:
+            # Emitted once this call ran (its trace may change the entry); the memo
+            # of the same objects, if any, is replaced, and the oldest dropped.
+            memo = _Memo(site, entry)
+            kept = [m for m in memos if not site.same_objects(m.site)][: _MEMOS - 1]
+            self._memos = (memo, *kept)
+            self._publish()
         if new and _retrace.enabled():
             # treemode says what changed in the arguments; JAX, which sees a new
             # flat function, would only say that it was never seen.
@@ -544,24 +569,37 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
                 out = self._run(call, entry)
         else:
             out = self._run(call, entry)
-        if self._record_due:
-            self._emit(call, entry)
+        if memo is not None:
+            self._emit(memo, call)
         return out
 
-    def _emit(self, call: _call.PreparedCall, entry: _Entry) -> None:
-        """Emit the fast-path record of the memo (`_callsite.fast_record`) after ``call`` ran."""
-        memo = self._memo
-        if memo is None or memo[1] is not entry:
-            return
-        self._record_due = False
-        self._record = _callsite.fast_record(
-            memo[0],
+    def _emit(self, memo: _Memo, call: _call.PreparedCall) -> None:
+        """Emit the fast-path record of ``memo`` (`_callsite.fast_record`) after ``call`` ran."""
+        entry = memo.entry
+        memo.due = False
+        memo.record = _callsite.fast_record(
+            memo.site,
             call,
             self.partial_args,
             entry.jitted,
             entry.layout,
             entry.record.metadata_updates,
         )
+        self._publish()
+
+    def _publish(self) -> None:
+        """Hand the executor the records of the current memos, in their order."""
+        self._records = tuple(m.record for m in self._memos if m.record is not None)
+
+    @property
+    def _memo(self) -> tuple[CallSite, _Entry] | None:
+        """The most recent memo's site and entry (``None``: no memo)."""
+        return (self._memos[0].site, self._memos[0].entry) if self._memos else None
+
+    @property
+    def _record(self) -> Any:
+        """The most recent memo's fast-path record (``None``: none)."""
+        return self._memos[0].record if self._memos else None
 
     def _on_miss(self, error: BaseException | None, args: tuple[Any, ...], kwargs: Any) -> Any:
         """The executor's miss: run the call through the pipeline, or explain the
@@ -569,8 +607,8 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         if error is None or isinstance(error, _pure.UnboundTrace):  # `_Unprobed` too
             return self._call(*args, **(kwargs or {}))
         call = self._prepare(args, kwargs or {}, abstract=False)
-        memo = self._memo
-        _explain.raise_explained(call, error, None if memo is None else memo[1].layout)
+        entry = self._cache.get(call.key)
+        _explain.raise_explained(call, error, None if entry is None else entry.layout)
         raise error  # raise_explained raises; this line is never reached
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
@@ -663,9 +701,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         for entry in self._cache.values():
             entry.clear()
         self._cache.clear()
-        self._memo = None
-        self._record = None
-        self._record_due = False
+        self._start_fast_path()
 
     # -- what Flax's and JAX's wrappers offer --------------------------------------
 
