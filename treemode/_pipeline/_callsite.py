@@ -129,6 +129,10 @@ class CallSite:
         site._rebuild = weakref.WeakMethod(rebuild)  # type: ignore[arg-type]
         return site
 
+    def alive(self) -> bool:
+        """Whether every flattening the memo matches against is still cached."""
+        return all(slot is None or slot() is not None for slot in self.slots + self.lifted_slots)
+
     def same_objects(self, other: CallSite) -> bool:
         """Whether ``other`` was recorded for the same objects (a newer memo replaces it)."""
         return (

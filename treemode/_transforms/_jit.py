@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
+from types import FunctionType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
@@ -277,6 +278,80 @@ class _Memo:
         self.due = True
 
 
+class _SharedJit:
+    """What every `treemode.jit` wrapper of one function with the same options
+    shares, as ``jax.jit`` caches on the function: the resolved settings, the
+    compiled entries and the memos (with their fast-path records).
+
+    Kept in the function's ``__dict__`` (so it lives exactly as long as the
+    function, and keeps nothing else alive), by options.
+    """
+
+    __slots__ = ("fn", "settings", "entries", "memos", "records", "__weakref__")
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.settings: dict[str, Any] | None = None  # set by the first wrapper
+        self.entries: dict[_call.CallKey, _Entry] = {}
+        self.memos: tuple[_Memo, ...] = ()
+        self.records: tuple[Any, ...] = ()
+
+    @staticmethod
+    def find(fn: FunctionType, options: tuple[Any, ...]) -> _SharedJit | None:
+        """The state shared by ``fn``'s wrappers with ``options`` (``None``: unhashable)."""
+        try:
+            hash(options)
+        except TypeError:
+            return None
+        table = fn.__dict__.get(_SHARED_ATTRIBUTE)
+        if type(table) is not _SharedTable or table.fn is not fn:
+            # None yet, or another function's, copied by functools.wraps.
+            table = fn.__dict__[_SHARED_ATTRIBUTE] = _SharedTable(fn)
+        shared = table.by_options.get(options)
+        if shared is None:
+            shared = table.by_options[options] = _SharedJit(fn)
+            _caches.track(shared)
+        return shared
+
+    def prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
+        """`prepare` of a call of these wrappers (they bind no arguments)."""
+        settings = self.settings
+        assert settings is not None
+        return _call.prepare(
+            "jit",
+            self.fn,
+            args,
+            kwargs,
+            graph=settings["graph"],
+            static_argnums=settings["static_argnums"],
+            static_argnames=settings["static_argnames"],
+            abstract=False,
+        )
+
+    def forget_memos(self) -> None:
+        self.memos = ()
+        self.records = ()
+
+    def clear_cache(self) -> None:
+        for entry in self.entries.values():
+            entry.clear()
+        self.entries.clear()
+        self.forget_memos()
+
+
+_SHARED_ATTRIBUTE = "__treemode_jit__"
+
+
+class _SharedTable:
+    """``fn.__dict__[_SHARED_ATTRIBUTE]``: the `_SharedJit` of each set of options."""
+
+    __slots__ = ("fn", "by_options")
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.by_options: dict[tuple[Any, ...], _SharedJit] = {}
+
+
 class _EntryRecord:
     """The metadata updates of every trace of one `_Entry`, by input signature.
 
@@ -335,6 +410,32 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         graph: bool = False,
         partial_args: tuple[Any, ...] = (),
     ):
+        # A wrapper of a function already wrapped with the same options (one made
+        # inline, in a loop) takes that one's settings, entries and memos.
+        shared = None
+        if not partial_args and type(fn) is FunctionType:
+            options = (
+                in_shardings,
+                out_shardings,
+                static_argnums,
+                static_argnames,
+                donate_argnums,
+                donate_argnames,
+                keep_unused,
+                device,
+                backend,
+                inline,
+                None if compiler_options is None else tuple(sorted(compiler_options.items())),
+                graph,
+            )
+            shared = _SharedJit.find(fn, options)
+            if shared is not None and shared.settings is not None:
+                self.__dict__.update(shared.settings)
+                self._memos = shared.memos
+                self._records = shared.records
+                if _compiled.FastCall is not None:
+                    self._miss = type(self)._on_miss
+                return
         self._wrap(fn)
         self.graph = graph
         # Flax's graph-mode prefixes (nnx.prefix(..., graph=True)) made module-shaped.
@@ -372,6 +473,10 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         self.donate_argnames = donate_names
         self._n_partial = n_partial
         self._cache: dict[_call.CallKey, _Entry] = {}
+        self._shared = shared
+        if shared is not None:
+            self._cache = shared.entries
+            shared.settings = dict(self.__dict__)
         self._start_fast_path()
         _caches.track(self)  # treemode.clear_caches() calls clear_cache()
 
@@ -391,6 +496,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
         copied._start_fast_path(self._memos)  # records emitted again (the miss is the copy's)
+        copied._shared = None
         _caches.track(copied)
         return copied
 
@@ -552,13 +658,17 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         call = self._prepare(args, kwargs, abstract=False)
         new = call.key not in self._cache
         entry = self._entry(call)
-        site = CallSite.record(call, self._prepare_in_full)
+        # The memo rebuilds a full call through an object that lives as long as the
+        # memo may be used: the wrapper, or the state its function's wrappers share.
+        rebuild = self._prepare_in_full if self._shared is None else self._shared.prepare_in_full
+        site = CallSite.record(call, rebuild)
         memo = None
         if site is not None:
             # Emitted once this call ran (its trace may change the entry); the memo
             # of the same objects, if any, is replaced, and the oldest dropped.
             memo = _Memo(site, entry)
-            kept = [m for m in memos if not site.same_objects(m.site)][: _MEMOS - 1]
+            kept = [m for m in memos if m.site.alive() and not site.same_objects(m.site)]
+            kept = kept[: _MEMOS - 1]
             self._memos = (memo, *kept)
             self._publish()
         if new and _retrace.enabled():
@@ -590,6 +700,10 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
     def _publish(self) -> None:
         """Hand the executor the records of the current memos, in their order."""
         self._records = tuple(m.record for m in self._memos if m.record is not None)
+        shared = self._shared
+        if shared is not None:  # the next wrapper of the function starts with them
+            shared.memos = self._memos
+            shared.records = self._records
 
     @property
     def _memo(self) -> tuple[CallSite, _Entry] | None:
@@ -702,6 +816,8 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
             entry.clear()
         self._cache.clear()
         self._start_fast_path()
+        if self._shared is not None:
+            self._shared.forget_memos()
 
     # -- what Flax's and JAX's wrappers offer --------------------------------------
 
