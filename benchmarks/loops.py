@@ -76,9 +76,7 @@ Check = Callable[[Peers], None]
 
 def decode_peers(layers: int, names: list[str]) -> Peers:
     """The decode case's step, donated: the floor donates the caches only."""
-    graphdef, params, caches = nnx.split(
-        decode.Decoder(layers, nnx.Rngs(0)), nnx.Param, nnx.Cache
-    )
+    graphdef, params, caches = nnx.split(decode.Decoder(layers, nnx.Rngs(0)), nnx.Param, nnx.Cache)
     p_leaves, p_def = jax.tree.flatten(params)
     c_leaves, c_def = jax.tree.flatten(caches)
     x, pos = decode._inputs()
@@ -101,9 +99,7 @@ def decode_peers(layers: int, names: list[str]) -> Peers:
     wrappers = {
         "treemode.jit": lambda: treemode.jit(decode.decode_step, donate_argnums=0),
         "nnx.jit (graph)": lambda: nnx.jit(decode.decode_step, graph=True, donate_argnums=0),
-        "nnx.jit(graph=False)": lambda: nnx.jit(
-            decode.decode_step, graph=False, donate_argnums=0
-        ),
+        "nnx.jit(graph=False)": lambda: nnx.jit(decode.decode_step, graph=False, donate_argnums=0),
     }
     for name in names:
         if name == "floor":
@@ -258,9 +254,7 @@ def lora_peers(layers: int, names: list[str]) -> Peers:
     trained = tuple(
         v.get_raw_value() for layer in model.layers for v in (layer.lora_a, layer.lora_b)
     )
-    frozen = tuple(
-        v.get_raw_value() for layer in model.layers for v in (layer.bias, layer.kernel)
-    )
+    frozen = tuple(v.get_raw_value() for layer in model.layers for v in (layer.bias, layer.kernel))
     step, opt = _flat_adam_step(_lora_flat_forward, donate=(0, 2))
     state = {"t": trained, "o": (opt.init(trained), jnp.zeros((), jnp.uint32))}
 

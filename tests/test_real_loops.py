@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,7 @@ def test_the_donated_decode_program_has_the_hand_written_outputs():
         jax.tree_util.tree_leaves(floor.out_info)
     )
     ours_memory, floor_memory = ours.memory_analysis(), floor.memory_analysis()
+    assert ours_memory is not None and floor_memory is not None
     assert ours_memory.alias_size_in_bytes == floor_memory.alias_size_in_bytes
     assert ours_memory.output_size_in_bytes == floor_memory.output_size_in_bytes
 
@@ -154,6 +156,7 @@ def test_two_models_through_one_wrapper_stay_on_the_fast_path(implementation):
     """One wrapper called on two models in turn (a model and its EMA copy, a teacher
     and a student): each set of objects keeps its memo, and with the extension its
     record, so no call after the first of each goes back to the pipeline."""
+
     def f(m, x):
         return decode(m, x)
 
@@ -164,9 +167,10 @@ def test_two_models_through_one_wrapper_stay_on_the_fast_path(implementation):
         step(m, jnp.ones(4))
     assert len(step._memos) == 2
     misses: list[object] = []
-    real = step._miss if implementation == "compiled" else None
+    real: Any = step._miss if implementation == "compiled" else None
     if real is not None:
-        step._miss = lambda w, e, a, k: misses.append(e) or real(w, e, a, k)
+        wrapper: Any = step
+        wrapper._miss = lambda w, e, a, k: misses.append(e) or real(w, e, a, k)
     prepared = []
     original = step._prepare
     step._prepare = lambda *args, **kwargs: prepared.append(1) or original(*args, **kwargs)
@@ -268,9 +272,9 @@ def test_clear_caches_clears_shared_entries(donate):
         traces[0] += 1
         return decode(m, x)
 
-    kwargs = {"donate_argnums": 0} if donate else {}
+    donated = 0 if donate else None
     model = Decoder(1)
-    treemode.jit(f, **kwargs)(model, jnp.ones(4))
+    treemode.jit(f, donate_argnums=donated)(model, jnp.ones(4))
     treemode.clear_caches()
-    treemode.jit(f, **kwargs)(model, jnp.ones(4))
+    treemode.jit(f, donate_argnums=donated)(model, jnp.ones(4))
     assert traces[0] == 2
