@@ -240,6 +240,22 @@ class _Unprobed(_pure.UnboundTrace):
     """
 
 
+def _forget_failed_dispatch(jitted: Any) -> None:
+    """Drop the C++ dispatch entries of ``jitted`` after a trace raised inside it.
+
+    When a trace that JAX's C++ dispatch started raises (`UnboundTrace`,
+    `_Unprobed`: the call is retried through the pipeline), JAX keeps an entry
+    for that signature that sends every later call through its Python path
+    (measured: 5 of 5 calls, against 1 for a function whose first trace did not
+    raise), several times slower on a large program. Clearing the C++ entries
+    (not the traces or executables, which stay cached) lets the next call
+    rebuild them.
+    """
+    clear = getattr(jitted, "_clear_cache", None)
+    if clear is not None:
+        clear()
+
+
 def _donation_layout(
     donated: Sequence[int], n: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -722,7 +738,12 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
     def _on_miss(self, error: BaseException | None, args: tuple[Any, ...], kwargs: Any) -> Any:
         """The executor's miss: run the call through the pipeline, or explain the
         error its compiled entry raised (``error``)."""
-        if error is None or isinstance(error, _pure.UnboundTrace):  # `_Unprobed` too
+        if error is None:
+            return self._call(*args, **(kwargs or {}))
+        if isinstance(error, _pure.UnboundTrace):  # `_Unprobed` too: JAX had to trace
+            for memo in self._memos:
+                if memo.record is not None:
+                    _forget_failed_dispatch(memo.record.jitted)
             return self._call(*args, **(kwargs or {}))
         call = self._prepare(args, kwargs or {}, abstract=False)
         entry = self._cache.get(call.key)
@@ -749,6 +770,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         except _Unprobed:
             # JAX traced the executable for a signature it was not probed for;
             # nothing ran: probe this one and call its executable.
+            _forget_failed_dispatch(jitted)
             jitted, layout = self._probe(call, entry)
             return self._execute(call, entry, jitted, layout)
 
