@@ -115,6 +115,7 @@ class CallSite:
         if (
             snapshot is None
             or n_lifted != len(call.lifted_roots)
+            or call.closure_aliases  # closure objects that are arguments': prepared each call
             or any(entry is None for entry in lifted)
         ):
             return None
