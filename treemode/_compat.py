@@ -41,6 +41,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 from flax import nnx
 from flax.nnx import tracers
 
@@ -253,6 +254,33 @@ def take_flax_static_cache() -> bool:
 def current_trace_ref() -> Any:
     """The weak reference identifying the current JAX trace."""
     return CURRENT_TRACE.value
+
+
+def _debug_check_states() -> tuple[Any, ...]:
+    """JAX's ``jax_debug_nans`` and ``jax_debug_infs`` config states, whose ``value``
+    is the current setting (``jax.debug_nans(True)`` blocks included); ``()`` where
+    JAX keeps them elsewhere (then only the public flags are read, in Python)."""
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - every supported JAX has it
+        return ()
+    states = tuple(getattr(config, name, None) for name in ("debug_nans", "debug_infs"))
+    if any(not isinstance(getattr(s, "value", None), bool) for s in states):
+        return ()  # pragma: no cover - another layout
+    return states
+
+
+# JAX's NaN/Inf checks: under them a donated call runs undonated (JAX's re-run
+# of the function, which names the primitive, needs the inputs alive). The
+# compiled executor reads their ``value`` and misses while one is on.
+DEBUG_CHECKS = _debug_check_states()
+
+
+def debug_checks_on() -> bool:
+    """Whether ``jax_debug_nans`` or ``jax_debug_infs`` is on in this thread."""
+    if DEBUG_CHECKS:
+        return DEBUG_CHECKS[0].value or DEBUG_CHECKS[1].value
+    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)  # pragma: no cover
 
 
 def _flax_graph_prefix() -> tuple[type | None, Any]:

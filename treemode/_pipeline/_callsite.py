@@ -355,6 +355,7 @@ def configure_fields() -> dict[str, Any]:
         "closure_empty": empty,
         "closure_ignored": ignored,
         **_interrupts.hold_state(),
+        "debug_checks": _compat.DEBUG_CHECKS,
     }
 
 

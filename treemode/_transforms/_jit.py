@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from jax.core import Tracer
 
-from .. import _caches
+from .. import _caches, _compat
 from .._accel import _compiled
 from .._errors import DonationError, StructureError
 from .._pipeline import _call, _callsite, _core, _explain, _interrupts, _pure, _retrace, _writeback
@@ -64,6 +64,7 @@ class _Entry:
         "_order",
         "_compact",
         "traced_types",
+        "undonated",
     )
 
     def __init__(
@@ -87,6 +88,7 @@ class _Entry:
             _explain.note_donation()
             split = named(self._call_split, pure.fn, SPLIT_ARGUMENTS)
             self.jitted = jax.jit(split, donate_argnums=0, **jit_kwargs)
+            self.undonated = jax.jit(split, **jit_kwargs)  # under jax_debug_nans/infs (`_run`)
         else:
             self.jitted = jax.jit(named(self._call_flat, pure.fn, FLAT_ARGUMENTS), **jit_kwargs)
 
@@ -467,6 +469,8 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
         if entry.layout is not None:
             _check_donation(call, *entry.layout)
+            if executable is entry.jitted and _compat.debug_checks_on():
+                executable = entry.undonated  # JAX's re-run of a NaN needs the inputs alive
         arrays = entry.args(call.dynamic)
 
         def jax_call() -> tuple[Any, Any]:
