@@ -280,7 +280,8 @@ def debug_checks_on() -> bool:
     """Whether ``jax_debug_nans`` or ``jax_debug_infs`` is on in this thread."""
     if DEBUG_CHECKS:
         return DEBUG_CHECKS[0].value or DEBUG_CHECKS[1].value
-    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)  # pragma: no cover
+    flags = ("jax_debug_nans", "jax_debug_infs")  # pragma: no cover - another layout
+    return any(bool(getattr(jax.config, flag, False)) for flag in flags)  # pragma: no cover
 
 
 def _flax_graph_prefix() -> tuple[type | None, Any]:
