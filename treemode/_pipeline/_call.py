@@ -11,6 +11,7 @@ interface without preparing again.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
@@ -540,7 +541,32 @@ def _raise_alias(call: Call) -> None:
             "argument instead of the module and reach the module through it; or "
             "pass the module only through the closure."
         )
-    raise alias_error(call.transform, leaf, first, where)
+    raise alias_error(
+        call.transform, leaf, first, where, roots=call.arg_roots(), parameters=_parameters(call)
+    )
+
+
+def _parameters(call: Call) -> dict[str, str]:
+    """The function's parameter behind each argument root (error path only)."""
+    try:
+        signature = inspect.signature(call.fn)
+        bound = signature.bind_partial(*call.args, **call.kwargs)
+    except (TypeError, ValueError):  # no signature, or not one these arguments fit
+        return {}
+    names: dict[str, str] = {}
+    position = 0
+    for parameter, value in bound.arguments.items():
+        kind = signature.parameters[parameter].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            for i in range(len(value)):
+                names[f"args[{position + i}]"] = f"{parameter}[{i}]"
+            position += len(value)
+        elif parameter in call.kwargs:
+            names[f"kwargs[{parameter!r}]"] = parameter
+        elif kind is not inspect.Parameter.VAR_KEYWORD:
+            names[f"args[{position}]"] = parameter
+            position += 1
+    return names
 
 
 __all__ = ["Call", "CallKey", "PreparedCall", "prepare"]
