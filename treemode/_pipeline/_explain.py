@@ -49,7 +49,10 @@ def raise_explained(
     `name_internal_paths`). For such a call, an error JAX raised while the
     executable ran is raised as it is (same type and message), with a note
     naming the Variables whose donated buffers that failed run consumed.
+    Called inside a treemode entry point, which filters the traceback as it
+    leaves (an inner ``jax.jit`` may have filtered it already: its note goes).
     """
+    _compat.forget_traceback_filtering(error)
     if isinstance(error, EXPLAINED) or is_deleted_input_error(error):
         better = explain_failure(call.full(), error)
         if better is not None:

@@ -554,6 +554,11 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         return f"<treemode.jit of {self.fn!r}{bound}>"
 
 
+# The entry points from the user's code (the executor's miss included) are
+# boundaries of JAX's traceback filtering: treemode's frames are left out.
+for _entry_point in ("_call", "_on_miss", "trace", "lower", "eval_shape"):
+    setattr(JitWrapped, _entry_point, _compat.api_boundary(getattr(JitWrapped, _entry_point)))
+
 if _compiled.FastCall is None:
     JitWrapped.__call__ = JitWrapped._call  # type: ignore[method-assign]
 
@@ -679,6 +684,7 @@ class Compiled(_Stage):
     Variables written back exactly as a call of the `treemode.jit` function does.
     """
 
+    @_compat.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         wrapped = self._wrapped
         call = wrapped._prepare(args, kwargs, abstract=False)
