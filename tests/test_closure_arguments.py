@@ -167,3 +167,25 @@ def test_closure_object_that_holds_the_argument_is_still_refused():
     assert "pass it as an argument instead of the module" in message
     for a, b in zip(before, _state(model, optimizer), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_graph_mode_closure_alias_is_the_arguments_object():
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.encoder = Counter()
+            self.decoder = self.encoder  # shared: graph=True
+
+    model, eager = Tied(), Tied()
+
+    def step(m, x):
+        model.encoder(x)  # through the closure
+        return m.decoder(x) + model.decoder.count[...]  # sees both updates
+
+    def eager_step(m, x):
+        eager.encoder(x)
+        return m.decoder(x) + eager.decoder.count[...]
+
+    out = treemode.jit(step, graph=True)(model, jnp.ones(2))
+    np.testing.assert_array_equal(out, eager_step(eager, jnp.ones(2)))
+    assert int(model.encoder.count[...]) == int(eager.encoder.count[...]) == 2
+    assert model.decoder is model.encoder

@@ -148,6 +148,14 @@ class Call:
         names += [f"kwargs[{name!r}]" for name in self.kw_names]
         return list(zip(names, [*pos, *(kw[n] for n in self.kw_names)], strict=True))
 
+    def arg_objects(self) -> list[tuple[str, Any]]:
+        """``(display name, object as passed)`` for every traced argument (as
+        `arg_roots`, before ``to_tree`` in graph mode)."""
+        names = [f"args[{i}]" for i in range(len(self.args)) if i not in self.static_positional]
+        pos = [a for i, a in enumerate(self.args) if i not in self.static_positional]
+        names += [f"kwargs[{name!r}]" for name in self.kw_names]
+        return list(zip(names, [*pos, *(self.kwargs[n] for n in self.kw_names)], strict=True))
+
     def traced_roots(
         self, argnums: frozenset[int] | set[int], argnames: frozenset[str] | set[str] = frozenset()
     ) -> list[int]:
@@ -342,7 +350,7 @@ def _finish_prepare(
             found = _without_passed_defaults(call, found)
     closure_keys = _lift(call, found, is_dynamic)
     aliased = _aliased(call.sources)
-    if aliased and call.lifted_objects and not call.graph:
+    if aliased and call.lifted_objects:
         # A closure object that is one of the arguments' own objects (the
         # ``self.model`` of a trainer whose step takes ``model``) is not lifted:
         # the trace reaches the argument's rebuilt object by the closure's route.
@@ -456,10 +464,12 @@ def closure_aliases(call: Call) -> list[tuple[str, Any, ArgumentNode]]:
     check refuses it.
     """
     aliases: list[tuple[str, Any, ArgumentNode]] = []
-    roots = call.arg_roots()
+    roots = call.arg_objects()
     for root, obj, flat in call.lifted_objects:
         for k, arg_flat in enumerate(call.arg_flats):
-            if arg_flat.variable_ids.isdisjoint(flat.variable_ids):
+            # (graph=True: an argument's flattening is its to_tree form, which
+            # encodes a Variable shared between arguments once.)
+            if not call.graph and arg_flat.variable_ids.isdisjoint(flat.variable_ids):
                 continue
             where = _argument_node(roots[k][1], obj, k, roots[k][0])
             if where is not None:

@@ -224,9 +224,12 @@ class PureFunction:
         call = self.call
         inputs = self.rebuild_inputs(dynamic)
         closure = _rebuild_closure(call, dynamic[inputs.consumed :])
-        for _, obj, where in call.closure_aliases:
+        if call.closure_aliases:
             # A closure object that is an argument's: the argument's rebuilt object.
-            closure.replacements[id(obj)] = where.find(inputs.pure_trees[where.k])
+            traced = [a for i, a in enumerate(inputs.args) if i not in self.static_positional]
+            traced += [inputs.kwargs[name] for name in self.kw_names]
+            for _, obj, where in call.closure_aliases:
+                closure.replacements[id(obj)] = where.find(traced[where.k])
         all_vars = inputs.variables + closure.variables
         # Writes from another trace: MutationError.
         mark_trace_time(self, all_vars, [root for root, *_ in closure.roots])
