@@ -109,8 +109,9 @@ def note_consumed(call: PreparedCall, error: BaseException, donated: Sequence[in
     error.add_note(
         f"treemode.{full.transform}: this call failed while its executable ran, after XLA "
         f"took the buffers it donated: {shown} now "
-        f"{'holds a deleted array' if len(paths) == 1 else 'hold deleted arrays'} (jax.jit "
-        "with donate_argnums leaves them deleted too; no new values came back to write). "
+        f"{'holds a deleted array' if len(paths) == 1 else 'hold deleted arrays'}, as "
+        "jax.jit's donate_argnums leaves donated inputs after such a failure (no new "
+        "values came back to write). "
         "Restore them before using the module again, e.g. from a checkpoint or from a "
         "copy made with treemode.clone(module, arrays=True) before the call; or call "
         "without donating to keep the inputs through a failure."
