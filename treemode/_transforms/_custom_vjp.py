@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from .. import _compat
 from .._errors import ClosureError, MutationError
 from .._pipeline import _call, _core, _pure, _writeback
 from .._tree import _graph
@@ -125,6 +126,7 @@ class CustomVjp(Wrapped, Generic[P, R]):
         self.bwd = bwd
         self.bwd_takes_updates = _takes_updates_g(bwd)
 
+    @_compat.api_boundary
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self.fwd is None or self.bwd is None:
             raise TypeError(

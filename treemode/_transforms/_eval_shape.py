@@ -13,6 +13,7 @@ from .._pipeline import _call, _core, _pure
 from .._tree._leaves import is_variable
 
 
+@_compat.api_boundary
 def eval_shape(fun: Callable[..., Any], *args: Any, graph: bool = False, **kwargs: Any) -> Any:
     """Shapes and dtypes of ``fun(*args, **kwargs)`` without running it.
 

@@ -762,6 +762,8 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
             return self._execute(call, entry, compiled._stage, compiled._layout)
         if not entry.donates:
             return self._execute(call, entry, entry.jitted, None)
+        if _compat.debug_checks_on():  # JAX's re-run of a NaN/Inf needs the inputs alive:
+            return self._execute(call, entry, entry.probe, None)  # the undonated probe
         jitted, layout = entry.jitted, entry.layout
         if jitted is None:
             jitted, layout = self._probe(call, entry)
@@ -872,6 +874,11 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         bound = f" with {len(self.partial_args)} bound argument(s)" if self.partial_args else ""
         return f"<treemode.jit of {self.fn!r}{bound}>"
 
+
+# The entry points from the user's code (the executor's miss included) are
+# boundaries of JAX's traceback filtering: treemode's frames are left out.
+for _entry_point in ("_call", "_on_miss", "trace", "lower", "eval_shape"):
+    setattr(JitWrapped, _entry_point, _compat.api_boundary(getattr(JitWrapped, _entry_point)))
 
 if _compiled.FastCall is None:
     JitWrapped.__call__ = JitWrapped._call  # type: ignore[method-assign]
@@ -1006,6 +1013,7 @@ class Compiled(_Stage):
     Variables written back exactly as a call of the `treemode.jit` function does.
     """
 
+    @_compat.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         wrapped = self._wrapped
         call = wrapped._prepare(args, kwargs, abstract=False)
