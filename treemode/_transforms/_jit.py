@@ -79,6 +79,7 @@ class _Entry:
         "record",
         "traced_types",
         "probe",
+        "donates",
         "_compact",
         "_candidates",
         "_owner",
@@ -108,6 +109,7 @@ class _Entry:
             jit_kwargs = dict(jit_kwargs, in_shardings=tuple(in_shardings))
         self.probe: Any = None
         self.layout: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self.donates = bool(donated)  # whether the executable is `probe`'s donated one
         if donated:
             _explain.note_donation()
             # Per dynamic array, the Variable whose value it is (-1: another leaf).
@@ -121,10 +123,6 @@ class _Entry:
             self.jitted: Any = None  # set by the first `probe_call`
         else:
             self.jitted = jax.jit(flat, **jit_kwargs)
-
-    @property
-    def donates(self) -> bool:
-        return self.probe is not None
 
     def _call_flat(self, *dynamic: Any) -> Any:
         return self._traced(dynamic)
