@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,7 @@ def test_the_donated_decode_program_has_the_hand_written_outputs():
         jax.tree_util.tree_leaves(floor.out_info)
     )
     ours_memory, floor_memory = ours.memory_analysis(), floor.memory_analysis()
+    assert ours_memory is not None and floor_memory is not None
     assert ours_memory.alias_size_in_bytes == floor_memory.alias_size_in_bytes
     assert ours_memory.output_size_in_bytes == floor_memory.output_size_in_bytes
 
@@ -154,6 +156,7 @@ def test_two_models_through_one_wrapper_stay_on_the_fast_path(implementation):
     """One wrapper called on two models in turn (a model and its EMA copy, a teacher
     and a student): each set of objects keeps its memo, and with the extension its
     record, so no call after the first of each goes back to the pipeline."""
+
     def f(m, x):
         return decode(m, x)
 
@@ -164,9 +167,10 @@ def test_two_models_through_one_wrapper_stay_on_the_fast_path(implementation):
         step(m, jnp.ones(4))
     assert len(step._memos) == 2
     misses: list[object] = []
-    real = step._miss if implementation == "compiled" else None
+    real: Any = step._miss if implementation == "compiled" else None
     if real is not None:
-        step._miss = lambda w, e, a, k: misses.append(e) or real(w, e, a, k)
+        wrapper: Any = step
+        wrapper._miss = lambda w, e, a, k: misses.append(e) or real(w, e, a, k)
     prepared = []
     original = step._prepare
     step._prepare = lambda *args, **kwargs: prepared.append(1) or original(*args, **kwargs)
@@ -268,9 +272,51 @@ def test_clear_caches_clears_shared_entries(donate):
         traces[0] += 1
         return decode(m, x)
 
-    kwargs = {"donate_argnums": 0} if donate else {}
+    donated = 0 if donate else None
     model = Decoder(1)
-    treemode.jit(f, **kwargs)(model, jnp.ones(4))
+    treemode.jit(f, donate_argnums=donated)(model, jnp.ones(4))
     treemode.clear_caches()
-    treemode.jit(f, **kwargs)(model, jnp.ones(4))
+    treemode.jit(f, donate_argnums=donated)(model, jnp.ones(4))
     assert traces[0] == 2
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_retrace_on_the_fast_path_leaves_jax_dispatching_in_cpp(implementation, donate):
+    """A value that changes type after the first call (weakly typed, then not) makes
+    the next call trace again. When that trace started in JAX's C++ dispatch and was
+    retried through the pipeline, JAX kept an entry that sent every later call of
+    that signature through its Python path; treemode clears it, so later calls
+    dispatch in C++ again, as for a function whose first trace did not fail."""
+    from jax._src import pjit  # JAX's private dispatch: only counted here
+
+    python_path = getattr(pjit, "_run_python_pjit", None)
+    if python_path is None:
+        pytest.skip("this JAX has no _run_python_pjit to count its Python dispatch by")
+    calls: list[str] = []
+
+    def counted(p: Any, args_flat: Any, fun: Any, *rest: Any) -> Any:
+        calls.append(getattr(fun, "__name__", ""))
+        return python_path(p, args_flat, fun, *rest)
+
+    class Weak(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.full((3,), 0.5))  # weakly typed until written
+
+    def weak_step(m, x):
+        m.w[...] = m.w[...] * 0.5 + x
+        return m.w[...].sum()
+
+    model = Weak()
+    assert jax.typeof(model.w.get_raw_value()).weak_type
+    step = treemode.jit(weak_step, donate_argnums=0 if donate else None)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(pjit, "_run_python_pjit", counted)
+    try:
+        for _ in range(3):
+            step(model, jnp.ones(3))  # the third call traces again: a strong type now
+        calls.clear()
+        for _ in range(5):
+            step(model, jnp.ones(3))
+    finally:
+        monkey.undo()
+    assert calls.count("weak_step") <= 1, calls

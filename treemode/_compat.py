@@ -47,11 +47,10 @@ import jax
 from flax import nnx
 from flax.nnx import tracers
 
-from ._versions import REQUIRED, describe, installed_versions, tested_specifier
+from ._versions import ISSUES_URL, REQUIRED, describe, installed_versions
 
 # The supported ranges (one source: treemode/_versions.py), named in the messages.
 SUPPORTED_VERSIONS = ", ".join(f"{name} {describe(name)}" for name in REQUIRED)
-_INSTALL_TESTED = " ".join(f"'{name}{tested_specifier(name)}'" for name in REQUIRED)
 
 RAW_VALUE = "_raw_value"
 VAR_METADATA = "_var_metadata"
@@ -152,8 +151,9 @@ def resolve(report: Report, installed: str | None = None) -> bool:
         raise ImportError(
             f"treemode does not support the installed Flax/JAX ({installed}): "
             + ", ".join(report.missing)
-            + f" not found. Supported: {SUPPORTED_VERSIONS}. Install tested versions:"
-            + f" pip install {_INSTALL_TESTED}"
+            + f" not found. Supported: {SUPPORTED_VERSIONS}. This treemode cannot run"
+            + " with them (a release newer than the tested ones changed a private name it"
+            + f" reads); please report it at {ISSUES_URL} with the versions above."
         )
     return not report.layout
 

@@ -145,7 +145,9 @@ class _Entry:
         if call is not None:
             _retrace.new_types("jit", self.pure.fn, call, self.traced_types, dynamic)
 
-    def probe_call(self, dynamic: Sequence[Any]) -> None:
+    def probe_call(
+        self, dynamic: Sequence[Any]
+    ) -> tuple[Any, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Trace the function for ``dynamic``'s signature (the pure function bound to
         the call) and make the donated executable of what it writes the current one."""
         traced = self.probe.trace(*dynamic)
@@ -166,6 +168,7 @@ class _Entry:
             jitted = self._executables[layout] = self._donating(layout)
         self.jitted = jitted
         self.layout = layout
+        return jitted, layout
 
     def _donating(self, layout: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
         """The ``jax.jit`` of the replayed traces that donate ``layout[0]``."""
@@ -235,6 +238,22 @@ class _Unprobed(_pure.UnboundTrace):
     (`_Entry.probe_call`) and calls again. The compiled executor treats it as any
     `UnboundTrace`: a miss.
     """
+
+
+def _forget_failed_dispatch(jitted: Any) -> None:
+    """Drop the C++ dispatch entries of ``jitted`` after a trace raised inside it.
+
+    When a trace that JAX's C++ dispatch started raises (`UnboundTrace`,
+    `_Unprobed`: the call is retried through the pipeline), JAX keeps an entry
+    for that signature that sends every later call through its Python path
+    (measured: 5 of 5 calls, against 1 for a function whose first trace did not
+    raise), several times slower on a large program. Clearing the C++ entries
+    (not the traces or executables, which stay cached) lets the next call
+    rebuild them.
+    """
+    clear = getattr(jitted, "_clear_cache", None)
+    if clear is not None:
+        clear()
 
 
 def _donation_layout(
@@ -435,6 +454,7 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
                 self._records = shared.records
                 if _compiled.FastCall is not None:
                     self._miss = type(self)._on_miss
+                _caches.track(self)
                 return
         self._wrap(fn)
         self.graph = graph
@@ -718,7 +738,12 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
     def _on_miss(self, error: BaseException | None, args: tuple[Any, ...], kwargs: Any) -> Any:
         """The executor's miss: run the call through the pipeline, or explain the
         error its compiled entry raised (``error``)."""
-        if error is None or isinstance(error, _pure.UnboundTrace):  # `_Unprobed` too
+        if error is None:
+            return self._call(*args, **(kwargs or {}))
+        if isinstance(error, _pure.UnboundTrace):  # `_Unprobed` too: JAX had to trace
+            for memo in self._memos:
+                if memo.record is not None:
+                    _forget_failed_dispatch(memo.record.jitted)
             return self._call(*args, **(kwargs or {}))
         call = self._prepare(args, kwargs or {}, abstract=False)
         entry = self._cache.get(call.key)
@@ -739,20 +764,23 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
             return self._execute(call, entry, entry.jitted, None)
         if _compat.debug_checks_on():  # JAX's re-run of a NaN/Inf needs the inputs alive:
             return self._execute(call, entry, entry.probe, None)  # the undonated probe
-        if entry.jitted is None:
-            self._probe(call, entry)
+        jitted, layout = entry.jitted, entry.layout
+        if jitted is None:
+            jitted, layout = self._probe(call, entry)
         try:
-            return self._execute(call, entry, entry.jitted, entry.layout)
+            return self._execute(call, entry, jitted, layout)
         except _Unprobed:
             # JAX traced the executable for a signature it was not probed for;
             # nothing ran: probe this one and call its executable.
-            self._probe(call, entry)
-            return self._execute(call, entry, entry.jitted, entry.layout)
+            _forget_failed_dispatch(jitted)
+            jitted, layout = self._probe(call, entry)
+            return self._execute(call, entry, jitted, layout)
 
-    def _probe(self, call: _call.PreparedCall, entry: _Entry) -> None:
-        """`_Entry.probe_call` with the call bound, failures explained as a call's."""
+    def _probe(self, call: _call.PreparedCall, entry: _Entry) -> tuple[Any, Any]:
+        """`_Entry.probe_call` with the call bound, failures explained as a call's;
+        returns the executable of what the trace writes and its donation layout."""
         dynamic = call.dynamic
-        _core.run(call, entry.pure, lambda: (entry.probe_call(dynamic), None), finish=False)
+        return _core.run(call, entry.pure, lambda: (entry.probe_call(dynamic), None), finish=False)
 
     def _execute(
         self,
@@ -794,9 +822,9 @@ class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
         """Trace without compiling; ``.jaxpr`` and ``.lower()`` are available."""
         call = self._prepare(args, kwargs, abstract=True)
         entry = self._entry(call)
-        if entry.donates:
-            self._probe(call, entry)  # the donated executable of what this trace writes
         jitted, layout = entry.jitted, entry.layout
+        if entry.donates:  # the donated executable of what this trace writes
+            jitted, layout = self._probe(call, entry)
         arrays = _arrange(call.dynamic, layout)
         traced = _core.run(call, entry.pure, lambda: (jitted.trace(*arrays), None), finish=False)
         return Traced(self, call.key, traced, layout)
