@@ -18,11 +18,10 @@ from .._tree._flatten import ArgFlat, check_no_aliases
 from .._tree._leaves import is_variable
 from .._tree._specs import DYNAMIC, VarSpec
 from ._axes import graph_prefix_values
-from ._lifts import refuse_lifts
 from ._names import FLAT_ARGUMENTS, SPLIT_ARGUMENTS, named
 from ._prefix import broadcast_to_dynamic, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED, as_tuple, resolve_argnums, suggests_keywords
-from ._wrapped import Wrapped
+from ._wrapped import Wrapped, make_wrapper
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -688,6 +687,10 @@ class Compiled(_Stage):
         return wrapped._run(call, wrapped._entry(call), self._stage)
 
 
+# The options of `jit` and `jit_partial` that may not hold Flax lift objects.
+_SHARDINGS = ("in_shardings", "out_shardings")
+
+
 @overload
 def jit(
     fun: Callable[P, R],
@@ -805,8 +808,6 @@ def jit(
     assert counter.count[...] == 1
     ```
     """
-    refuse_lifts(in_shardings, transform="jit", what="in_shardings", graph=graph, shardings=True)
-    refuse_lifts(out_shardings, transform="jit", what="out_shardings", graph=graph, shardings=True)
     options: dict[str, Any] = dict(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
@@ -821,9 +822,7 @@ def jit(
         compiler_options=compiler_options,
         graph=graph,
     )
-    if fun is None:
-        return lambda f: JitWrapped(f, **options)
-    return JitWrapped(fun, **options)
+    return make_wrapper(JitWrapped, fun, options, transform="jit", specs=_SHARDINGS, shardings=True)
 
 
 @suggests_keywords
@@ -875,16 +874,7 @@ def jit_partial(
     assert forward(jnp.ones((1, 2))).shape == (1, 2)
     ```
     """
-    refuse_lifts(
-        in_shardings, transform="jit_partial", what="in_shardings", graph=graph, shardings=True
-    )
-    refuse_lifts(
-        out_shardings, transform="jit_partial", what="out_shardings", graph=graph, shardings=True
-    )
-    if not graph:  # the bound arguments are fixed: check them for aliases now
-        check_no_aliases("jit_partial", args=tuple(partial_args))
-    return JitWrapped(
-        fun,
+    options: dict[str, Any] = dict(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
         static_argnums=static_argnums,
@@ -899,3 +889,10 @@ def jit_partial(
         graph=graph,
         partial_args=tuple(partial_args),
     )
+    # The shardings are checked first, then the bound arguments, then it is made.
+    make = make_wrapper(
+        JitWrapped, None, options, transform="jit_partial", specs=_SHARDINGS, shardings=True
+    )
+    if not graph:  # the bound arguments are fixed: check them for aliases now
+        check_no_aliases("jit_partial", args=tuple(partial_args))
+    return make(fun)

@@ -9,10 +9,10 @@ import jax
 
 from .._pipeline import _call, _pure
 from ._axes import CallAxes, call_axes, check_axes_spec, check_mapped
-from ._lifts import refuse_lifts
 from ._names import named
 from ._signature import suggests_keywords
 from ._vmap import MappedWrapper, _Entry, find_batched_update, translate_axis_error
+from ._wrapped import make_wrapper
 
 
 def _as_set(x: int | Iterable[int] | None) -> frozenset[int]:
@@ -153,8 +153,6 @@ def pmap(
     assert stats.total[...] == 3 * n
     ```
     """
-    refuse_lifts(in_axes, transform="pmap", what="in_axes", graph=graph, variables=True)
-    refuse_lifts(out_axes, transform="pmap", what="out_axes", graph=graph, variables=True)
     options: dict[str, Any] = dict(
         axis_name=axis_name,
         in_axes=in_axes,
@@ -167,9 +165,8 @@ def pmap(
         transform_metadata=transform_metadata,
         graph=graph,
     )
-    if fun is None:
-        return lambda f: PmapWrapped(f, **options)
-    return PmapWrapped(fun, **options)
+    specs = ("in_axes", "out_axes")
+    return make_wrapper(PmapWrapped, fun, options, transform="pmap", specs=specs, variables=True)
 
 
 __all__ = ["PmapWrapped", "pmap"]

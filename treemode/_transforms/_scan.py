@@ -14,7 +14,6 @@ from .._pipeline import _call, _core, _pure
 from .._pipeline._trace_cache import TraceCache, avals, cache_for, call_current_fn
 from .._tree._leaves import is_variable
 from ._axes import call_axes, check_mapped, is_axis, is_int_axis
-from ._lifts import refuse_lifts
 from ._loop import (
     CarryLayout,
     LoopState,
@@ -30,7 +29,7 @@ from ._metadata import _split_metadata, with_axis_metadata
 from ._names import Stable
 from ._prefix import broadcast_to_leaves, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED, suggests_keywords
-from ._wrapped import Wrapped
+from ._wrapped import Wrapped, make_wrapper
 
 
 class Carry:
@@ -576,8 +575,6 @@ def scan(
     assert total == 6.0 and cumsum.tolist() == [0.0, 1.0, 3.0, 6.0]
     ```
     """
-    refuse_lifts(in_axes, transform="scan", what="in_axes", graph=graph, variables=True)
-    refuse_lifts(out_axes, transform="scan", what="out_axes", graph=graph, variables=True)
     options: dict[str, Any] = dict(
         length=length,
         reverse=reverse,
@@ -587,10 +584,9 @@ def scan(
         transform_metadata=transform_metadata,
         graph=graph,
     )
-    if f is None:
-        return lambda fn: ScanWrapped(fn, **options)
-    wrapped = ScanWrapped(f, **options)
-    if init is _MISSING:
+    specs = ("in_axes", "out_axes")
+    wrapped = make_wrapper(ScanWrapped, f, options, transform="scan", specs=specs, variables=True)
+    if f is None or init is _MISSING:
         return wrapped
     return wrapped(init, xs)
 

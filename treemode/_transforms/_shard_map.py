@@ -19,10 +19,10 @@ from jax.sharding import Mesh, PartitionSpec
 from .._errors import AxisError
 from .._pipeline import _call, _pure
 from ._axes import CallAxes, call_axes, dynamic_paths
-from ._lifts import refuse_lifts
 from ._names import named
 from ._signature import suggests_keywords
 from ._vmap import MappedWrapper, _Entry
+from ._wrapped import make_wrapper
 
 
 def _is_spec(x: Any) -> bool:
@@ -249,9 +249,7 @@ def shard_map(
     assert y.shape == (2 * n, 3) and counter.seen[...] == 2 * n
     ```
     """
-    refuse_lifts(in_specs, transform="shard_map", what="in_specs", graph=graph)
-    refuse_lifts(out_specs, transform="shard_map", what="out_specs", graph=graph)
-    kwargs: dict[str, Any] = dict(
+    options: dict[str, Any] = dict(
         mesh=mesh,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -259,9 +257,8 @@ def shard_map(
         check_vma=check_vma,
         graph=graph,
     )
-    if f is None:
-        return lambda g: ShardMapWrapped(g, **kwargs)
-    return ShardMapWrapped(f, **kwargs)
+    specs = ("in_specs", "out_specs")
+    return make_wrapper(ShardMapWrapped, f, options, transform="shard_map", specs=specs)
 
 
 __all__ = ["ShardMapWrapped", "shard_map", "spec_axes"]

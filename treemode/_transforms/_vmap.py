@@ -19,13 +19,12 @@ from .._errors import AxisError, TreemodeError
 from .._pipeline import _call, _core, _explain, _interrupts, _pure
 from .._pipeline._trace_cache import TraceCache, cache_for, call_current_fn
 from ._axes import CallAxes, batched_update_error, call_axes, check_axes_spec, check_mapped
-from ._lifts import refuse_lifts
 from ._metadata import check_metadata, with_axis_metadata
 from ._names import named
 from ._prefix import decode_flax_prefixes, graph_output_prefix
 from ._rng_hints import warn_broadcast_draws
 from ._signature import suggests_keywords
-from ._wrapped import Wrapped
+from ._wrapped import Wrapped, make_wrapper
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -451,8 +450,6 @@ def vmap(
     assert forward(stack, jnp.ones((5, 2))).shape == (4, 5, 3)
     ```
     """
-    refuse_lifts(in_axes, transform="vmap", what="in_axes", graph=graph, variables=True)
-    refuse_lifts(out_axes, transform="vmap", what="out_axes", graph=graph, variables=True)
     options: dict[str, Any] = dict(
         in_axes=in_axes,
         out_axes=out_axes,
@@ -463,9 +460,8 @@ def vmap(
         transform_metadata=transform_metadata,
         graph=graph,
     )
-    if fun is None:
-        return lambda f: VmapWrapped(f, **options)
-    return VmapWrapped(fun, **options)
+    specs = ("in_axes", "out_axes")
+    return make_wrapper(VmapWrapped, fun, options, transform="vmap", specs=specs, variables=True)
 
 
 __all__ = [
