@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Generic,
+    ParamSpec,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    overload,
+)
 
 import jax
 from jax.core import Tracer
@@ -178,7 +188,7 @@ class _NoExecutor:
 _FastCall: Any = _NoExecutor if TYPE_CHECKING or _compiled.FastCall is None else _compiled.FastCall
 
 
-class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
+class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Generic[P, R]):
     """A function compiled with `treemode.jit`."""
 
     transform = "jit"
@@ -823,6 +833,68 @@ def jit(
         graph=graph,
     )
     return make_wrapper(JitWrapped, fun, options, transform="jit", specs=_SHARDINGS, shardings=True)
+
+
+class _JitOptions(TypedDict, total=False):
+    """The keyword options of `jit_partial`, for its overloads."""
+
+    in_shardings: Any
+    out_shardings: Any
+    static_argnums: int | Sequence[int] | None
+    static_argnames: str | Iterable[str] | None
+    donate_argnums: int | Sequence[int] | None
+    donate_argnames: str | Iterable[str] | None
+    keep_unused: bool
+    device: Any
+    backend: str | None
+    inline: bool
+    compiler_options: dict[str, Any] | None
+    graph: bool
+
+
+# The bound arguments' types, for the overloads of `jit_partial`.
+_A1 = TypeVar("_A1")
+_A2 = TypeVar("_A2")
+_A3 = TypeVar("_A3")
+
+
+# For type checkers the wrapper takes the parameters after the bound ones (up to
+# three bound arguments: a model, an optimizer, metrics); with more, any.
+@overload
+def jit_partial(fun: Callable[P, R], /, **options: Unpack[_JitOptions]) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit_partial(
+    fun: Callable[Concatenate[_A1, P], R], a1: _A1, /, **options: Unpack[_JitOptions]
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit_partial(
+    fun: Callable[Concatenate[_A1, _A2, P], R],
+    a1: _A1,
+    a2: _A2,
+    /,
+    **options: Unpack[_JitOptions],
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit_partial(
+    fun: Callable[Concatenate[_A1, _A2, _A3, P], R],
+    a1: _A1,
+    a2: _A2,
+    a3: _A3,
+    /,
+    **options: Unpack[_JitOptions],
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit_partial(
+    fun: Callable[..., R], /, *partial_args: Any, **options: Unpack[_JitOptions]
+) -> JitWrapped[..., R]: ...
 
 
 @suggests_keywords

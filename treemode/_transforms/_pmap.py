@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 
@@ -14,6 +14,9 @@ from ._signature import suggests_keywords
 from ._vmap import MappedWrapper, _Entry, find_batched_update, translate_axis_error
 from ._wrapped import make_wrapper
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 def _as_set(x: int | Iterable[int] | None) -> frozenset[int]:
     if x is None:
@@ -23,7 +26,7 @@ def _as_set(x: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(x)
 
 
-class PmapWrapped(MappedWrapper):
+class PmapWrapped(MappedWrapper[P, R]):
     """A function parallelized with `treemode.pmap`."""
 
     transform = "pmap"
@@ -31,7 +34,7 @@ class PmapWrapped(MappedWrapper):
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         axis_name: Any = None,
         in_axes: Any = 0,
@@ -92,6 +95,41 @@ class PmapWrapped(MappedWrapper):
 
     def translate(self, error: Exception, call: _call.Call, entry: _Entry) -> None:
         translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
+
+
+# The function's parameters and result type are kept for type checkers, as for `vmap`.
+@overload
+def pmap(
+    fun: Callable[P, R],
+    axis_name: Any = ...,
+    *,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    static_broadcasted_argnums: int | Iterable[int] = ...,
+    devices: Sequence[Any] | None = ...,
+    backend: str | None = ...,
+    axis_size: int | None = ...,
+    donate_argnums: int | Iterable[int] = ...,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> PmapWrapped[P, R]: ...
+
+
+@overload
+def pmap(
+    fun: None = None,
+    axis_name: Any = ...,
+    *,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    static_broadcasted_argnums: int | Iterable[int] = ...,
+    devices: Sequence[Any] | None = ...,
+    backend: str | None = ...,
+    axis_size: int | None = ...,
+    donate_argnums: int | Iterable[int] = ...,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> Callable[[Callable[P, R]], PmapWrapped[P, R]]: ...
 
 
 @suggests_keywords

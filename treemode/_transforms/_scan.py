@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ from ._names import Stable
 from ._prefix import broadcast_to_leaves, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED, suggests_keywords
 from ._wrapped import Wrapped, make_wrapper
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class Carry:
@@ -190,14 +193,14 @@ class _Entry:
         self.step = step  # handed to jax.lax.scan: the same object on every call
 
 
-class ScanWrapped(Wrapped):
+class ScanWrapped(Wrapped[P, R]):
     """A function scanned with `treemode.scan`."""
 
     transform = "scan"
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         length: int | None,
         reverse: bool,
@@ -316,13 +319,18 @@ class ScanWrapped(Wrapped):
 
     # -- calling ---------------------------------------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         entries = self._entries(len(args))
         carry_pos = self.in_carry
         if isinstance(entries, tuple) and len(entries) != len(args):
             carry_pos = None  # call_axes reports the length mismatch
         if carry_pos is not None:
-            args = (*args[:carry_pos], scalars_to_arrays(args[carry_pos]), *args[carry_pos + 1 :])
+            # The carry's Python numbers as arrays (a plain tuple now, not P.args).
+            args = (  # pyright: ignore[reportAssignmentType]
+                *args[:carry_pos],
+                scalars_to_arrays(args[carry_pos]),
+                *args[carry_pos + 1 :],
+            )
         call = _call.prepare("scan", self.fn, args, kwargs, graph=self.graph)
         entry = self._cache.get(
             (call.key, avals(call.dynamic)), lambda: self._build(call, entries, carry_pos)
@@ -473,6 +481,52 @@ def _step_types(init: Any, xs: Sequence[Any]) -> tuple[Any, ...]:
     state = tuple(map(jax.typeof, jax.tree_util.tree_leaves(init)))
     slices = tuple((tuple(x.shape[1:]), x.dtype, jax.typeof(x).weak_type) for x in xs)
     return state, slices
+
+
+# The function's parameters and result type are kept for type checkers, as for
+# `vmap` (the scanned arguments and the stacked outputs have their step's types).
+@overload
+def scan(
+    f: Callable[P, R],
+    *,
+    length: int | None = ...,
+    reverse: bool = ...,
+    unroll: int | bool = ...,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> ScanWrapped[P, R]: ...
+
+
+@overload
+def scan(
+    f: Callable[..., R],
+    init: Any,
+    xs: Any = ...,
+    length: int | None = ...,
+    reverse: bool = ...,
+    unroll: int | bool = ...,
+    *,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> R: ...
+
+
+@overload
+def scan(
+    f: None = None,
+    *,
+    length: int | None = ...,
+    reverse: bool = ...,
+    unroll: int | bool = ...,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> Callable[[Callable[P, R]], ScanWrapped[P, R]]: ...
 
 
 @suggests_keywords

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Set
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
@@ -23,6 +23,9 @@ from ._names import named
 from ._signature import suggests_keywords
 from ._vmap import MappedWrapper, _Entry
 from ._wrapped import make_wrapper
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _is_spec(x: Any) -> bool:
@@ -46,7 +49,7 @@ def spec_axes(spec: PartitionSpec) -> set[Any]:
     return {name for entry in spec for name in _names(entry)}
 
 
-class ShardMapWrapped(MappedWrapper):
+class ShardMapWrapped(MappedWrapper[P, R]):
     """A function wrapped with `treemode.shard_map`."""
 
     transform = "shard_map"
@@ -54,7 +57,7 @@ class ShardMapWrapped(MappedWrapper):
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         mesh: Mesh | Any,
         in_specs: Any,
@@ -182,6 +185,35 @@ def _check_replication(
                     f"Fix: reduce it first (jax.lax.pmean(x, {axis!r}) or psum), or give "
                     f"it an in_specs entry that shards it over {axis!r}."
                 )
+
+
+# The function's parameters and result type are kept for type checkers, as for `vmap`.
+@overload
+def shard_map(
+    f: Callable[P, R],
+    /,
+    *,
+    out_specs: Any,
+    in_specs: Any,
+    mesh: Mesh | Any,
+    axis_names: Set[Any] = ...,
+    check_vma: bool = ...,
+    graph: bool = ...,
+) -> ShardMapWrapped[P, R]: ...
+
+
+@overload
+def shard_map(
+    f: None = None,
+    /,
+    *,
+    out_specs: Any,
+    in_specs: Any,
+    mesh: Mesh | Any,
+    axis_names: Set[Any] = ...,
+    check_vma: bool = ...,
+    graph: bool = ...,
+) -> Callable[[Callable[P, R]], ShardMapWrapped[P, R]]: ...
 
 
 @suggests_keywords

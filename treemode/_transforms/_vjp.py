@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 import jax
 
@@ -20,6 +20,60 @@ from .._tree import _graph
 from ._grad import DiffSplit, dynamic_like, split_aux, to_array_args
 from ._names import named
 from ._signature import UNSPECIFIED, check_reduce_axes, suggests_keywords
+
+T = TypeVar("T")
+U = TypeVar("U")
+# What `vjp` returns to compute the cotangents: one per primal, each of its type.
+VjpFunction = Callable[[Any], tuple[Any, ...]]
+
+
+# As for `jax.vjp`: the output's type, and with `has_aux` the aux's; without
+# primals, `vjp` with its options bound.
+@overload
+def vjp(
+    fun: Callable[..., tuple[T, U]],
+    primal: Any,
+    /,
+    *primals: Any,
+    has_aux: Literal[True],
+    reduce_axes: Sequence[Any] = ...,
+    graph: bool = ...,
+) -> tuple[T, VjpFunction, U]: ...
+
+
+@overload
+def vjp(
+    fun: Callable[..., T],
+    primal: Any,
+    /,
+    *primals: Any,
+    has_aux: Literal[False] = ...,
+    reduce_axes: Sequence[Any] = ...,
+    graph: bool = ...,
+) -> tuple[T, VjpFunction]: ...
+
+
+@overload
+def vjp(
+    fun: Callable[..., Any],
+    primal: Any,
+    /,
+    *primals: Any,
+    has_aux: bool,
+    reduce_axes: Sequence[Any] = ...,
+    graph: bool = ...,
+) -> tuple[Any, ...]: ...
+
+
+@overload
+def vjp(
+    fun: Callable[..., Any] = ...,
+    /,
+    *,
+    has_aux: bool = ...,
+    reduce_axes: Sequence[Any] = ...,
+    graph: bool = ...,
+) -> Callable[..., Any]: ...
 
 
 @suggests_keywords
@@ -88,6 +142,51 @@ def vjp(
     if has_aux:
         return out, vjp_fn, aux
     return out, vjp_fn
+
+
+# As for `jax.jvp`, with the output's type (and the aux's); without primals and
+# tangents, `jvp` with its options bound.
+@overload
+def jvp(
+    fun: Callable[..., tuple[T, U]],
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    has_aux: Literal[True],
+    *,
+    graph: bool = ...,
+) -> tuple[T, Any, U]: ...
+
+
+@overload
+def jvp(
+    fun: Callable[..., T],
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    has_aux: Literal[False] = ...,
+    *,
+    graph: bool = ...,
+) -> tuple[T, Any]: ...
+
+
+@overload
+def jvp(
+    fun: Callable[..., Any],
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    has_aux: bool,
+    *,
+    graph: bool = ...,
+) -> tuple[Any, ...]: ...
+
+
+@overload
+def jvp(
+    fun: Callable[..., Any] = ...,
+    primals: Sequence[Any] = ...,
+    *,
+    has_aux: bool = ...,
+    graph: bool = ...,
+) -> Callable[..., Any]: ...
 
 
 @suggests_keywords

@@ -46,7 +46,7 @@ def _whole(out: Any) -> Any:
     return out
 
 
-class MappedWrapper(Wrapped):
+class MappedWrapper(Wrapped[P, R]):
     """Base of the wrappers returned by ``vmap``, ``pmap`` and ``shard_map``."""
 
     transform = "vmap"
@@ -57,7 +57,7 @@ class MappedWrapper(Wrapped):
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         in_axes: Any,
         out_axes: Any,
@@ -153,7 +153,7 @@ class MappedWrapper(Wrapped):
             static_argnums=self.static_argnums,
         )
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         call = self.prepare(args, kwargs)
         entry = self._entry(call)
         self.check(call, entry.axes)
@@ -243,7 +243,7 @@ def find_batched_update(
             raise batched_update_error(call, i, axis_name=axis_name) from None
 
 
-class VmapWrapped(MappedWrapper):
+class VmapWrapped(MappedWrapper[P, R]):
     """A function vectorized with `treemode.vmap`."""
 
     transform = "vmap"
@@ -251,7 +251,7 @@ class VmapWrapped(MappedWrapper):
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         in_axes: Any = 0,
         out_axes: Any = 0,
@@ -345,14 +345,14 @@ def translate_axis_error(
 
 
 class _Vmapping(Protocol):
-    """What ``treemode.vmap(in_axes=...)`` returns, for type checkers: a decorator that
-    keeps the decorated function's signature."""
+    """What ``treemode.vmap(in_axes=...)`` returns, for type checkers: a decorator
+    whose `VmapWrapped` keeps the decorated function's signature."""
 
-    def __call__(self, fun: Callable[P, R], /) -> Callable[P, R]: ...
+    def __call__(self, fun: Callable[P, R], /) -> VmapWrapped[P, R]: ...
 
 
 # The function's parameters and result type are kept for type checkers, as
-# `jax.vmap` does (at run time the result is a `VmapWrapped`).
+# `jax.vmap` does: a `VmapWrapped[P, R]` is called like the function.
 @overload
 def vmap(
     fun: Callable[P, R],
@@ -365,7 +365,7 @@ def vmap(
     *,
     transform_metadata: Mapping[str, Any] | None = ...,
     graph: bool = ...,
-) -> Callable[P, R]: ...
+) -> VmapWrapped[P, R]: ...
 
 
 @overload

@@ -16,26 +16,42 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 from ._lifts import refuse_lifts
 
+P = ParamSpec("P")
+R = TypeVar("R")
 W = TypeVar("W")
+# A method's parameters after ``self``, its result and its instance (`Wrapped.__get__`).
+_Rest = ParamSpec("_Rest")
+_Out = TypeVar("_Out")
+_Self = TypeVar("_Self")
 
 
-class Wrapped:
+class Wrapped(Generic[P, R]):
     """Base of treemode's function wrappers (see the module docstring).
 
     A subclass names its transform (``transform``) and calls `_wrap` first in
-    its ``__init__``.
+    its ``__init__``. For type checkers a ``Wrapped[P, R]`` wraps a function
+    taking ``P`` and returning ``R``; read through an instance, a wrapped method
+    takes the parameters after ``self``.
     """
 
     transform = ""
-    fn: Callable[..., Any]
+    fn: Callable[P, R]
 
-    def _wrap(self, fn: Callable[..., Any]) -> None:
+    def _wrap(self, fn: Callable[P, R]) -> None:
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
         self.fn = fn
+
+    @overload
+    def __get__(self, obj: None, objtype: Any = None) -> Self: ...
+
+    @overload
+    def __get__(
+        self: Wrapped[Concatenate[_Self, _Rest], _Out], obj: _Self, objtype: Any = None
+    ) -> Callable[_Rest, _Out]: ...
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
