@@ -35,6 +35,8 @@ SECTIONS = [
     ("5. Trace count and compile time", "compilation", None),
     ("Where the time goes", "stages", None),
     ("6. Decoding at scale", "decode", None),
+    ("7. Real loops", "loops", None),
+    ("7b. Real loops on a GPU", "loops_gpu", None),
 ]
 
 

@@ -19,6 +19,7 @@ import compilation
 import decode
 import dispatch
 import eager
+import loops
 import memory
 import per_variable
 import report
@@ -42,6 +43,7 @@ CASES = {
     "compilation": compilation.run,
     "stages": stages.run,
     "decode": decode.run,
+    "loops": loops.run,
 }
 
 

@@ -62,6 +62,18 @@ CASES = {
             "marginal nanoseconds per Variable",
         ],
     ),
+    "loops": (
+        "loops",
+        [
+            "Real loops: microseconds per call",
+            "donated decode, 1 layers (10 Variables)",
+            "donated train step, 4-layer MLP",
+            "LoRA step",
+            "two models in turn, 2-layer MLP",
+            "a wrapper made inline",
+            "Outputs of the compiled donated programs",
+        ],
+    ),
 }
 
 
@@ -106,9 +118,9 @@ def _check_case(tmp_path: Path, case: str) -> dict:
     return data
 
 
-# The memory and decode cases run (once each, with every check of `_check_case`) in
-# their own tests below, which check more of them.
-@pytest.mark.parametrize("case", [c for c in CASES if c not in ("memory", "decode")])
+# The memory, decode and loops cases run (once each, with every check of
+# `_check_case`) in their own tests below, which check more of them.
+@pytest.mark.parametrize("case", [c for c in CASES if c not in ("memory", "decode", "loops")])
 def test_case_runs_end_to_end(tmp_path: Path, case: str) -> None:
     _check_case(tmp_path, case)
 
@@ -134,6 +146,14 @@ def test_decode_case_has_every_column(tmp_path: Path) -> None:
     assert marginal["nvars"] == [10, 20]
     for peer in peers:
         assert len(marginal[peer]["own_ns"]) == 1 and len(marginal[peer]["extra_ns"]) == 1
+
+
+def test_loops_case_counts_the_floors_outputs(tmp_path: Path) -> None:
+    """The real-loops case (smoke) runs end to end, and the donated decode programs
+    have the floor's outputs."""
+    data = _check_case(tmp_path, "loops")
+    outputs = data["loops_outputs"]["outputs"]
+    assert outputs and all(ours == floor for floor, ours in outputs.values())
 
 
 def test_targets_report_a_negative_per_variable_cost_as_noise() -> None:

@@ -250,7 +250,11 @@ def test_memo_does_not_keep_the_model_alive():
 
 
 def test_shared_donated_buffer_is_named_on_the_memo_path():
-    f = treemode.jit(lambda a, b: a.w[...] + b.w[...], donate_argnums=(0,))
+    def f(a, b):
+        a.w[...] += 1.0
+        return a.w[...] + b.w[...]
+
+    f = treemode.jit(f, donate_argnums=(0,))
     a, b = Counter(), Counter()
     f(a, b)
     f(a, b)

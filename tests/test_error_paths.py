@@ -34,6 +34,11 @@ def scaled(m, n):
     return (m.w[...] + m.b[...]) * n
 
 
+def scaled_in_place(m, n):
+    m.w[...] = m.w[...] * n
+    return m.w[...] + m.b[...]
+
+
 @pytest.mark.parametrize("warm", [False, True])
 def test_an_overflowing_int_names_the_argument(warm):
     f = treemode.jit(scaled)
@@ -95,8 +100,8 @@ def test_a_buffer_the_user_deleted_is_not_blamed_on_donation(hooks):
 def test_a_buffer_shared_with_a_donated_one_is_a_donation_error():
     a = Model()
     b = treemode.clone(a)  # shares a's buffers
-    treemode.jit(scaled, donate_argnums=0)(a, 1.0)
-    with pytest.raises(treemode.DonationError, match=r"args\[0\]\.(w|b) was deleted: it was"):
+    treemode.jit(scaled_in_place, donate_argnums=0)(a, 1.0)  # donates a.w (written)
+    with pytest.raises(treemode.DonationError, match=r"args\[0\]\.w was deleted: it was"):
         treemode.jit(scaled)(b, 1.0)
 
 

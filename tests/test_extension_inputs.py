@@ -105,8 +105,10 @@ def test_an_executed_record_with_a_malformed_guard_state_raises(extension):
 
     f = Fn()
     f._miss = lambda self, error, args, kwargs: "missed"
-    f._record = extension.FastRecord(
-        **_record_fields(slots=(weakref.ref(guarded),), trace=_compat.current_trace_ref())
+    f._records = (
+        extension.FastRecord(
+            **_record_fields(slots=(weakref.ref(guarded),), trace=_compat.current_trace_ref())
+        ),
     )
     with pytest.raises(ERRORS):
         f(Plain)
@@ -239,10 +241,18 @@ def test_fast_call_misses_without_a_record_or_with_anything_else(extension):
     with pytest.raises(TypeError):
         f(1)  # not callable
     f._miss = lambda self, error, args, kwargs: seen.append((error, args, kwargs)) or "missed"
-    assert f._record is None and f(1, k=2) == "missed"
-    f._record = ("not", "a", "record")
+    assert f._records is None and f(1, k=2) == "missed"
+    f._records = "not a tuple of records"
     assert f(2) == "missed"
     assert seen == [(None, (1,), {"k": 2}), (None, (2,), None)]
     # A record whose arguments do not match (two slots, one argument): a miss.
-    f._record = extension.FastRecord(**_record_fields(slots=(None, None)))
+    f._records = (extension.FastRecord(**_record_fields(slots=(None, None))),)
+    assert f(1) == "missed" and seen[-1] == (None, (1,), None)
+    # Several records, none matching (and a non-record among them): each is tried,
+    # then the miss.
+    f._records = (
+        extension.FastRecord(**_record_fields(slots=(None, None))),
+        "not a record",
+        extension.FastRecord(**_record_fields(slots=(None, None, None))),
+    )
     assert f(1) == "missed" and seen[-1] == (None, (1,), None)

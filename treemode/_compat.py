@@ -274,6 +274,23 @@ def _flax_graph_prefix() -> tuple[type | None, Any]:
 FLAX_TREE_STATE, flax_from_tree = _flax_graph_prefix()
 
 
+def _jaxpr_as_fun() -> Any:
+    """JAX's ``jaxpr_as_fun`` (public in ``jax.extend.core``; older JAX: ``jax.core``)."""
+    try:
+        from jax.extend import core as extend_core
+
+        return extend_core.jaxpr_as_fun
+    except (ImportError, AttributeError):  # pragma: no cover - JAX before jax.extend.core has it
+        import jax.core
+
+        return jax.core.jaxpr_as_fun  # type: ignore[attr-defined]
+
+
+# A closed jaxpr as a function of its inputs: how a donated `treemode.jit`
+# executable replays the trace that told it what the function writes.
+jaxpr_as_fun = _jaxpr_as_fun()
+
+
 __all__ = [
     "COMPILED_OK",
     "LAYOUT_PROBLEM",

@@ -1457,12 +1457,16 @@ done:
     return out;
 }
 
-/* FastCall: the base of a callable whose calls execute its `_record` (None,
- * or a FastRecord), and go to `_miss(self, error, args, kwargs)` otherwise
- * (`_miss` is a function, not a bound method: no reference cycle). */
+/* FastCall: the base of a callable whose calls execute one of its `_records`
+ * (a tuple of FastRecords, the most recently made first; one per set of
+ * objects the callable was called with), and go to
+ * `_miss(self, error, args, kwargs)` otherwise (`_miss` is a function, not a
+ * bound method: no reference cycle). A record that does not match passes the
+ * call to the next one; a record that matched and whose compiled entry
+ * raised hands the error to the miss. */
 typedef struct {
     PyObject_HEAD
-    PyObject *record;
+    PyObject *records;
     PyObject *miss;
 } FastCallObject;
 
@@ -1471,12 +1475,19 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     FastCallObject *f = (FastCallObject *)self;
     PyObject *error = NULL;
-    if (f->record != NULL && Py_IS_TYPE(f->record, &FastRecord_Type) && is_configured) {
-        PyObject *record = Py_NewRef(f->record); /* another thread may replace it meanwhile */
-        PyObject *result = execute((RecordObject *)record, args, kwargs, &error);
-        Py_DECREF(record);
-        if (result != NULL || (error == NULL && PyErr_Occurred()))
-            return result;
+    if (f->records != NULL && PyTuple_Check(f->records) && is_configured) {
+        PyObject *records = Py_NewRef(f->records); /* another thread may replace them */
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(records) && error == NULL; i++) {
+            PyObject *record = PyTuple_GET_ITEM(records, i);
+            if (!Py_IS_TYPE(record, &FastRecord_Type))
+                continue;
+            PyObject *result = execute((RecordObject *)record, args, kwargs, &error);
+            if (result != NULL || (error == NULL && PyErr_Occurred())) {
+                Py_DECREF(records);
+                return result;
+            }
+        }
+        Py_DECREF(records);
     }
     if (f->miss == NULL || f->miss == Py_None) {
         Py_XDECREF(error);
@@ -1493,13 +1504,13 @@ static int
 fast_call_traverse(FastCallObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
-    return fields_traverse(&self->record, 2, visit, arg); /* record, miss */
+    return fields_traverse(&self->records, 2, visit, arg); /* records, miss */
 }
 
 static int
 fast_call_clear(FastCallObject *self)
 {
-    return fields_clear(&self->record, 2);
+    return fields_clear(&self->records, 2);
 }
 
 static void
@@ -1511,8 +1522,9 @@ fast_call_dealloc(FastCallObject *self)
 }
 
 static PyMemberDef fast_call_members[] = {
-    {"_record", T_OBJECT, offsetof(FastCallObject, record), 0,
-     "None, or the FastRecord a call executes (anything else: every call misses)"},
+    {"_records", T_OBJECT, offsetof(FastCallObject, records), 0,
+     "a tuple of the FastRecords a call may execute, tried in order (anything "
+     "else: every call misses)"},
     {"_miss", T_OBJECT, offsetof(FastCallObject, miss), 0,
      "miss(self, error, args, kwargs): runs a call the record does not"},
     {NULL, 0, 0, 0, NULL},

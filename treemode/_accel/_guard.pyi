@@ -35,6 +35,6 @@ class FastRecord:
     def __init__(self, **fields: Any) -> None: ...
 
 class FastCall:
-    _record: FastRecord | None
+    _records: tuple[FastRecord, ...] | None
     _miss: Any
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

@@ -129,6 +129,18 @@ class CallSite:
         site._rebuild = weakref.WeakMethod(rebuild)  # type: ignore[arg-type]
         return site
 
+    def alive(self) -> bool:
+        """Whether every flattening the memo matches against is still cached."""
+        return all(slot is None or slot() is not None for slot in self.slots + self.lifted_slots)
+
+    def same_objects(self, other: CallSite) -> bool:
+        """Whether ``other`` was recorded for the same objects (a newer memo replaces it)."""
+        return (
+            self.kw_names == other.kw_names
+            and _same_referents(self.slots, other.slots)
+            and _same_referents(self.lifted_slots, other.lifted_slots)
+        )
+
     def match(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SiteCall | None:
         """This call's `SiteCall` if it passes the same objects, still valid; else ``None``."""
         roots = args
@@ -151,6 +163,21 @@ class CallSite:
         ):
             return None
         return SiteCall(self, args, kwargs, dynamic, sources)
+
+
+def _same_referents(
+    a: tuple[weakref.ref[Any] | None, ...], b: tuple[weakref.ref[Any] | None, ...]
+) -> bool:
+    """Whether two memos' slots hold the same live objects (``None``: a bare array)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            if x is not y:
+                return False
+        elif x() is None or x() is not y():
+            return False
+    return True
 
 
 def _slot(entry: ArgFlat) -> weakref.ref[Any]:

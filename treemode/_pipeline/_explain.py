@@ -48,7 +48,7 @@ def raise_explained(
     of the two tuples an executable with donated arrays takes (see
     `name_internal_paths`).
     """
-    if isinstance(error, EXPLAINED):
+    if isinstance(error, EXPLAINED) or _deleted_input(error):
         better = explain_failure(call.full(), error)
         if better is not None:
             raise better from error
@@ -57,6 +57,12 @@ def raise_explained(
         if renamed is not None:
             raise renamed from error
     raise error
+
+
+def _deleted_input(error: BaseException) -> bool:
+    """JAX's C++ dispatch (a warm call) reports a deleted input buffer as a
+    ``ValueError`` where its Python path raises a ``RuntimeError``."""
+    return isinstance(error, ValueError) and "has been deleted or donated" in str(error)
 
 
 def name_internal_paths(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
+from types import FunctionType
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -19,7 +20,7 @@ from typing import (
 import jax
 from jax.core import Tracer
 
-from .. import _caches
+from .. import _caches, _compat
 from .._accel import _compiled
 from .._errors import DonationError, StructureError
 from .._pipeline import _call, _callsite, _core, _explain, _interrupts, _pure, _retrace, _writeback
@@ -59,6 +60,21 @@ class _Entry:
     output tree on every call. Not with explicit shardings, whose
     ``out_shardings`` give one entry per Variable.
 
+    **Donation by effect.** An entry with donated arguments donates exactly the
+    buffers the function writes: the values of the Variables its trace updates,
+    and the donated arrays that are not Variable values (as ``jax.jit`` does).
+    Read-only Variables of a donated argument are passed undonated, are not
+    outputs, and keep their buffers. What a trace writes is known only once it
+    is traced, so a call of a signature not seen yet first traces the user
+    function once, without donation (``probe``, a ``jax.jit`` that is never
+    compiled), and the donated executable of that write set (``jitted``,
+    ``layout``) replays the probe's jaxpr (`_Replay`): the user function runs
+    once per signature, as under ``jax.jit``. A signature whose trace writes
+    another set gets its own executable; the one called last is the entry's
+    ``jitted``. The executable of one set raises `_Unprobed` when JAX traces it
+    for a signature it was not probed for (new shapes, or another set): nothing
+    has run, and the caller probes and calls again.
+
     Metadata updates are static, so each trace records its own in `record`,
     under the abstract values of its inputs: ``jax.jit`` keeps one executable
     per input shape under this one entry, and a call writes back the metadata
@@ -70,41 +86,57 @@ class _Entry:
         "jitted",
         "layout",
         "record",
-        "_order",
-        "_compact",
         "traced_types",
+        "probe",
+        "_compact",
+        "_candidates",
+        "_owner",
+        "_in_shardings",
+        "_jit_kwargs",
+        "_replays",
+        "_executables",
     )
 
     def __init__(
-        self, pure: _pure.PureFunction, jit_kwargs: dict[str, Any], donated: list[int], n: int
+        self,
+        pure: _pure.PureFunction,
+        jit_kwargs: dict[str, Any],
+        donated: list[int],
+        n: int,
+        owner: Sequence[int] = (),
+        in_shardings: Sequence[Any] | None = None,
     ):
         self.pure = pure
         self.record = _EntryRecord()
         self.traced_types: list[tuple[Any, ...]] = []  # per trace (see `_retrace`)
         self._compact = "out_shardings" not in jit_kwargs
-        # How the executable takes donated arrays (`_explain`, the fast-path record).
-        self.layout = _donation_layout(donated, n)
-        # Position of each dynamic array in ``donated + kept`` (the inverse
-        # permutation, computed in linear time).
-        self._order = [0] * n
-        order = self.layout[0] + self.layout[1] if self.layout else range(n)
-        for position, i in enumerate(order):
-            self._order[i] = position
         # Named like the user function: JAX's program (``jit_<name>``), its
         # messages and profiles then read like the user's code (`_names`).
+        flat = named(self._call_flat, pure.fn, FLAT_ARGUMENTS)
+        if in_shardings is not None:
+            jit_kwargs = dict(jit_kwargs, in_shardings=tuple(in_shardings))
+        self.probe: Any = None
+        self.layout: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         if donated:
             _explain.note_donation()
-            split = named(self._call_split, pure.fn, SPLIT_ARGUMENTS)
-            self.jitted = jax.jit(split, donate_argnums=0, **jit_kwargs)
+            # Per dynamic array, the Variable whose value it is (-1: another leaf).
+            self._owner = owner
+            self._candidates = tuple(donated)
+            self._in_shardings = in_shardings
+            self._jit_kwargs = jit_kwargs
+            self._replays: dict[tuple[Any, ...], _Replay] = {}
+            self._executables: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+            self.probe = jax.jit(flat, **jit_kwargs)
+            self.jitted: Any = None  # set by the first `probe_call`
         else:
-            self.jitted = jax.jit(named(self._call_flat, pure.fn, FLAT_ARGUMENTS), **jit_kwargs)
+            self.jitted = jax.jit(flat, **jit_kwargs)
+
+    @property
+    def donates(self) -> bool:
+        return self.probe is not None
 
     def _call_flat(self, *dynamic: Any) -> Any:
         return self._traced(dynamic)
-
-    def _call_split(self, donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
-        joined = donated + kept
-        return self._traced([joined[j] for j in self._order])
 
     def _traced(self, dynamic: Sequence[Any]) -> tuple[Any, tuple[Any, ...] | None]:
         self._record_types(dynamic)
@@ -122,6 +154,52 @@ class _Entry:
         if call is not None:
             _retrace.new_types("jit", self.pure.fn, call, self.traced_types, dynamic)
 
+    def probe_call(
+        self, dynamic: Sequence[Any]
+    ) -> tuple[Any, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Trace the function for ``dynamic``'s signature (the pure function bound to
+        the call) and make the donated executable of what it writes the current one."""
+        traced = self.probe.trace(*dynamic)
+        out_info, updates_info = traced.out_info
+        n = len(dynamic)
+        written: set[int] = set()
+        if updates_info is not None:
+            written = {i for i, u in enumerate(updates_info) if u is not None}
+        owner = self._owner
+        donated = tuple(j for j in self._candidates if owner[j] < 0 or owner[j] in written)
+        layout = _donation_layout(donated, n) or ((), tuple(range(n)))
+        signature = tuple((a.shape, a.dtype, a.weak_type) for a in traced.jaxpr.in_avals)
+        self._replays[signature] = _Replay(
+            traced.jaxpr, jax.tree_util.tree_structure(traced.out_info), layout
+        )
+        jitted = self._executables.get(layout)
+        if jitted is None:
+            jitted = self._executables[layout] = self._donating(layout)
+        self.jitted = jitted
+        self.layout = layout
+        return jitted, layout
+
+    def _donating(self, layout: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
+        """The ``jax.jit`` of the replayed traces that donate ``layout[0]``."""
+        order = [0] * (len(layout[0]) + len(layout[1]))
+        for position, i in enumerate(layout[0] + layout[1]):
+            order[i] = position
+        replays = self._replays
+
+        def call_split(donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
+            joined = donated + kept
+            dynamic = [joined[j] for j in order]
+            replay = replays.get(_signature(dynamic))
+            if replay is None or replay.layout != layout:
+                raise _Unprobed(self.pure.transform)
+            return replay(dynamic)
+
+        kwargs = self._jit_kwargs
+        if self._in_shardings is not None:
+            kwargs = dict(kwargs, in_shardings=_arrange(self._in_shardings, layout))
+        split = named(call_split, self.pure.fn, SPLIT_ARGUMENTS)
+        return jax.jit(split, donate_argnums=0, **kwargs)
+
     def metadata_for(self, dynamic: Sequence[Any]) -> dict[int, dict[str, Any]] | None:
         """The metadata updates of the trace whose executable ran on ``dynamic``."""
         if not self.record.metadata_updates:
@@ -130,6 +208,45 @@ class _Entry:
 
     def args(self, dynamic: Sequence[Any]) -> tuple[Any, ...]:
         return _arrange(dynamic, self.layout)
+
+    def executables(self) -> tuple[Any, ...]:
+        """Every ``jax.jit`` function of this entry that compiles."""
+        if self.probe is None:
+            return (self.jitted,)
+        return tuple(self._executables.values())
+
+    def clear(self) -> None:
+        for jitted in self.executables():
+            jitted.clear_cache()
+        if self.probe is not None:
+            self.probe.clear_cache()
+            self._replays.clear()
+            self._executables.clear()
+            self.jitted = None
+            self.layout = None
+
+
+class _Replay:
+    """The jaxpr of one probed trace, replayed by the donated executable of its write set."""
+
+    __slots__ = ("run", "out_tree", "layout")
+
+    def __init__(self, jaxpr: Any, out_tree: Any, layout: tuple[tuple[int, ...], tuple[int, ...]]):
+        self.run = _compat.jaxpr_as_fun(jaxpr)
+        self.out_tree = out_tree
+        self.layout = layout
+
+    def __call__(self, dynamic: Sequence[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(self.out_tree, self.run(*dynamic))
+
+
+class _Unprobed(_pure.UnboundTrace):
+    """A donated executable was traced for a signature its write set was not probed for.
+
+    Raised while JAX traces, before anything runs or is donated: the caller probes
+    (`_Entry.probe_call`) and calls again. The compiled executor treats it as any
+    `UnboundTrace`: a miss.
+    """
 
 
 def _donation_layout(
@@ -151,6 +268,100 @@ def _arrange(
         return tuple(per_dynamic)
     donated, kept = layout
     return tuple(per_dynamic[i] for i in donated), tuple(per_dynamic[i] for i in kept)
+
+
+# How many sets of objects a wrapper keeps on its fast path (as JAX keeps one
+# executable per signature): a train step and an eval of its EMA copy, a teacher
+# and a student, the models of an ensemble.
+_MEMOS = 8
+
+
+class _Memo:
+    """One set of objects a `JitWrapped` was called with: the call-site memo
+    (`CallSite`), the compiled entry, and the fast-path record emitted for them
+    (``None``: not yet, or not trustable; ``due``: to emit after the next run)."""
+
+    __slots__ = ("site", "entry", "record", "due")
+
+    def __init__(self, site: CallSite, entry: _Entry):
+        self.site = site
+        self.entry = entry
+        self.record: Any = None
+        self.due = True
+
+
+class _SharedJit:
+    """What every `treemode.jit` wrapper of one function with the same options
+    shares, as ``jax.jit`` caches on the function: the resolved settings, the
+    compiled entries and the memos (with their fast-path records).
+
+    Kept in the function's ``__dict__`` (so it lives exactly as long as the
+    function, and keeps nothing else alive), by options.
+    """
+
+    __slots__ = ("fn", "settings", "entries", "memos", "records", "__weakref__")
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.settings: dict[str, Any] | None = None  # set by the first wrapper
+        self.entries: dict[_call.CallKey, _Entry] = {}
+        self.memos: tuple[_Memo, ...] = ()
+        self.records: tuple[Any, ...] = ()
+
+    @staticmethod
+    def find(fn: FunctionType, options: tuple[Any, ...]) -> _SharedJit | None:
+        """The state shared by ``fn``'s wrappers with ``options`` (``None``: unhashable)."""
+        try:
+            hash(options)
+        except TypeError:
+            return None
+        table = fn.__dict__.get(_SHARED_ATTRIBUTE)
+        if type(table) is not _SharedTable or table.fn is not fn:
+            # None yet, or another function's, copied by functools.wraps.
+            table = fn.__dict__[_SHARED_ATTRIBUTE] = _SharedTable(fn)
+        shared = table.by_options.get(options)
+        if shared is None:
+            shared = table.by_options[options] = _SharedJit(fn)
+            _caches.track(shared)
+        return shared
+
+    def prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
+        """`prepare` of a call of these wrappers (they bind no arguments)."""
+        settings = self.settings
+        assert settings is not None
+        return _call.prepare(
+            "jit",
+            self.fn,
+            args,
+            kwargs,
+            graph=settings["graph"],
+            static_argnums=settings["static_argnums"],
+            static_argnames=settings["static_argnames"],
+            abstract=False,
+        )
+
+    def forget_memos(self) -> None:
+        self.memos = ()
+        self.records = ()
+
+    def clear_cache(self) -> None:
+        for entry in self.entries.values():
+            entry.clear()
+        self.entries.clear()
+        self.forget_memos()
+
+
+_SHARED_ATTRIBUTE = "__treemode_jit__"
+
+
+class _SharedTable:
+    """``fn.__dict__[_SHARED_ATTRIBUTE]``: the `_SharedJit` of each set of options."""
+
+    __slots__ = ("fn", "by_options")
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.by_options: dict[tuple[Any, ...], _SharedJit] = {}
 
 
 class _EntryRecord:
@@ -211,6 +422,33 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         graph: bool = False,
         partial_args: tuple[Any, ...] = (),
     ):
+        # A wrapper of a function already wrapped with the same options (one made
+        # inline, in a loop) takes that one's settings, entries and memos.
+        shared = None
+        if not partial_args and type(fn) is FunctionType:
+            options = (
+                in_shardings,
+                out_shardings,
+                static_argnums,
+                static_argnames,
+                donate_argnums,
+                donate_argnames,
+                keep_unused,
+                device,
+                backend,
+                inline,
+                None if compiler_options is None else tuple(sorted(compiler_options.items())),
+                graph,
+            )
+            shared = _SharedJit.find(fn, options)
+            if shared is not None and shared.settings is not None:
+                self.__dict__.update(shared.settings)
+                self._memos = shared.memos
+                self._records = shared.records
+                if _compiled.FastCall is not None:
+                    self._miss = type(self)._on_miss
+                _caches.track(self)
+                return
         self._wrap(fn)
         self.graph = graph
         # Flax's graph-mode prefixes (nnx.prefix(..., graph=True)) made module-shaped.
@@ -248,18 +486,19 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         self.donate_argnames = donate_names
         self._n_partial = n_partial
         self._cache: dict[_call.CallKey, _Entry] = {}
-        # The last call's memo (see ``_callsite``) and its compiled entry, set
-        # together (one attribute, so threads never pair one call's site with
-        # another's entry): a loop calling with the same objects skips ``prepare``.
-        self._memo: tuple[CallSite, _Entry] | None = None
+        self._shared = shared
+        if shared is not None:
+            self._cache = shared.entries
+            shared.settings = dict(self.__dict__)
         self._start_fast_path()
         _caches.track(self)  # treemode.clear_caches() calls clear_cache()
 
-    def _start_fast_path(self) -> None:
-        # The fast-path record the extension executes (None: every call runs
-        # `_call`), and whether the memo still has to emit it (after a call ran).
-        self._record: Any = None
-        self._record_due = False
+    def _start_fast_path(self, memos: tuple[_Memo, ...] = ()) -> None:
+        # One memo per set of objects called with (see `_Memo`), the most recent
+        # first (a tuple replaced whole: threads never see one half-changed), and
+        # their fast-path records, which the extension's executor tries in order.
+        self._memos = tuple(_Memo(m.site, m.entry) for m in memos)
+        self._records: Any = ()
         if _compiled.FastCall is not None:
             # The executor's one callback, called with the wrapper first: a function,
             # not a bound method, so the wrapper makes no reference cycle.
@@ -269,9 +508,8 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         """``copy.copy``: a wrapper of the same function sharing its compiled entries."""
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
-        copied._start_fast_path()  # emitted again for the copy (its miss is its own)
-        copied._memo = self._memo
-        copied._record_due = self._memo is not None
+        copied._start_fast_path(self._memos)  # records emitted again (the miss is the copy's)
+        copied._shared = None
         _caches.track(copied)
         return copied
 
@@ -285,8 +523,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         copied = self.__copy__()
         if self.partial_args:
             copied.partial_args = copy.deepcopy(self.partial_args, memo)
-            copied._memo = None  # the memo matched the original's bound objects
-            copied._record_due = False
+            copied._start_fast_path()  # the memos matched the original's bound objects
         return copied
 
     def __reduce__(self) -> Any:
@@ -322,17 +559,18 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
 
     def _build(self, call: _call.Call) -> _Entry:
         donated = self._donated_roots(call)
-        force: set[int] = set()
         donate_flat: list[int] = []
-        var_offset = 0
         dyn_offset = 0
         for k, flat in enumerate(call.arg_flats):
             if k in donated:
-                force.update(range(var_offset, var_offset + len(flat.variables)))
                 donate_flat.extend(range(dyn_offset, dyn_offset + len(flat.dynamic)))
-            var_offset += len(flat.variables)
             dyn_offset += len(flat.dynamic)
-        pure = _pure.PureFunction(call, force_updates=frozenset(force))
+        owner = [-1] * len(call.dynamic)
+        if donate_flat:
+            for i, indices in enumerate(call.variable_dynamic_ranges()):
+                for j in indices:
+                    owner[j] = i
+        pure = _pure.PureFunction(call)
         if self.graph and self.out_shardings is not _UNSET:  # one per shared Variable
             pure.output_spec = ("out_shardings", self.out_shardings, _whole, _is_sharding, "output")
         jit_kwargs: dict[str, Any] = dict(keep_unused=self.keep_unused, inline=self.inline)
@@ -342,14 +580,14 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
             jit_kwargs["backend"] = self.backend
         if self.compiler_options is not None:
             jit_kwargs["compiler_options"] = self.compiler_options
+        in_shardings = None
         if self.in_shardings is not _UNSET:
-            layout = _donation_layout(donate_flat, len(call.dynamic))
-            jit_kwargs["in_shardings"] = _arrange(self._flat_in_shardings(call), layout)
+            in_shardings = self._flat_in_shardings(call)
         if self.out_shardings is not _UNSET or self.in_shardings is not _UNSET:
             var_shardings = self._variable_shardings(call)
             out = None if self.out_shardings is _UNSET else self._jax_out_shardings
             jit_kwargs["out_shardings"] = (out, tuple(var_shardings))
-        return _Entry(pure, jit_kwargs, donate_flat, len(call.dynamic))
+        return _Entry(pure, jit_kwargs, donate_flat, len(call.dynamic), owner, in_shardings)
 
     def _positional_roots(self, call: _call.Call) -> list[tuple[ArgFlat, Any]]:
         trees = [t for _, t in call.arg_roots()]
@@ -414,69 +652,132 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
-        """A call through the pipeline: the memo's `CallSite.match`, else `prepare`."""
-        memo = self._memo
-        if memo is not None:
-            site, entry = memo
-            matched = site.match((*self.partial_args, *args) if self._n_partial else args, kwargs)
-            if matched is not None:
-                out = self._run(matched, entry, entry.jitted)
-                if self._record_due or (self._record is not None and entry.record.metadata_updates):
-                    self._emit(matched, entry)
-                return out
+        """A call through the pipeline: a memo's `CallSite.match`, else `prepare`."""
+        memos = self._memos
+        if memos:
+            roots = (*self.partial_args, *args) if self._n_partial else args
+            for memo in memos:
+                matched = memo.site.match(roots, kwargs)
+                if matched is not None:
+                    entry = memo.entry
+                    out = self._run(matched, entry)
+                    record = memo.record
+                    if memo.due or (
+                        record is not None
+                        and (entry.record.metadata_updates or record.jitted is not entry.jitted)
+                    ):
+                        self._emit(memo, matched)
+                    return out
         call = self._prepare(args, kwargs, abstract=False)
         new = call.key not in self._cache
         entry = self._entry(call)
-        site = CallSite.record(call, self._prepare_in_full)
-        self._memo = None if site is None else (site, entry)
-        self._record = None  # emitted once this call ran: its trace may change the entry
-        self._record_due = site is not None
+        # The memo rebuilds a full call through an object that lives as long as the
+        # memo may be used: the wrapper, or the state its function's wrappers share.
+        rebuild = self._prepare_in_full if self._shared is None else self._shared.prepare_in_full
+        site = CallSite.record(call, rebuild)
+        memo = None
+        if site is not None:
+            # Emitted once this call ran (its trace may change the entry); the memo
+            # of the same objects, if any, is replaced, and the oldest dropped.
+            memo = _Memo(site, entry)
+            kept = [m for m in memos if m.site.alive() and not site.same_objects(m.site)]
+            kept = kept[: _MEMOS - 1]
+            self._memos = (memo, *kept)
+            self._publish()
         if new and _retrace.enabled():
             # treemode says what changed in the arguments; JAX, which sees a new
             # flat function, would only say that it was never seen.
             _retrace.new_structure("jit", self.fn, call.key, list(self._cache)[:-1])
             with _retrace.jax_explanations_off():
-                out = self._run(call, entry, entry.jitted)
+                out = self._run(call, entry)
         else:
-            out = self._run(call, entry, entry.jitted)
-        if self._record_due:
-            self._emit(call, entry)
+            out = self._run(call, entry)
+        if memo is not None:
+            self._emit(memo, call)
         return out
 
-    def _emit(self, call: _call.PreparedCall, entry: _Entry) -> None:
-        """Emit the fast-path record of the memo (`_callsite.fast_record`) after ``call`` ran."""
-        memo = self._memo
-        if memo is None or memo[1] is not entry:
-            return
-        self._record_due = False
-        self._record = _callsite.fast_record(
-            memo[0],
+    def _emit(self, memo: _Memo, call: _call.PreparedCall) -> None:
+        """Emit the fast-path record of ``memo`` (`_callsite.fast_record`) after ``call`` ran."""
+        entry = memo.entry
+        memo.due = False
+        memo.record = _callsite.fast_record(
+            memo.site,
             call,
             self.partial_args,
             entry.jitted,
             entry.layout,
             entry.record.metadata_updates,
         )
+        self._publish()
+
+    def _publish(self) -> None:
+        """Hand the executor the records of the current memos, in their order."""
+        self._records = tuple(m.record for m in self._memos if m.record is not None)
+        shared = self._shared
+        if shared is not None:  # the next wrapper of the function starts with them
+            shared.memos = self._memos
+            shared.records = self._records
+
+    @property
+    def _memo(self) -> tuple[CallSite, _Entry] | None:
+        """The most recent memo's site and entry (``None``: no memo)."""
+        return (self._memos[0].site, self._memos[0].entry) if self._memos else None
+
+    @property
+    def _record(self) -> Any:
+        """The most recent memo's fast-path record (``None``: none)."""
+        return self._memos[0].record if self._memos else None
 
     def _on_miss(self, error: BaseException | None, args: tuple[Any, ...], kwargs: Any) -> Any:
         """The executor's miss: run the call through the pipeline, or explain the
         error its compiled entry raised (``error``)."""
-        if error is None or type(error) is _pure.UnboundTrace:
+        if error is None or isinstance(error, _pure.UnboundTrace):  # `_Unprobed` too
             return self._call(*args, **(kwargs or {}))
         call = self._prepare(args, kwargs or {}, abstract=False)
-        memo = self._memo
-        _explain.raise_explained(call, error, None if memo is None else memo[1].layout)
+        entry = self._cache.get(call.key)
+        _explain.raise_explained(call, error, None if entry is None else entry.layout)
         raise error  # raise_explained raises; this line is never reached
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
         """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
         return self._prepare(args[self._n_partial :], kwargs, abstract=False)
 
-    def _run(self, call: _call.PreparedCall, entry: _Entry, executable: Callable[..., Any]) -> Any:
-        """Run ``executable`` (the jitted or an AOT-compiled function) on ``call``'s arrays."""
-        if entry.layout is not None:
-            _check_donation(call, *entry.layout)
-        arrays = entry.args(call.dynamic)
+    def _run(
+        self, call: _call.PreparedCall, entry: _Entry, compiled: Compiled | None = None
+    ) -> Any:
+        """Run ``call`` on its entry's executable (or on ``compiled``, an AOT-compiled one)."""
+        if compiled is not None:
+            return self._execute(call, entry, compiled._stage, compiled._layout)
+        if not entry.donates:
+            return self._execute(call, entry, entry.jitted, None)
+        jitted, layout = entry.jitted, entry.layout
+        if jitted is None:
+            jitted, layout = self._probe(call, entry)
+        try:
+            return self._execute(call, entry, jitted, layout)
+        except _Unprobed:
+            # JAX traced the executable for a signature it was not probed for;
+            # nothing ran: probe this one and call its executable.
+            jitted, layout = self._probe(call, entry)
+            return self._execute(call, entry, jitted, layout)
+
+    def _probe(self, call: _call.PreparedCall, entry: _Entry) -> tuple[Any, Any]:
+        """`_Entry.probe_call` with the call bound, failures explained as a call's;
+        returns the executable of what the trace writes and its donation layout."""
+        dynamic = call.dynamic
+        return _core.run(call, entry.pure, lambda: (entry.probe_call(dynamic), None), finish=False)
+
+    def _execute(
+        self,
+        call: _call.PreparedCall,
+        entry: _Entry,
+        executable: Callable[..., Any],
+        layout: tuple[tuple[int, ...], tuple[int, ...]] | None,
+    ) -> Any:
+        """Run ``executable``, taking ``call``'s arrays as ``layout`` says, and write back."""
+        if layout is not None:
+            _check_donation(call, *layout)
+        arrays = _arrange(call.dynamic, layout)
 
         def jax_call() -> tuple[Any, Any]:
             out, updates = executable(*arrays)
@@ -486,14 +787,14 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
                 return out, updates
             return out, _writeback.WriteBack(call, updates, entry.metadata_for(call.dynamic))
 
-        if entry.layout is not None:
+        if layout is not None:
             # Once the executable consumed the donated buffers, the new values are the
             # only whole state until written: a signal's handler waits for the write
             # (treemode._pipeline._interrupts; one raised during the trace or compilation, before
             # anything was consumed, is raised at once).
             token = _interrupts.hold(arrays[0])
             try:
-                return _core.run(call, entry.pure, jax_call, layout=entry.layout)
+                return _core.run(call, entry.pure, jax_call, layout=layout)
             finally:
                 if token is not None:
                     _interrupts.close()
@@ -506,11 +807,12 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         """Trace without compiling; ``.jaxpr`` and ``.lower()`` are available."""
         call = self._prepare(args, kwargs, abstract=True)
         entry = self._entry(call)
-        arrays = entry.args(call.dynamic)
-        traced = _core.run(
-            call, entry.pure, lambda: (entry.jitted.trace(*arrays), None), finish=False
-        )
-        return Traced(self, call.key, traced)
+        jitted, layout = entry.jitted, entry.layout
+        if entry.donates:  # the donated executable of what this trace writes
+            jitted, layout = self._probe(call, entry)
+        arrays = _arrange(call.dynamic, layout)
+        traced = _core.run(call, entry.pure, lambda: (jitted.trace(*arrays), None), finish=False)
+        return Traced(self, call.key, traced, layout)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -526,12 +828,11 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
     def clear_cache(self) -> None:
         """Drop every compiled entry (as ``jax.jit``'s ``clear_cache``); the next call traces."""
         for entry in self._cache.values():
-            jitted: Any = entry.jitted  # a jax.jit function (its stub omits clear_cache)
-            jitted.clear_cache()
+            entry.clear()
         self._cache.clear()
-        self._memo = None
-        self._record = None
-        self._record_due = False
+        self._start_fast_path()
+        if self._shared is not None:
+            self._shared.forget_memos()
 
     # -- what Flax's and JAX's wrappers offer --------------------------------------
 
@@ -579,7 +880,7 @@ class JittedFunctions:
     @property
     def functions(self) -> tuple[Any, ...]:
         """The ``jax.jit`` functions, in the order their structures were first called."""
-        return tuple(entry.jitted for entry in self._wrapped._cache.values())
+        return tuple(f for entry in self._wrapped._cache.values() for f in entry.executables())
 
     def _cache_size(self) -> int:
         """The number of executables compiled so far, over every call structure."""
@@ -654,10 +955,17 @@ class _Stage:
     handling for calls and remembers the call structure it was made for.
     """
 
-    def __init__(self, wrapped: JitWrapped[Any, Any], key: _call.CallKey, stage: Any):
+    def __init__(
+        self,
+        wrapped: JitWrapped[Any, Any],
+        key: _call.CallKey,
+        stage: Any,
+        layout: tuple[tuple[int, ...], tuple[int, ...]] | None,
+    ):
         self._wrapped = wrapped
         self._key = key
         self._stage = stage
+        self._layout = layout  # how the stage takes donated arrays (`_donation_layout`)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stage, name)
@@ -667,14 +975,15 @@ class Traced(_Stage):
     """The result of `JitWrapped.trace` (a ``jax.stages.Traced``): ``.jaxpr``, ``.lower()``."""
 
     def lower(self, **kwargs: Any) -> Lowered:
-        return Lowered(self._wrapped, self._key, self._stage.lower(**kwargs))
+        return Lowered(self._wrapped, self._key, self._stage.lower(**kwargs), self._layout)
 
 
 class Lowered(_Stage):
     """The result of `JitWrapped.lower` (a ``jax.stages.Lowered``): ``.compile()``."""
 
     def compile(self, *args: Any, **kwargs: Any) -> Compiled:
-        return Compiled(self._wrapped, self._key, self._stage.compile(*args, **kwargs))
+        stage = self._stage.compile(*args, **kwargs)
+        return Compiled(self._wrapped, self._key, stage, self._layout)
 
 
 class Compiled(_Stage):
@@ -694,7 +1003,7 @@ class Compiled(_Stage):
                 "differ). Lower and compile again for these arguments, or call the "
                 "treemode.jit function itself, which compiles per structure."
             )
-        return wrapped._run(call, wrapped._entry(call), self._stage)
+        return wrapped._run(call, wrapped._entry(call), self)
 
 
 # The options of `jit` and `jit_partial` that may not hold Flax lift objects.
