@@ -102,23 +102,30 @@ wheels: $(STAMP)
 # wheel, tag and compiler-less installation checks, with the tests of the
 # compiled call path and of the extension's status, and the examples (measured:
 # 7 minutes on a busy 2-core machine, 1.5 to build and install, 4.6 for 340 tests).
+# It runs a part of the suite, not all of it as `make wheels` does: the whole suite
+# has just run from the checkout (make test), and again there would add about 10
+# minutes to .ci/run. The part holds what the wheel's own environment changes:
+# the compiled path and the extension's status, the versions, the examples, and
+# the typing tests (pyright, a Node.js program, runs there with only `node` on PATH).
 WHEEL_CHECK_TESTS := tests/test_extension.py tests/test_extension_inputs.py \
 	tests/test_callsite.py tests/test_twins.py tests/test_flatten_cache.py \
 	tests/test_replaced_objects.py tests/test_closure_helpers.py tests/test_compat.py \
-	tests/test_versions.py tests/test_examples.py
+	tests/test_versions.py tests/test_examples.py tests/test_typing.py
 wheel-check: $(STAMP)
 	$(INSTALL) $(CONSTRAINTS) -e '.[dev]'
 	$(PY) tools/wheels.py $(WHEEL_CHECK_TESTS)
 
 # The test suite of the sdist in fresh virtual environments under .compat/: the
 # oldest supported versions, an environment with jax 0.9.2 + flax 0.12.6 that
-# installing treemode must leave as it is, and the newest releases, on Python
-# 3.11, 3.12 and 3.13 where this machine has them (tools/compat.py).
-# `make compat COMPAT_CASES=oldest,newest` runs two of them (what .ci/run does).
-COMPAT_CASES ?= oldest,middle,newest,newest-py3.11
+# installing treemode must leave as it is, and the newest releases on Python
+# 3.13, 3.12 and 3.11 (tools/compat.py). COMPAT_JOBS cases run at once.
+# .ci/run: `make compat COMPAT_CASES=oldest,newest,newest-py3.12 COMPAT_JOBS=2`
+# (the newest on 3.11 is what `make test` has just run).
+COMPAT_CASES ?= oldest,middle,newest,newest-py3.12,newest-py3.11
+COMPAT_JOBS ?= 1
 compat: $(STAMP)
 	$(INSTALL) $(CONSTRAINTS) -e '.[dev]'
-	$(PY) tools/compat.py --cases $(COMPAT_CASES)
+	$(PY) tools/compat.py --cases $(COMPAT_CASES) --jobs $(COMPAT_JOBS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info site .compat

@@ -33,7 +33,7 @@ from flax import nnx
 
 import treemode
 
-GPU = dataclasses.replace(QUICK, name="gpu", repeats=10, sample_ms=5.0, decode_layers=(8, 100))
+GPU = dataclasses.replace(QUICK, name="gpu", repeats=8, sample_ms=3.0, decode_layers=(8, 100))
 D_MODEL, D_HIDDEN, BLOCKS, TOKENS = 768, 3072, 4, 16 * 512
 
 

@@ -26,6 +26,7 @@ from types import ModuleType
 import pytest
 
 import treemode
+from treemode import _versions
 from treemode._accel import _compiled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,6 +109,15 @@ def _import_report(
 
 def _extension_warnings(report: dict) -> list[list[str]]:
     return [w for w in report["warnings"] if w[0] == "ExtensionWarning"]
+
+
+def _other_than_versions(report: dict) -> list[list[str]]:
+    """The warnings of an import but the `VersionWarning`, which must be there exactly
+    where the installed JAX/Flax are outside the tested ranges (a newer JAX, say)."""
+    untested = bool(_versions.problems()[1])
+    version = [w for w in report["warnings"] if w[0] == "VersionWarning"]
+    assert len(version) == untested, report["warnings"]
+    return [w for w in report["warnings"] if w[0] != "VersionWarning"]
 
 
 def test_extension_status_is_public_and_frozen() -> None:
@@ -247,7 +257,7 @@ def test_the_blocked_module_warns_once_and_the_switches_silence_it() -> None:
     # The user's choice: no warning at all, even under -W error.
     chosen = _import_report(BLOCK_GUARD, flags=("-W", "error"), TREEMODE_NO_EXTENSION="1")
     assert (chosen["active"], chosen["reason"]) == (False, "disabled by TREEMODE_NO_EXTENSION")
-    assert chosen["warnings"] == []
+    assert _other_than_versions(chosen) == []
     # The documented switches.
     quiet = _import_report(BLOCK_GUARD, TREEMODE_NO_EXTENSION_WARNING="1")
     assert (quiet["active"], quiet["reason"]) == (False, "not built")
@@ -263,4 +273,4 @@ def test_the_blocked_module_warns_once_and_the_switches_silence_it() -> None:
 def test_a_built_extension_imports_silently_under_w_error() -> None:
     report = _import_report(flags=("-W", "error"))
     assert (report["active"], report["reason"]) == (True, "active")
-    assert report["warnings"] == []
+    assert _other_than_versions(report) == []

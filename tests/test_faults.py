@@ -656,6 +656,7 @@ def refusing():
     RefusingParam.refuse = False
 
 
+@pytest.mark.usefixtures("_jax_frames_kept")  # the frames are inspected below
 def test_a_fault_inside_the_write_of_a_matched_call_leaves_inputs(implementation, refusing):
     # The write of a memo-matched call (in C where the extension is on: `fast_call`
     # writes without entering Python's write_back) fails at its second Variable:
@@ -679,6 +680,7 @@ def test_a_fault_inside_the_write_of_a_matched_call_leaves_inputs(implementation
     np.testing.assert_allclose(m.b[...], np.full(2, 4.0))
 
 
+@pytest.mark.usefixtures("_jax_frames_kept")  # the frames are inspected below
 @pytest.mark.parametrize("record", [True, False], ids=["record", "pipeline"])
 def test_a_refused_write_after_a_donated_call_is_finished(
     implementation, refusing, record, monkeypatch

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 
@@ -56,6 +57,7 @@ def test_every_pointer_in_treemode_names_an_existing_section() -> None:
         "stateaxes",
         "diffstate",
         "cached-partial",
+        "modelandoptimizer",
     }
     assert expected <= set(pointers), f"messages lost their pointers: {expected - set(pointers)}"
     missing = {a: files for a, files in pointers.items() if a not in anchors}
@@ -99,6 +101,11 @@ def _alias() -> None:
     treemode.jit(lambda m, o: None)(model, _HoldsParams(model))
 
 
+def _owner_alias() -> None:
+    model = _Model()
+    treemode.jit(lambda m, o: None)(model, nnx.ModelAndOptimizer(model, optax.sgd(0.1)))
+
+
 def _state_axes() -> None:
     axes = nnx.StateAxes({nnx.BatchStat: 0, ...: None})
     treemode.vmap(lambda m, x: x, in_axes=(axes, 0))(_Model(), jnp.ones((4, 3)))
@@ -113,10 +120,11 @@ def _diff_state() -> None:
     [
         (_structure, treemode.StructureError, "structural-changes"),
         (_alias, treemode.AliasError, "shared-variables"),
+        (_owner_alias, treemode.AliasError, "modelandoptimizer"),
         (_state_axes, treemode.AxisError, "stateaxes"),
         (_diff_state, treemode.AxisError, "diffstate"),
     ],
-    ids=["StructureError", "AliasError", "StateAxes", "DiffState"],
+    ids=["StructureError", "AliasError", "OwnerAliasError", "StateAxes", "DiffState"],
 )
 def test_error_points_at_its_section(trigger, error, anchor) -> None:
     with pytest.raises(error) as info:

@@ -278,3 +278,45 @@ def test_clear_caches_clears_shared_entries(donate):
     treemode.clear_caches()
     treemode.jit(f, donate_argnums=donated)(model, jnp.ones(4))
     assert traces[0] == 2
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_retrace_on_the_fast_path_leaves_jax_dispatching_in_cpp(implementation, donate):
+    """A value that changes type after the first call (weakly typed, then not) makes
+    the next call trace again. When that trace started in JAX's C++ dispatch and was
+    retried through the pipeline, JAX kept an entry that sent every later call of
+    that signature through its Python path; treemode clears it, so later calls
+    dispatch in C++ again, as for a function whose first trace did not fail."""
+    from jax._src import pjit  # JAX's private dispatch: only counted here
+
+    python_path = getattr(pjit, "_run_python_pjit", None)
+    if python_path is None:
+        pytest.skip("this JAX has no _run_python_pjit to count its Python dispatch by")
+    calls: list[str] = []
+
+    def counted(p: Any, args_flat: Any, fun: Any, *rest: Any) -> Any:
+        calls.append(getattr(fun, "__name__", ""))
+        return python_path(p, args_flat, fun, *rest)
+
+    class Weak(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.full((3,), 0.5))  # weakly typed until written
+
+    def weak_step(m, x):
+        m.w[...] = m.w[...] * 0.5 + x
+        return m.w[...].sum()
+
+    model = Weak()
+    assert jax.typeof(model.w.get_raw_value()).weak_type
+    step = treemode.jit(weak_step, donate_argnums=0 if donate else None)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(pjit, "_run_python_pjit", counted)
+    try:
+        for _ in range(3):
+            step(model, jnp.ones(3))  # the third call traces again: a strong type now
+        calls.clear()
+        for _ in range(5):
+            step(model, jnp.ones(3))
+    finally:
+        monkey.undo()
+    assert calls.count("weak_step") <= 1, calls

@@ -121,19 +121,44 @@ def test_read_only_parameters_are_not_copied_or_written_back():
     assert_unchanged(before, model)
 
 
-def test_read_only_parameters_are_loop_constants_not_carry():
-    """Only the activations are carried; stacked params are xs, a broadcast module a constant."""
+def test_read_only_parameters_are_loop_constants_not_carry(monkeypatch):
+    """Only the activations are carried; stacked params are xs, a broadcast module a constant.
+
+    Read from what treemode hands ``jax.lax.scan`` (its public arguments) and from
+    the scan equation's inputs and outputs, not from its parameters, which JAX
+    renames (``num_carry`` is gone in JAX 0.11).
+    """
     blocks = make_blocks()
     head = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(1))
+    handed = []
+    real_scan = jax.lax.scan
+
+    def recording_scan(f, init, xs=None, *args, **kwargs):
+        handed.append(jax.tree.leaves(xs))
+        return real_scan(f, init, xs, *args, **kwargs)
+
+    monkeypatch.setattr(jax.lax, "scan", recording_scan)
 
     @treemode.scan(in_axes=(Carry, 0, None), out_axes=Carry)
     def forward(h, block, head):
         return head(block(h))
 
-    jaxpr = jax.make_jaxpr(lambda b, hd, x: forward(x, b, hd))(blocks, head, jnp.ones(WIDTH))
+    x = jnp.linspace(-1.0, 1.0, WIDTH)
+    jaxpr = jax.make_jaxpr(lambda b, hd, x: forward(x, b, hd))(blocks, head, x)
+    monkeypatch.undo()
+    (scanned,) = handed
+    stacked = jax.tree.leaves(blocks)
+    assert sorted(a.shape for a in scanned) == sorted(p.shape for p in stacked)
+    assert all(a.shape[0] == DEPTH for a in scanned)  # the stacked params, a slice per step
     (scan_eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
-    assert scan_eqn.params["num_carry"] == 1
-    assert len(scan_eqn.outvars) == 1  # the final carry, nothing stacked
+    # One output: the final activations. The read-only arrays treemode passes
+    # through the loop state came out of the carry as loop constants (nothing
+    # copied per step), and nothing is stacked.
+    assert len(scan_eqn.outvars) == 1
+    # Its inputs: the head's parameters (constants), the activations, the stacked params.
+    assert len(scan_eqn.invars) == len(jax.tree.leaves(head)) + 1 + len(scanned)
+    out = jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *jax.tree.leaves((blocks, head)), x)
+    np.testing.assert_allclose(out[0], forward(x, blocks, head), rtol=1e-6)
 
 
 def _memory(fn, *args):

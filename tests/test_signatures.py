@@ -10,6 +10,7 @@ difference appears and when a listed one disappears.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -72,7 +73,6 @@ JAX_DIFFERENCES: dict[tuple[str, str, str], str] = {
             "pmap",
             "grad",
             "value_and_grad",
-            "custom_vjp",
             "remat",
             "checkpoint",
             "vjp",
@@ -87,8 +87,6 @@ JAX_DIFFERENCES: dict[tuple[str, str, str], str] = {
     ("jvp", "primals", "default"): _DECORATOR + " (treemode.jvp(f)(f, primals, tangents))",
     ("jvp", "tangents", "default"): _DECORATOR,
     ("scan", "_split_transpose", "missing"): "a private JAX parameter (leading underscore)",
-    ("remat", "concrete", "missing"): "deprecated in JAX, which rejects any value for it",
-    ("checkpoint", "concrete", "missing"): "deprecated in JAX, which rejects any value for it",
     ("shard_map", "mesh", "default"): (
         "required: the mesh lays out each Variable's shards and its write-back "
         "(no context mesh is looked up)"
@@ -98,11 +96,84 @@ JAX_DIFFERENCES: dict[tuple[str, str, str], str] = {
         "prefix, which cannot be inferred"
     ),
 }
-# JAX releases before 0.10 still take pmap's deprecated ``global_arg_shapes``.
-if "global_arg_shapes" in inspect.signature(jax.pmap).parameters:
-    JAX_DIFFERENCES[("pmap", "global_arg_shapes", "missing")] = (
-        "deprecated and removed from jax.pmap in JAX 0.10; treemode follows the newer signature"
-    )
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+# How the signatures of JAX's functions changed across the supported releases, and
+# what each change means for treemode's. Each entry: (transform, parameter, aspect,
+# which releases show the difference, reason); ``shown(version)`` is True or False
+# where the releases are known (read in JAX's sources and on the JAX 0.11.2 run),
+# None for a release between two known ones (the installed JAX's signature decides).
+_Entry = tuple[str, str, str, Callable[[tuple[int, ...]], "bool | None"], str]
+
+
+def _between(last_without: tuple[int, ...], first_with: tuple[int, ...]) -> Any:
+    """A change first seen in ``first_with``, known absent up to ``last_without``."""
+    return lambda v: False if v <= last_without else True if v >= first_with else None
+
+
+_DIFFERENCES_BY_VERSION: list[_Entry] = [
+    (
+        "pmap",
+        "global_arg_shapes",
+        "missing",
+        lambda v: v < (0, 10),  # removed from jax.pmap in JAX 0.10.0
+        "deprecated and removed from jax.pmap in JAX 0.10; treemode follows the newer signature",
+    ),
+    *(
+        (
+            name,
+            "concrete",
+            "missing",
+            lambda v: v < (0, 11),  # removed from jax.checkpoint in JAX 0.11.0
+            "deprecated in JAX (which rejects any value for it) and removed in JAX 0.11",
+        )
+        for name in ("remat", "checkpoint")
+    ),
+    (
+        "vjp",
+        "saveable_args",
+        "missing",
+        lambda v: v >= (0, 11),  # new in JAX 0.11.0
+        "JAX 0.11: marks primals whose saved values the caller restores on vjpfun.args_res; "
+        "treemode's vjp function rebuilds Modules around JAX's and exposes no args_res",
+    ),
+    (
+        "vjp",
+        "in_nzs",
+        "missing",
+        _between((0, 11, 0), (0, 11, 2)),  # not in 0.11.0; in 0.11.2
+        "JAX 0.11.1+: declares symbolically zero input tangents and exposes vjpfun.out_nzs; "
+        "treemode's vjp function does not expose JAX's vjpfun attributes",
+    ),
+    (
+        "custom_vjp",
+        "fun",
+        "default",
+        # jax.custom_vjp's fun is required up to 0.11.0; 0.11.2 defaults it to None
+        lambda v: True if v <= (0, 11, 0) else False if v >= (0, 11, 2) else None,
+        _DECORATOR,
+    ),
+]
+
+
+def _jax_shows(name: str, param: str, aspect: str) -> bool:
+    """Whether the installed JAX's function shows the difference an entry describes."""
+    params = inspect.signature(JAX_FUNCTIONS[name]).parameters
+    if aspect == "missing":  # a JAX parameter that treemode does not take
+        return param in params
+    return params[param].default is P.empty  # "default": JAX's fun is required
+
+
+def _applies(entry: _Entry) -> bool:
+    name, param, aspect, shown, _ = entry
+    known = shown(JAX_VERSION)
+    return _jax_shows(name, param, aspect) if known is None else known
+
+
+for _entry in _DIFFERENCES_BY_VERSION:
+    if _applies(_entry):
+        JAX_DIFFERENCES[_entry[:3]] = _entry[4]
 
 _GRAPH = (
     "graph=False always: treemode has no global graph-mode switch (Flax's None reads "
@@ -221,6 +292,17 @@ def test_signature_matches_flax(name):
         f"treemode.{name}: unlisted differences from Flax {sorted(found - listed)}, "
         f"listed but gone {sorted(listed - found)}"
     )
+
+
+def test_the_version_history_matches_the_installed_jax():
+    """Each entry of the history agrees with what the installed JAX exposes: a
+    release outside an entry's known range, or a wrong range, fails here."""
+    for entry in _DIFFERENCES_BY_VERSION:
+        name, param, aspect, _, _ = entry
+        assert _applies(entry) == _jax_shows(name, param, aspect), (
+            f"jax {jax.__version__}: {name}({param}) {aspect}: the history says "
+            f"{_applies(entry)}, the installed JAX says {not _applies(entry)}"
+        )
 
 
 def test_every_difference_has_a_reason():

@@ -42,7 +42,10 @@ def diagnostics() -> dict[int, list[tuple[str, str]]]:
         timeout=300,
         check=False,
     )
-    report = json.loads(proc.stdout)
+    try:
+        report = json.loads(proc.stdout)
+    except json.JSONDecodeError:  # pyright did not run (no Node.js, say): its own words
+        pytest.fail(f"{pyright} did not run (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     found: dict[int, list[tuple[str, str]]] = {}
     for d in report["generalDiagnostics"]:
         found.setdefault(d["range"]["start"]["line"] + 1, []).append((d["severity"], d["message"]))

@@ -51,6 +51,7 @@ def test_pyproject_declares_the_ranges_of_versions_py() -> None:
     assert not [d for d in deps | test_extra if "==" in d], "declare ranges, never exact pins"
     capped = [d for d in deps | test_extra if "<" in d]
     assert not capped, f"minimums only: an upper bound would downgrade a newer JAX: {capped}"
+    assert project["urls"]["Issues"] == _versions.ISSUES_URL  # named in the warnings
     low, high = _versions.PYTHON
     assert project["requires-python"] == ">=" + ".".join(map(str, low))
     classifiers = [c for c in project["classifiers"] if c.startswith("Programming Language")]
@@ -109,8 +110,8 @@ def test_flax_known_to_break_raises_naming_installed_and_supported(installed, fl
     assert str(info.value) == (
         "treemode cannot run with the installed versions: "
         f"flax {flax} is installed; treemode supports flax>=0.12.6 "
-        "(flax before 0.12.1 does not work with it). Install tested versions: "
-        "pip install 'jax>=0.9.2,<0.11' 'jaxlib>=0.9.2,<0.11' 'flax>=0.12.6,<0.13'"
+        "(flax before 0.12.1 does not work with it). To upgrade to supported versions: "
+        "pip install --upgrade 'flax>=0.12.6'."
     )
 
 
@@ -134,10 +135,56 @@ def test_untested_versions_warn_naming_installed_and_supported(
     message = str(record[0].message)
     assert message.startswith(
         "treemode was not tested with the installed versions: "
-        f"{name} {version} is installed; {says}. "
-        "It may work; if it fails, install tested versions: pip install 'jax>=0.9.2,<0.11'"
+        f"{name} {version} is installed; {says}. It may work."
     ), message
-    assert message.endswith("(set TREEMODE_SKIP_VERSION_CHECK=1 to silence this warning)")
+    versions = ", ".join(f"{n} {installed(**{name: version})(n)}" for n in _versions.REQUIRED)
+    assert (
+        f"If something fails, please report it at {_versions.ISSUES_URL} with the installed "
+        f"versions ({versions}); to see whether treemode's compiled extension is at fault, "
+        "set TREEMODE_NO_EXTENSION=1 (the same checks then run in Python)."
+    ) in message
+    assert message.endswith(" Set TREEMODE_SKIP_VERSION_CHECK=1 to silence this warning.")
+    older = _versions.parse(version) < _versions.REQUIRED[name][0]
+    upgrade = f"To upgrade to supported versions: pip install --upgrade '{name}>="
+    assert (upgrade in message) == older, message
+
+
+def _pip_commands(message: str) -> list[list[str]]:
+    """The requirement specifiers of every ``pip install`` command in a message."""
+    commands = []
+    for part in message.split("pip install")[1:]:
+        words = part.split(". ")[0].split()
+        commands.append([w.strip("'.") for w in words if not w.startswith("--")])
+    return commands
+
+
+@pytest.mark.parametrize(
+    "versions",
+    [
+        {"jax": "0.11.2", "jaxlib": "0.11.2", "flax": "0.12.10"},  # the GPU machine's
+        {"jax": "0.11.2", "jaxlib": "0.11.2", "flax": "0.13.0"},
+        {"jax": "0.8.0", "jaxlib": "0.8.0"},
+        {"jax": "0.12.0", "jaxlib": "0.12.0", "flax": "0.12.0"},  # raises: flax too old
+        {"jax": "0.8.0", "jaxlib": "0.11.2"},
+    ],
+)
+def test_no_message_suggests_moving_a_package_down(installed, versions) -> None:
+    """A GPU install is pinned to its jaxlib (and CUDA plugin): no message of the
+    check may offer a command that would downgrade JAX, jaxlib or Flax."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        try:
+            _versions.check_installed(installed(**versions))
+            message = str(record[0].message)
+        except ImportError as e:
+            message = str(e)
+    table = installed(**versions)
+    for command in _pip_commands(message):
+        assert command, message
+        for requirement in command:
+            assert "<" not in requirement and "==" not in requirement, message
+            name, _, low = requirement.partition(">=")
+            assert _versions.parse(low) > _versions.parse(table(name) or "0"), message
 
 
 def test_every_problem_is_named_at_once(installed) -> None:
@@ -216,13 +263,18 @@ def test_import_treemode_with_a_newer_release_warns_and_imports(
     tmp_path: Path, name: str, version: str
 ) -> None:
     """A release newer than the tested ones (faked metadata): one VersionWarning, and
-    treemode works (the installed layout is the real one, so the extension stays on)."""
+    treemode works (the installed layout is the real one, so the extension stays on
+    where it is active in this process). The other installed versions may be
+    untested as well (a machine with a newer JAX): the one warning names them all."""
     proc = _import_treemode_with(tmp_path, name, version)
     assert proc.returncode == 0 and proc.stdout.strip() == "imported", proc.stderr
     assert proc.stderr.count("VersionWarning") == 1, proc.stderr
+    assert "VersionWarning: treemode was not tested with the installed versions: " in proc.stderr
     assert (
-        "VersionWarning: treemode was not tested with the installed versions: "
         f"{name} {version} is installed; treemode was tested with "
         f"{name}{_versions.tested_specifier(name)}" in proc.stderr
     ), proc.stderr
-    assert "ExtensionWarning" not in proc.stderr, proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if "VersionWarning" in ln]
+    assert "pip install" not in line and _versions.ISSUES_URL in line, line
+    if treemode.extension_status().active:
+        assert "ExtensionWarning" not in proc.stderr, proc.stderr

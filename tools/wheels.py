@@ -12,7 +12,8 @@
    ``test`` extra, binary wheels only (``--only-binary :all:``, with the
    development versions of ``constraints.txt``; pip's cache serves what
    ``make test`` downloaded), with no compiler on ``PATH`` already;
-4. with a ``PATH`` holding no C compiler (only the new environment's ``bin``)
+4. with a ``PATH`` holding no C compiler (only the new environment's ``bin``,
+   and a folder with a link to ``node``, which pyright needs: `node_dir`)
    and ``CC``/``CXX`` set to ``/bin/false``, it checks that ``treemode`` comes
    from that environment, that ``treemode.extension_status()`` is active and
    that importing it under ``-W error`` is silent, then runs the tests named
@@ -125,13 +126,35 @@ def fresh_venv(wheel: Path, constraints: Path | None) -> Path:
     return env
 
 
+def node_dir() -> Path | None:
+    """A folder holding only a link to this machine's ``node`` (``None`` without one).
+
+    pyright (the ``test`` extra; ``tests/test_typing.py`` runs it) is a Node.js
+    program: without ``node`` on ``PATH`` its Python wrapper tries to download
+    Node.js, which fails offline. The folder of the host's ``node`` (``/usr/bin``)
+    also holds the C compiler, so only ``node`` itself is put on the test ``PATH``.
+    """
+    found = shutil.which("node")
+    if found is None:
+        return None
+    folder = BUILD / "node-bin"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    (folder / "node").symlink_to(Path(found).resolve())
+    return folder
+
+
 def compilerless_env(venv: Path) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("PYTHONPATH", "TREEMODE_NO_EXTENSION", "VIRTUAL_ENV")
     }
-    env.update(PATH=str(venv / "bin"), CC="/bin/false", CXX="/bin/false", LDSHARED="/bin/false")
+    path = [str(venv / "bin")]
+    node = node_dir()
+    if node is not None:
+        path.append(str(node))
+    env.update(PATH=os.pathsep.join(path), CC="/bin/false", CXX="/bin/false", LDSHARED="/bin/false")
     for compiler in ("cc", "gcc", "clang", "c++", "g++"):
         found = shutil.which(compiler, path=env["PATH"])
         if found:

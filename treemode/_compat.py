@@ -37,18 +37,20 @@ only, so a JAX or Flax newer than the tested ones is installed as it is.
 from __future__ import annotations
 
 import operator
+import os
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import jax
 from flax import nnx
 from flax.nnx import tracers
 
-from ._versions import REQUIRED, describe, installed_versions, tested_specifier
+from ._versions import ISSUES_URL, REQUIRED, describe, installed_versions
 
 # The supported ranges (one source: treemode/_versions.py), named in the messages.
 SUPPORTED_VERSIONS = ", ".join(f"{name} {describe(name)}" for name in REQUIRED)
-_INSTALL_TESTED = " ".join(f"'{name}{tested_specifier(name)}'" for name in REQUIRED)
 
 RAW_VALUE = "_raw_value"
 VAR_METADATA = "_var_metadata"
@@ -149,8 +151,9 @@ def resolve(report: Report, installed: str | None = None) -> bool:
         raise ImportError(
             f"treemode does not support the installed Flax/JAX ({installed}): "
             + ", ".join(report.missing)
-            + f" not found. Supported: {SUPPORTED_VERSIONS}. Install tested versions:"
-            + f" pip install {_INSTALL_TESTED}"
+            + f" not found. Supported: {SUPPORTED_VERSIONS}. This treemode cannot run"
+            + " with them (a release newer than the tested ones changed a private name it"
+            + f" reads); please report it at {ISSUES_URL} with the versions above."
         )
     return not report.layout
 
@@ -253,6 +256,93 @@ def take_flax_static_cache() -> bool:
 def current_trace_ref() -> Any:
     """The weak reference identifying the current JAX trace."""
     return CURRENT_TRACE.value
+
+
+def _debug_check_states() -> tuple[Any, ...]:
+    """JAX's ``jax_debug_nans`` and ``jax_debug_infs`` config states, whose ``value``
+    is the current setting (``jax.debug_nans(True)`` blocks included); ``()`` where
+    JAX keeps them elsewhere (then only the public flags are read, in Python)."""
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - every supported JAX has it
+        return ()
+    states = tuple(getattr(config, name, None) for name in ("debug_nans", "debug_infs"))
+    if any(not isinstance(getattr(s, "value", None), bool) for s in states):
+        return ()  # pragma: no cover - another layout
+    return states
+
+
+# JAX's NaN/Inf checks: under them a donated call runs undonated (JAX's re-run
+# of the function, which names the primitive, needs the inputs alive). The
+# compiled executor reads their ``value`` and misses while one is on.
+DEBUG_CHECKS = _debug_check_states()
+
+
+def debug_checks_on() -> bool:
+    """Whether ``jax_debug_nans`` or ``jax_debug_infs`` is on in this thread."""
+    if DEBUG_CHECKS:
+        return DEBUG_CHECKS[0].value or DEBUG_CHECKS[1].value
+    flags = ("jax_debug_nans", "jax_debug_infs")  # pragma: no cover - another layout
+    return any(bool(getattr(jax.config, flag, False)) for flag in flags)  # pragma: no cover
+
+
+def _traceback_util() -> Any:
+    """JAX's ``jax._src.traceback_util`` (its ``api_boundary`` and
+    ``register_exclusion``), or ``None`` where it has another layout."""
+    try:
+        from jax._src import traceback_util
+    except ImportError:  # pragma: no cover - every supported JAX has it
+        return None
+    names = ("api_boundary", "register_exclusion")
+    if not all(callable(getattr(traceback_util, name, None)) for name in names):
+        return None  # pragma: no cover - another layout
+    return traceback_util
+
+
+_TRACEBACK_UTIL = _traceback_util()
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def api_boundary(fn: F) -> F:
+    """``fn`` as a boundary of JAX's traceback filtering (``jax.jit``'s own kind).
+
+    An exception leaving the outermost boundary has the frames of JAX and of
+    treemode (registered below) removed from its traceback, unless
+    ``JAX_TRACEBACK_FILTERING=off``; boundaries inside it leave that to it.
+    Where JAX has no such function, ``fn`` itself.
+    """
+    if _TRACEBACK_UTIL is None:
+        return fn  # pragma: no cover - another layout
+    return _TRACEBACK_UTIL.api_boundary(fn)
+
+
+def forget_traceback_filtering(error: BaseException) -> None:
+    """Drop the note JAX's filtering added to ``error`` (JAX's ``_simplified_tb_msg``).
+
+    For an error a ``jax.jit`` boundary already filtered with no treemode
+    boundary around it (the compiled executor calls ``jax.jit`` directly) and
+    that now leaves through treemode's: that one filters it again and adds the
+    note again.
+    """
+    message = getattr(_TRACEBACK_UTIL, "_simplified_tb_msg", None)
+    notes = getattr(error, "__notes__", None)
+    if not isinstance(message, str) or not isinstance(notes, list):
+        return
+    for i, note in enumerate(notes):
+        if isinstance(note, str) and note.endswith(message):
+            del notes[i]
+            return
+
+
+def exclude_from_tracebacks(path: str) -> None:
+    """Have JAX's traceback filtering leave out the frames of files under ``path``."""
+    if _TRACEBACK_UTIL is not None:
+        _TRACEBACK_UTIL.register_exclusion(path)
+
+
+# treemode's frames are filtered from user tracebacks the way JAX filters its
+# own (its public entry points are `api_boundary`s): the whole package.
+exclude_from_tracebacks(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 
 def _flax_graph_prefix() -> tuple[type | None, Any]:

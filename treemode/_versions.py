@@ -53,6 +53,11 @@ PYTHON: tuple[Version, Version] = ((3, 11), (3, 14))
 KNOWN_BROKEN_BELOW: dict[str, Version] = {"flax": (0, 12, 1)}
 
 SKIP_ENV = "TREEMODE_SKIP_VERSION_CHECK"
+# Named in the messages: where to report a failure (pyproject.toml's Issues URL,
+# checked by tests/test_versions.py), and the switch that turns the compiled
+# extension off (treemode/_accel/_compiled.py reads it).
+ISSUES_URL = "https://github.com/treemode/treemode/issues"
+NO_EXTENSION_ENV = "TREEMODE_NO_EXTENSION"
 
 
 class VersionWarning(UserWarning):
@@ -139,6 +144,32 @@ def installed_versions(installed: Callable[[str], str | None] = _installed) -> s
     return ", ".join(f"{name} {installed(name) or 'unknown'}" for name in REQUIRED)
 
 
+def _below_minimum(installed: Callable[[str], str | None]) -> list[str]:
+    """The required packages installed below their minimum (an upgrade fixes those)."""
+    out = []
+    for name, (low, _) in REQUIRED.items():
+        have = installed(name)
+        if have is not None and parse(have) < low:
+            out.append(name)
+    return out
+
+
+def upgrade_command(names: list[str]) -> str:
+    """``pip install --upgrade`` of ``names`` to their minimums: never an upper bound,
+    so it can only move a package up (a newer JAX, with its GPU plugin, stays)."""
+    return "pip install --upgrade " + " ".join(f"'{n}{specifier(n)}'" for n in names)
+
+
+def report_advice(installed: Callable[[str], str | None] = _installed) -> str:
+    """What to do when treemode fails on versions it was not tested with."""
+    return (
+        f"If something fails, please report it at {ISSUES_URL} with the installed "
+        f"versions ({installed_versions(installed)}); to see whether treemode's "
+        f"compiled extension is at fault, set {NO_EXTENSION_ENV}=1 (the same checks "
+        "then run in Python)."
+    )
+
+
 def problems(installed: Callable[[str], str | None] = _installed) -> tuple[list[str], list[str]]:
     """``(errors, warnings)``: one line per installed package outside its range.
 
@@ -178,6 +209,11 @@ def check_installed(installed: Callable[[str], str | None] = _installed) -> None
     """Raise or warn where the installed JAX or Flax is outside the supported ranges.
 
     Called when treemode is imported; ``TREEMODE_SKIP_VERSION_CHECK=1`` turns it off.
+    The messages name the installed and the tested versions; they suggest a
+    ``pip install --upgrade`` only for a package below its minimum, never a
+    command that would move JAX or Flax down (a newer JAX is often pinned with
+    its GPU plugin): for a newer release they say how to report a failure and
+    how to turn the compiled extension off.
 
     **Arguments:**
 
@@ -189,19 +225,24 @@ def check_installed(installed: Callable[[str], str | None] = _installed) -> None
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
         return
     errors, warns = problems(installed)
-    install = " ".join(f"'{name}{tested_specifier(name)}'" for name in REQUIRED)
+    old = _below_minimum(installed)
+    upgrade = f" To upgrade to supported versions: {upgrade_command(old)}." if old else ""
     if errors:
         raise ImportError(
             "treemode cannot run with the installed versions: "
             + "; ".join(errors + warns)
-            + f". Install tested versions: pip install {install}"
+            + "."
+            + upgrade
         )
     if warns:
         warnings.warn(
             "treemode was not tested with the installed versions: "
             + "; ".join(warns)
-            + f". It may work; if it fails, install tested versions: pip install {install}"
-            + f" (set {SKIP_ENV}=1 to silence this warning)",
+            + ". It may work."
+            + upgrade
+            + " "
+            + report_advice(installed)
+            + f" Set {SKIP_ENV}=1 to silence this warning.",
             VersionWarning,
             stacklevel=2,
         )

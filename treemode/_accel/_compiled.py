@@ -215,8 +215,9 @@ def configure(**fields: Any) -> None:
     live set of types taken as arrays), the closure read check's ``closure_kinds``,
     ``closure_ignore``, ``closure_empty``, ``closure_ignored``, and the signal
     hold's ``hold_open``, ``hold_deferred``, ``hold_plan``, ``signals``,
-    ``getsignal``, ``setsignal``, ``main_thread``. The C kernels refuse to run
-    before it.
+    ``getsignal``, ``setsignal``, ``main_thread``, and ``debug_checks`` (JAX's
+    ``jax_debug_nans``/``jax_debug_infs`` states from `treemode._compat`: a
+    donated record misses while one is on). The C kernels refuse to run before it.
     """
     if guard is not None:
         guard.configure(**fields)

@@ -37,6 +37,8 @@ static PyObject *cfg_array_types, *cfg_kinds, *cfg_ignore, *cfg_empty, *cfg_igno
 static PyObject *hold_open, *hold_deferred, *hold_plan, *hold_signals_tuple, *hold_getsignal,
     *hold_setsignal;
 static unsigned long hold_main_thread;
+static PyObject *debug_checks; /* JAX's jax_debug_nans/infs states: a donated call misses under one */
+static PyObject *value_name;   /* "value", the attribute of those states read */
 
 /* 0 (with a RuntimeError) until `configure` was called. */
 static int
@@ -1212,6 +1214,24 @@ planned_swaps(void)
     return Py_NewRef(swaps);
 }
 
+/* 1 while one of JAX's NaN/Inf checks (`debug_checks`) is on, 0 otherwise, -1 with
+ * an exception: under one, a donated call runs undonated in the pipeline (JAX's
+ * re-run that names the primitive needs the inputs alive). */
+static int
+debug_check_on(void)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(debug_checks); i++) {
+        PyObject *value = PyObject_GetAttr(PyTuple_GET_ITEM(debug_checks, i), value_name);
+        if (value == NULL)
+            return -1;
+        int on = PyObject_IsTrue(value);
+        Py_DECREF(value);
+        if (on != 0)
+            return on;
+    }
+    return 0;
+}
+
 /* The token (the swaps made, a new reference), None outside the main thread,
  * NULL with an exception (a pending signal's handler raised: nothing consumed
  * yet), or NULL without one: a miss. */
@@ -1413,6 +1433,10 @@ execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
         split[1] = split[0] == NULL ? NULL : pick(dynamic, r->kept);
         if (split[1] == NULL || shares_an_object(split[0], split[1]) != 0)
             goto done;
+        if (debug_check_on() != 0) {
+            PyErr_Clear(); /* a miss: the pipeline reads the flags again */
+            goto done;
+        }
         token = hold_signals(split[0]);
         if (token == NULL)
             goto done;
@@ -1549,9 +1573,9 @@ static PyTypeObject FastCall_Type = {
 static char *configure_fields[] = {
     "raw_value", "metadata", "trace_state", "trace_attr", "array_types", "closure_kinds",
     "closure_ignore", "closure_empty", "closure_ignored", "hold_open", "hold_deferred",
-    "hold_plan", "signals", "getsignal", "setsignal", "main_thread", NULL,
+    "hold_plan", "signals", "getsignal", "setsignal", "main_thread", "debug_checks", NULL,
 };
-#define CONFIGURE_OBJECTS 16
+#define CONFIGURE_OBJECTS 17
 
 static int
 object_slot_member(PyObject *descr)
@@ -1572,10 +1596,10 @@ configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
     PyObject *f[CONFIGURE_OBJECTS] = {NULL};
     PyTypeObject *list = &PyList_Type;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "|$OOOO!O!O!OOOO!O!O!O!OOO!:configure", configure_fields, &f[0], &f[1],
-            &f[2], &PyUnicode_Type, &f[3], &PySet_Type, &f[4], &PyDict_Type, &f[5], &f[6], &f[7],
-            &f[8], list, &f[9], list, &f[10], list, &f[11], &PyTuple_Type, &f[12], &f[13], &f[14],
-            &PyLong_Type, &f[15]))
+            args, kwds, "|$OOOO!O!O!OOOO!O!O!O!OOO!O!:configure", configure_fields, &f[0],
+            &f[1], &f[2], &PyUnicode_Type, &f[3], &PySet_Type, &f[4], &PyDict_Type, &f[5], &f[6],
+            &f[7], &f[8], list, &f[9], list, &f[10], list, &f[11], &PyTuple_Type, &f[12], &f[13],
+            &f[14], &PyLong_Type, &f[15], &PyTuple_Type, &f[16]))
         return NULL;
     for (int i = 0; i < CONFIGURE_OBJECTS; i++) {
         if (f[i] == NULL)
@@ -1590,13 +1614,16 @@ configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
                   "getsignal, setsignal: callables");
         return NULL;
     }
-    PyObject **targets[CONFIGURE_OBJECTS - 1] = {
+    PyObject **targets[CONFIGURE_OBJECTS - 2] = {
         &raw_value_member, &metadata_member, &trace_state, &trace_attr, &cfg_array_types,
         &cfg_kinds, &cfg_ignore, &cfg_empty, &cfg_ignored, &hold_open, &hold_deferred,
         &hold_plan, &hold_signals_tuple, &hold_getsignal, &hold_setsignal,
     };
-    for (int i = 0; i < CONFIGURE_OBJECTS - 1; i++)
+    for (int i = 0; i < CONFIGURE_OBJECTS - 2; i++)
         Py_XSETREF(*targets[i], Py_NewRef(f[i]));
+    if (value_name == NULL && (value_name = PyUnicode_InternFromString("value")) == NULL)
+        return NULL;
+    Py_XSETREF(debug_checks, Py_NewRef(f[16]));
     raw_value_name = PyDescr_NAME(raw_value_member);
     metadata_name = PyDescr_NAME(metadata_member);
     hold_main_thread = main_thread;

@@ -22,6 +22,7 @@ from typing import Any, ParamSpec, overload
 from flax import errors as flax_errors
 from flax import nnx
 
+from .. import _compat
 from .._errors import TreemodeError
 from .._tree._flatten import check_no_aliases
 from .._tree._leaves import is_graph_node, is_variable
@@ -134,6 +135,7 @@ def capture(
         owner = fn
 
     @functools.wraps(fn)
+    @_compat.api_boundary
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         module = owner
         if module is None:

@@ -290,6 +290,7 @@ def fork_rngs(
 def _decorator(transform: Callable[[Any], Any]) -> Callable[[F], F]:
     def decorate(f: F) -> F:
         @functools.wraps(f)
+        @_compat.api_boundary
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = transform((args, kwargs))
             return f(*args, **kwargs)

@@ -11,10 +11,13 @@ interface without preparing again.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any, Protocol
+
+import jax
 
 from .. import _caches
 from .._compat import take_flax_static_cache
@@ -31,8 +34,8 @@ from .._tree._flatten import (
 )
 from .._tree._hashed import HashedKey
 from .._tree._leaves import is_abstract_traced, is_traced, is_variable
-from .._tree._paths import paths_and_leaves
-from .._tree._recursion import CycleError, recursion_error
+from .._tree._paths import format_path, paths_and_leaves
+from .._tree._recursion import CycleError, recursion_error, recursion_headroom
 from .._tree._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, variable_dynamic
 
 
@@ -104,6 +107,7 @@ class Call:
         "lifted_specs",
         "lifted_roots",
         "lifted_objects",
+        "closure_aliases",
         "dynamic",
         "variables",
         "sources",
@@ -123,6 +127,8 @@ class Call:
     lifted_specs: tuple[VarSpec, ...]
     lifted_roots: list[tuple[str, Any]]
     lifted_objects: list[tuple[str, Any, ArgFlat]]  # (root name, object, flattening)
+    # Closure objects that are the arguments' own (not lifted): (root name, object, where)
+    closure_aliases: tuple[tuple[str, Any, ArgumentNode], ...]
     dynamic: list[Any]
     variables: list[Any]
     sources: list[ArgFlat]  # the flattenings ``variables`` come from, in order
@@ -141,6 +147,14 @@ class Call:
             pos, kw = _graph.to_tree((pos, kw))
         names += [f"kwargs[{name!r}]" for name in self.kw_names]
         return list(zip(names, [*pos, *(kw[n] for n in self.kw_names)], strict=True))
+
+    def arg_objects(self) -> list[tuple[str, Any]]:
+        """``(display name, object as passed)`` for every traced argument (as
+        `arg_roots`, before ``to_tree`` in graph mode)."""
+        names = [f"args[{i}]" for i in range(len(self.args)) if i not in self.static_positional]
+        pos = [a for i, a in enumerate(self.args) if i not in self.static_positional]
+        names += [f"kwargs[{name!r}]" for name in self.kw_names]
+        return list(zip(names, [*pos, *(self.kwargs[n] for n in self.kw_names)], strict=True))
 
     def traced_roots(
         self, argnums: frozenset[int] | set[int], argnames: frozenset[str] | set[str] = frozenset()
@@ -328,27 +342,61 @@ def _finish_prepare(
     lift_closure: bool,
 ) -> Call:
     """Closure lifting, the call key and the alias check, shared by both paths."""
+    call.closure_aliases = ()
+    found: list[tuple[str, Any]] = []
+    if lift_closure:
+        found = closure_objects(call.fn, call.transform)
+        if found and any(name.startswith("default ") for name, _ in found):
+            found = _without_passed_defaults(call, found)
+    closure_keys = _lift(call, found, is_dynamic)
+    aliased = _aliased(call.sources)
+    if aliased and call.lifted_objects:
+        # A closure object that is one of the arguments' own objects (the
+        # ``self.model`` of a trainer whose step takes ``model``) is not lifted:
+        # the trace reaches the argument's rebuilt object by the closure's route.
+        aliases = closure_aliases(call)
+        if aliases:
+            call.closure_aliases = tuple(aliases)
+            aliased_ids = {id(obj) for _, obj, _ in aliases}
+            closure_keys = _lift(call, found, is_dynamic, aliased_ids)
+            aliased = _aliased(call.sources)
+    call.key = CallKey(positional, keywords, call.lifted_specs, call.graph, closure_keys)
+    if aliased:
+        _raise_alias(call)
+    return call
+
+
+def _lift(
+    call: Call,
+    found: list[tuple[str, Any]],
+    is_dynamic: Callable[[Any], bool],
+    aliased_ids: set[int] | None = None,
+) -> tuple[Any, ...]:
+    """Lift the closure objects ``found`` (all but ``aliased_ids``, the closure
+    aliases of argument objects): set the call's lifted fields, ``sources``,
+    ``variables`` and ``dynamic``; return the closure part of the call key."""
     arg_flats = call.arg_flats
     sources = [f for f in arg_flats if f.variables]
     dynamic = list(chain.from_iterable(map(_dynamic_of, arg_flats)))
     call.lifted_roots = []
     call.lifted_objects = []
     lifted_flats: list[ArgFlat] = []
-    closure_keys: tuple[StructureKey, ...] = ()
-    if lift_closure:
-        found = closure_objects(call.fn, call.transform)
-        if found and any(name.startswith("default ") for name, _ in found):
-            found = _without_passed_defaults(call, found)
-        call.lifted_roots = [(f"closure {name}", obj) for name, obj in found]
-        if found:
-            keys = []
-            for root, obj in call.lifted_roots:
-                flat = flatten_arg(obj, is_dynamic)
-                keys.append(flat.key)
-                if flat.variables:
-                    lifted_flats.append(flat)
-                    call.lifted_objects.append((root, obj, flat))
-            closure_keys = tuple(keys)
+    closure_keys: tuple[Any, ...] = ()
+    if found:
+        keys: list[Any] = []
+        aliases = {id(obj): node for _, obj, node in call.closure_aliases}
+        for name, obj in found:
+            root = f"closure {name}"
+            if aliased_ids is not None and id(obj) in aliased_ids:
+                keys.append(ArgumentAlias(*aliases[id(obj)].key))
+                continue
+            call.lifted_roots.append((root, obj))
+            flat = flatten_arg(obj, is_dynamic)
+            keys.append(flat.key)
+            if flat.variables:
+                lifted_flats.append(flat)
+                call.lifted_objects.append((root, obj, flat))
+        closure_keys = tuple(keys)
     if lifted_flats:
         call.lifted = list(chain.from_iterable(f.variables for f in lifted_flats))
         call.lifted_specs = tuple(chain.from_iterable(map(variable_specs, lifted_flats)))
@@ -365,19 +413,91 @@ def _finish_prepare(
     call.sources = sources
     call.variables = variables_of(sources)
     call.dynamic = dynamic
-    call.key = CallKey(positional, keywords, call.lifted_specs, call.graph, closure_keys)
+    return closure_keys
 
-    # Each ArgFlat is alias-free on its own (checked once when it was built);
-    # only Variables shared between sources remain to be found.
+
+class ArgumentNode:
+    """Where a closure object sits among the arguments: the ``k``-th traced
+    argument flattened up to it (``up_to``), at leaf ``index``."""
+
+    __slots__ = ("k", "up_to", "index", "path")
+
+    def __init__(self, k: int, up_to: Any, index: int, path: str):
+        self.k = k
+        self.up_to = up_to
+        self.index = index
+        self.path = path
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.k, self.index, self.up_to.num_leaves, self.up_to.num_nodes)
+
+    def find(self, tree: Any) -> Any:
+        """The object at this place in ``tree`` (an argument rebuilt in a trace)."""
+        return self.up_to.flatten_up_to(tree)[self.index]
+
+
+class ArgumentAlias(HashedKey):
+    """The closure part of a `CallKey` for a closure object that is an argument's."""
+
+    __slots__ = ("k", "index", "num_leaves", "num_nodes")
+    _fields = ("k", "index", "num_leaves", "num_nodes")
+
+    def __init__(self, k: int, index: int, num_leaves: int, num_nodes: int):
+        self.k = k
+        self.index = index
+        self.num_leaves = num_leaves
+        self.num_nodes = num_nodes
+        self._hash_fields()
+
+
+def closure_aliases(call: Call) -> list[tuple[str, Any, ArgumentNode]]:
+    """The closure objects found for ``call`` that are objects of its arguments.
+
+    ``(root name, object, where)`` for each lifted NNX object (or Variable)
+    that is an argument itself or an object inside one (reached through
+    attributes, lists and dicts as the argument is flattened). Such an object
+    is one set of Variables with the argument: the trace hands the closure's
+    route the argument's rebuilt object. An object that only shares some
+    Variables with an argument (it holds the argument, or a Variable of it)
+    is not one of these: lifting it would make two copies, and the alias
+    check refuses it.
+    """
+    aliases: list[tuple[str, Any, ArgumentNode]] = []
+    roots = call.arg_objects()
+    for root, obj, flat in call.lifted_objects:
+        for k, arg_flat in enumerate(call.arg_flats):
+            # (graph=True: an argument's flattening is its to_tree form, which
+            # encodes a Variable shared between arguments once.)
+            if not call.graph and arg_flat.variable_ids.isdisjoint(flat.variable_ids):
+                continue
+            where = _argument_node(roots[k][1], obj, k, roots[k][0])
+            if where is not None:
+                aliases.append((root, obj, where))
+                break
+    return aliases
+
+
+def _argument_node(tree: Any, obj: Any, k: int, name: str) -> ArgumentNode | None:
+    """Where ``obj`` sits inside the argument ``tree`` (``None``: not one of its objects)."""
+
+    def stop(x: Any) -> bool:
+        return x is obj or is_variable(x)
+
+    with recursion_headroom():
+        with_paths, up_to = jax.tree_util.tree_flatten_with_path(tree, is_leaf=stop)
+    for index, (path, leaf) in enumerate(with_paths):
+        if leaf is obj:
+            return ArgumentNode(k, up_to, index, format_path(path, name))
+    return None
+
+
+def _aliased(sources: list[ArgFlat]) -> bool:
+    """Whether a Variable is reachable twice from ``sources`` (each flattening is
+    alias-free on its own, checked once when it was built)."""
     if len(sources) == 1:
-        aliased = sources[0].has_aliases
-    else:
-        aliased = any(map(_has_aliases_of, sources)) or (
-            len(sources) > 1 and _shares_variables(sources)
-        )
-    if aliased:
-        _raise_alias(call)
-    return call
+        return sources[0].has_aliases
+    return any(map(_has_aliases_of, sources)) or (len(sources) > 1 and _shares_variables(sources))
 
 
 def _without_passed_defaults(call: Call, found: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -414,14 +534,49 @@ def _raise_alias(call: Call) -> None:
     assert duplicate is not None, "duplicate Variable not found"
     leaf, first, where = duplicate
     if first.startswith("closure") != where.startswith("closure"):
-        raise ClosureError(
-            f"treemode.{call.transform}: the {type(leaf).__name__} at {where} "
-            f"is reachable both as an argument and through the function's "
-            f"closure ({first}). Pass the module only as an argument (or "
-            "only through the closure), so that there is one place to write "
-            "its updates back to."
+        argument, closure = (where, first) if first.startswith("closure") else (first, where)
+        holder = next(
+            (r for r, _ in call.lifted_roots if closure == r or closure.startswith(r + ".")),
+            closure,
         )
-    raise alias_error(call.transform, leaf, first, where)
+        name = holder.removeprefix("closure ")
+        raise ClosureError(
+            f"treemode.{call.transform}: the {type(leaf).__name__} at {closure} "
+            f"is reachable both as an argument ({argument}) and through the "
+            f"function's closure, inside {name}, which is not itself one of the "
+            "arguments' objects: lifting it would make a second copy of these "
+            "Variables, and one of the updates would be lost. (A closure object "
+            "that is an argument, or an object inside one, is fine: the trace "
+            f"reaches the argument's.) If {name} owns the module, pass it as an "
+            "argument instead of the module and reach the module through it; or "
+            "pass the module only through the closure."
+        )
+    raise alias_error(
+        call.transform, leaf, first, where, roots=call.arg_roots(), parameters=_parameters(call)
+    )
+
+
+def _parameters(call: Call) -> dict[str, str]:
+    """The function's parameter behind each argument root (error path only)."""
+    try:
+        signature = inspect.signature(call.fn)
+        bound = signature.bind_partial(*call.args, **call.kwargs)
+    except (TypeError, ValueError):  # no signature, or not one these arguments fit
+        return {}
+    names: dict[str, str] = {}
+    position = 0
+    for parameter, value in bound.arguments.items():
+        kind = signature.parameters[parameter].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            for i in range(len(value)):
+                names[f"args[{position + i}]"] = f"{parameter}[{i}]"
+            position += len(value)
+        elif parameter in call.kwargs:
+            names[f"kwargs[{parameter!r}]"] = parameter
+        elif kind is not inspect.Parameter.VAR_KEYWORD:
+            names[f"args[{position}]"] = parameter
+            position += 1
+    return names
 
 
 __all__ = ["Call", "CallKey", "PreparedCall", "prepare"]

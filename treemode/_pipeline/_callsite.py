@@ -115,6 +115,7 @@ class CallSite:
         if (
             snapshot is None
             or n_lifted != len(call.lifted_roots)
+            or call.closure_aliases  # closure objects that are arguments': prepared each call
             or any(entry is None for entry in lifted)
         ):
             return None
@@ -381,6 +382,7 @@ def configure_fields() -> dict[str, Any]:
         "closure_empty": empty,
         "closure_ignored": ignored,
         **_interrupts.hold_state(),
+        "debug_checks": _compat.DEBUG_CHECKS,
     }
 
 

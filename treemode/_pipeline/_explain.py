@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import jax
 from jax.core import Tracer
@@ -46,9 +46,14 @@ def raise_explained(
 
     ``layout``: ``(donated, kept)``, the indices into the call's dynamic arrays
     of the two tuples an executable with donated arrays takes (see
-    `name_internal_paths`).
+    `name_internal_paths`). For such a call, an error JAX raised while the
+    executable ran is raised as it is (same type and message), with a note
+    naming the Variables whose donated buffers that failed run consumed.
+    Called inside a treemode entry point, which filters the traceback as it
+    leaves (an inner ``jax.jit`` may have filtered it already: its note goes).
     """
-    if isinstance(error, EXPLAINED) or _deleted_input(error):
+    _compat.forget_traceback_filtering(error)
+    if isinstance(error, EXPLAINED) or is_deleted_input_error(error):
         better = explain_failure(call.full(), error)
         if better is not None:
             raise better from error
@@ -56,13 +61,65 @@ def raise_explained(
         renamed = name_internal_paths(call, error, layout)
         if renamed is not None:
             raise renamed from error
+    if layout is not None and layout[0]:
+        note_consumed(call, error, layout[0])
     raise error
 
 
-def _deleted_input(error: BaseException) -> bool:
-    """JAX's C++ dispatch (a warm call) reports a deleted input buffer as a
-    ``ValueError`` where its Python path raises a ``RuntimeError``."""
-    return isinstance(error, ValueError) and "has been deleted or donated" in str(error)
+# JAX's errors for an input array deleted before the call: raised while it reads
+# the arguments (``jax.Array``'s own check) or when the runtime validates the
+# buffers of an executable with donated inputs, both before anything runs.
+_DELETED_INPUT = re.compile(
+    r"Array has been deleted|Invalid buffer passed to Execute\(\).*deleted or donated"
+)
+
+
+def is_deleted_input_error(error: BaseException) -> bool:
+    """Whether ``error`` is JAX's refusal of an input deleted before the call (the
+    executable did not run, so it consumed nothing)."""
+    return isinstance(error, (RuntimeError, ValueError)) and (
+        _DELETED_INPUT.search(str(error)) is not None
+    )
+
+
+def note_consumed(call: PreparedCall, error: BaseException, donated: Sequence[int]) -> None:
+    """Add a note to ``error`` naming the Variables whose donated buffers are deleted.
+
+    Called for a donated call that failed while its executable ran (a host
+    callback raised, the runtime failed): XLA may have consumed the donated
+    buffers, as with ``jax.jit``'s ``donate_argnums``, and no new values came
+    back to write. Nothing is noted when none of them is deleted.
+    """
+    dynamic = call.dynamic
+    consumed = {
+        id(dynamic[i])
+        for i in donated
+        if i < len(dynamic) and _is_concrete_array(dynamic[i]) and dynamic[i].is_deleted()
+    }
+    if not consumed or not hasattr(error, "add_note"):
+        return
+    full = call.full()
+    paths = [
+        where
+        for where, leaf in full.paths_and_leaves()
+        if is_variable(leaf)
+        and any(id(x) in consumed for x in jax.tree_util.tree_leaves(_compat.raw_value_of(leaf)))
+    ]
+    shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+    error.add_note(
+        f"treemode.{full.transform}: this call failed while its executable ran, after XLA "
+        f"took the buffers it donated: {shown} now "
+        f"{'holds a deleted array' if len(paths) == 1 else 'hold deleted arrays'}, as "
+        "jax.jit's donate_argnums leaves donated inputs after such a failure (no new "
+        "values came back to write). "
+        "Restore them before using the module again, e.g. from a checkpoint or from a "
+        "copy made with treemode.clone(module, arrays=True) before the call; or call "
+        "without donating to keep the inputs through a failure."
+    )
+
+
+def _is_concrete_array(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, Tracer)
 
 
 def name_internal_paths(
@@ -111,6 +168,10 @@ def explain_failure(call: Call, error: BaseException) -> Exception | None:
     stale = stale_write_error(error)  # a host callback wrote a trace-time Variable
     if stale is not None:
         return stale
+    # A deleted input is blamed only where JAX refused it before running anything:
+    # after a failure during execution, a donated input is deleted because this
+    # call's executable consumed it (`note_consumed`).
+    deleted = is_deleted_input_error(error)
     for where, leaf in call.paths_and_leaves():
         values = jax.tree_util.tree_leaves(
             _compat.raw_value_of(leaf) if is_variable(leaf) else leaf
@@ -125,7 +186,7 @@ def explain_failure(call: Call, error: BaseException) -> Exception | None:
                     "list). Return new modules from the transform instead of storing "
                     "them, and rebuild this one outside any transform."
                 )
-            if isinstance(x, jax.Array) and not isinstance(x, Tracer):
+            if deleted and isinstance(x, jax.Array) and not isinstance(x, Tracer):
                 if x.is_deleted():
                     return _deleted_error(call.transform, what)
     return None
@@ -165,7 +226,9 @@ __all__ = [
     "EXPLAINED",
     "EXPLAINED_OR_NAMING",
     "explain_failure",
+    "is_deleted_input_error",
     "name_internal_paths",
+    "note_consumed",
     "note_donation",
     "raise_explained",
 ]

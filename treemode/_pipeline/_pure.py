@@ -89,13 +89,17 @@ def _rebuild_closure(call: Call, dynamic: Sequence[Any]) -> _Closure:
 def _known_objects(call: Call) -> set[int]:
     """The ids of the NNX objects a call hands the function: lifted or arguments."""
     known = {id(obj) for _, obj in call.lifted_roots}
+    known.update(id(obj) for _, obj, _ in call.closure_aliases)
     leaves = jax.tree_util.tree_leaves((call.args, call.kwargs), is_leaf=is_variable_or_graph_node)
     known.update(id(x) for x in leaves if is_variable_or_graph_node(x))
     return known
 
 
-def _check_reached(transform: str, closure: _Closure, substitution: Substitution) -> None:
+def _check_reached(
+    transform: str, call: Call, closure: _Closure, substitution: Substitution
+) -> None:
     missed = [root for root, obj, *_ in closure.roots if id(obj) not in substitution.used]
+    missed += [root for root, obj, _ in call.closure_aliases if id(obj) not in substitution.used]
     if missed:
         raise ClosureError(
             f"treemode.{transform}: the function reaches {', '.join(missed)} through its "
@@ -221,6 +225,12 @@ class PureFunction:
         call = self.call
         inputs = self.rebuild_inputs(dynamic)
         closure = _rebuild_closure(call, dynamic[inputs.consumed :])
+        if call.closure_aliases:
+            # A closure object that is an argument's: the argument's rebuilt object.
+            traced = [a for i, a in enumerate(inputs.args) if i not in self.static_positional]
+            traced += [inputs.kwargs[name] for name in self.kw_names]
+            for _, obj, where in call.closure_aliases:
+                closure.replacements[id(obj)] = where.find(traced[where.k])
         all_vars = inputs.variables + closure.variables
         # Writes from another trace: MutationError.
         mark_trace_time(self, all_vars, [root for root, *_ in closure.roots])
@@ -231,7 +241,7 @@ class PureFunction:
                 substitution = Substitution(closure.replacements)
                 user_fn = substitution.callable(call.fn)
                 fn = user_fn if fn is call.fn else substitution.callable(fn)
-                _check_reached(self.transform, closure, substitution)
+                _check_reached(self.transform, call, closure, substitution)
                 self.binding.fn = user_fn  # what `user_fn` gives wrappers of the user function
             out = fn(*inputs.args, **inputs.kwargs)
         finally:

@@ -8,6 +8,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from jax.experimental import checkify as jax_checkify
 
+from .. import _compat
 from .._pipeline import _call, _core, _pure
 from ._names import named
 from ._signature import suggests_keywords
@@ -65,6 +66,7 @@ def checkify(
     """
 
     @functools.wraps(f)
+    @_compat.api_boundary
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         call = _call.prepare("checkify", f, args, kwargs, graph=graph)
         pure = _pure.PureFunction(call)

@@ -14,9 +14,11 @@ The user's function, ``fwd`` and ``bwd`` are wrapped around one
   for non-differentiable arguments and closure Variables).
 
 JAX keeps ``fwd`` and ``bwd`` alive with the jaxpr it caches (and may trace
-``fwd`` after the call returned), so neither holds the ``Call``: its arguments
-hold the tracers of the trace it was prepared in. Both rebuild the call's
-structure from the primal arrays they receive.
+``fwd`` after the call returned; JAX 0.11 also keeps the primal function, which
+its bwd equation refers to), so none of the three holds the ``Call`` once the
+call returned: its arguments hold the tracers of the trace it was prepared in.
+``fwd`` and ``bwd`` rebuild the call's structure from the primal arrays they
+receive; the primal function reaches the ``Call`` only while the call runs.
 
 Variable updates are an extra output of the JAX function and are written back.
 Their cotangents reach ``bwd`` only if it asks for them, as Flax's tree mode
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from .. import _compat
 from .._errors import ClosureError, MutationError
 from .._pipeline import _call, _core, _pure, _writeback
 from .._tree import _graph
@@ -123,6 +126,7 @@ class CustomVjp(Wrapped[P, R]):
         self.bwd = bwd
         self.bwd_takes_updates = _takes_updates_g(bwd)
 
+    @_compat.api_boundary
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self.fwd is None or self.bwd is None:
             raise TypeError(
@@ -181,9 +185,16 @@ class CustomVjp(Wrapped[P, R]):
             _check_no_mutation(c, protected, updates)
             return out, updates
 
+        # The primal function reaches ``call`` only while this call runs: JAX
+        # traces (or runs) it inside the ``flat(...)`` below, but may keep the
+        # function itself afterwards (JAX 0.11's bwd equation refers to it). Run
+        # after the call, it rebuilds the call as fwd does.
+        current = [call]
+
         @jax.custom_vjp
         def flat(*dynamic: Any) -> tuple[Any, Any]:
-            return run(primal, call, dynamic)  # traced now: JAX keeps only the jaxpr
+            c = current[0] if current else call_from(dynamic, lift_closure=True)
+            return run(primal, c, dynamic)
 
         def flat_fwd(*primals: Any) -> tuple[Any, Any]:
             dynamic = [p.value for p in primals]
@@ -259,7 +270,10 @@ class CustomVjp(Wrapped[P, R]):
         flat.defvjp(flat_fwd, flat_bwd, symbolic_zeros=True)
 
         def jax_call() -> tuple[Any, Any]:
-            out, updates = flat(*call.dynamic)
+            try:
+                out, updates = flat(*call.dynamic)
+            finally:
+                current.clear()
             record = primal.record.metadata_updates or fwd_pure.record.metadata_updates
             return out, _writeback.WriteBack(call, updates, record)
 

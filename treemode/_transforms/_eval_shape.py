@@ -17,6 +17,7 @@ from .._tree._leaves import is_variable
 R = TypeVar("R")
 
 
+@_compat.api_boundary
 def eval_shape(fun: Callable[..., R], *args: Any, graph: bool = False, **kwargs: Any) -> R:
     """Shapes and dtypes of ``fun(*args, **kwargs)`` without running it.
 

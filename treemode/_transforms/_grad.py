@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _compat
 from .._errors import StructureError
 from .._pipeline import _call, _core, _pure
 from .._tree import _graph
@@ -373,6 +374,7 @@ def _grad_transform(
     nums, single = _normalize_argnums(argnums)
 
     @functools.wraps(fn)
+    @_compat.api_boundary
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         positions = []
         for i in nums:

@@ -230,6 +230,7 @@ def with_axis_metadata(
     out_leaf = out_is_leaf or is_leaf
 
     @functools.wraps(fn)
+    @_compat.api_boundary
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         entries = positional_entries(
             in_axes,
@@ -396,6 +397,7 @@ def transform_metadata(
     inner = with_axis_metadata(f, in_axes, out_axes, metadata, transform="transform_metadata")
 
     @functools.wraps(f)
+    @_compat.api_boundary
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # The whole pipeline around a direct call (no JAX transform of its own): the
         # function sees trace-time copies whose metadata it may change freely, and

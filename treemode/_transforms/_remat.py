@@ -8,6 +8,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 
+from .. import _compat
 from .._pipeline import _call, _core, _pure
 from ._names import named
 from ._signature import as_tuple, resolve_argnums, suggests_keywords
@@ -105,6 +106,7 @@ def remat(
     )
 
     @functools.wraps(fn)
+    @_compat.api_boundary
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         nums = frozenset(i + len(args) if i < 0 else i for i in statics)
         call = _call.prepare(

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .. import _compat
 from .._errors import AxisError
 from .._pipeline import _call, _core, _pure
 from .._pipeline._trace_cache import TraceCache, avals, cache_for, call_current_fn
@@ -319,6 +320,7 @@ class ScanWrapped(Wrapped[P, R]):
 
     # -- calling ---------------------------------------------------------------------
 
+    @_compat.api_boundary
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         entries = self._entries(len(args))
         carry_pos = self.in_carry

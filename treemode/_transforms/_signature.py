@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, Final, TypeVar
 
+from .. import _compat
 from .._errors import StaticArgumentError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -130,7 +131,7 @@ def suggests_keywords(fn: F) -> F:
     """
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return fn
+        return _compat.api_boundary(fn)
     accepted = frozenset(
         p.name
         for p in params
@@ -138,6 +139,7 @@ def suggests_keywords(fn: F) -> F:
     )
 
     @functools.wraps(fn)
+    @_compat.api_boundary  # treemode's frames are left out of the traceback
     def checked(*args: Any, **kwargs: Any) -> Any:
         if kwargs and not accepted.issuperset(kwargs):
             raise unknown_keyword_error(

@@ -15,6 +15,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 import jax
 
+from .. import _compat
 from .._errors import AxisError, TreemodeError
 from .._pipeline import _call, _core, _explain, _interrupts, _pure
 from .._pipeline._trace_cache import TraceCache, cache_for, call_current_fn
@@ -153,6 +154,7 @@ class MappedWrapper(Wrapped[P, R]):
             static_argnums=self.static_argnums,
         )
 
+    @_compat.api_boundary
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         call = self.prepare(args, kwargs)
         entry = self._entry(call)
