@@ -24,8 +24,8 @@ demo: $(STAMP)
 	$(PY) examples/train_mlp.py
 
 test: $(STAMP)
-	@echo "make test: the whole suite, about 5 minutes on 2 cores (2 pytest-xdist workers)"
-	$(PY) -m pytest -n 2 -q
+	@echo "make test: the whole suite, about 5 minutes on 2 idle cores (2 pytest-xdist workers; tests/README.md)"
+	$(PY) -m pytest -n 2 -q --durations=15
 
 # The whole suite again without the compiled extension (TREEMODE_NO_EXTENSION=1,
 # docs/contributing.md): the pure-Python call path every user without a C

@@ -150,8 +150,15 @@ _DIFFERENCES_BY_VERSION: list[_Entry] = [
         "custom_vjp",
         "fun",
         "default",
-        # jax.custom_vjp's fun is required up to 0.11.0; 0.11.2 defaults it to None
-        lambda v: True if v <= (0, 11, 0) else False if v >= (0, 11, 2) else None,
+        # jax.custom_vjp's fun is required up to 0.11.0 and again in 0.12.0.1 (its
+        # __new__ is gone); 0.11.2 defaults it to None
+        lambda v: (
+            True
+            if v <= (0, 11, 0) or v >= (0, 12)
+            else False
+            if (0, 11, 2) <= v < (0, 12)
+            else None
+        ),
         _DECORATOR,
     ),
 ]

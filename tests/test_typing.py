@@ -1,10 +1,12 @@
 """Type checkers see what the transforms return: pyright on a checked-in snippet.
 
-``tests/typing/transforms_keep_signatures.py`` calls ``reveal_type`` on
-``treemode.vmap(f)``, ``treemode.grad(f)`` and their decorator forms, and makes
-two wrong calls. Pyright must reveal ``f``'s parameters (and, for vmap, its result
-type, as for ``jax.vmap``) and report both wrong calls. Skipped only where pyright is
-not installed (it is in the ``dev`` extra).
+``tests/typing/transforms_keep_signatures.py`` calls ``reveal_type`` on every
+public transform, in its function and decorator forms, and makes wrong calls.
+Pyright must reveal the wrapped function's parameters (``f``'s, or those left
+after ``self`` or after `jit_partial`'s bound arguments) and, where the transform
+keeps it, its result type, as for ``jax.vmap``; and report each wrong call
+(and nothing else). Skipped only where pyright is not installed (it is in the
+``dev`` extra).
 """
 
 from __future__ import annotations
@@ -55,28 +57,65 @@ def _line(marker: str) -> int:
     return next(i for i, text in enumerate(lines, 1) if text.endswith(f"# {marker}"))
 
 
+def _wrapper(name: str) -> str:
+    return f"{name}[{SIGNATURE}, Array]"
+
+
 @pytest.mark.parametrize(
-    ("marker", "result"),
+    ("marker", "revealed"),
     [
-        ("vmap", "Array"),
-        ("vmap decorator", "Array"),
-        ("grad", "Any"),
-        ("grad decorator", "Any"),
-        ("value_and_grad", "tuple[Any, Any]"),
-        ("jax.vmap, for comparison", "Array"),
+        ("jit", _wrapper("JitWrapped")),
+        ("jit decorator", _wrapper("JitWrapped")),
+        ("jit_partial", "JitWrapped[(lr: float, x: Array), float]"),
+        ("jit_partial, two bound", "JitWrapped[(x: Array), float]"),
+        ("vmap", _wrapper("VmapWrapped")),
+        ("vmap decorator", _wrapper("VmapWrapped")),
+        ("pmap", _wrapper("PmapWrapped")),
+        ("pmap decorator", _wrapper("PmapWrapped")),
+        ("shard_map", _wrapper("ShardMapWrapped")),
+        ("shard_map decorator", _wrapper("ShardMapWrapped")),
+        ("scan", _wrapper("ScanWrapped")),
+        ("scan decorator", _wrapper("ScanWrapped")),
+        ("scan, called at once", "tuple[Array, str]"),
+        ("custom_vjp", _wrapper("CustomVjp")),
+        ("custom_vjp decorator", _wrapper("CustomVjp")),
+        ("remat", f"{SIGNATURE} -> Array"),
+        ("checkpoint decorator", f"{SIGNATURE} -> Array"),
+        ("checkify", f"{SIGNATURE} -> tuple[Error, Array]"),
+        ("grad", f"{SIGNATURE} -> Any"),
+        ("grad decorator", f"{SIGNATURE} -> Any"),
+        ("value_and_grad", f"{SIGNATURE} -> tuple[Any, Any]"),
+        ("capture decorator", f"{SIGNATURE} -> Any"),
+        ("transform_metadata", f"{SIGNATURE} -> Array"),
+        ("eval_shape", "Model"),
+        ("vjp", "tuple[Array, (Any) -> tuple[Any, ...]]"),
+        ("vjp with aux", "tuple[Array, (Any) -> tuple[Any, ...], str]"),
+        ("jvp", "tuple[Array, Any]"),
+        ("jvp with aux", "tuple[Array, Any, str]"),
+        ("cond", "Array"),
+        ("switch", "Array"),
+        ("fori_loop", "Array"),
+        ("while_loop", "Array"),
+        ("split_rngs", "Rngs"),
+        ("fork_rngs", "Rngs"),
+        ("a jitted method", "(x: Array) -> Array"),
+        ("a vmapped method", "(x: Array) -> Array"),
+        ("jax.vmap, for comparison", f"{SIGNATURE} -> Array"),
     ],
 )
-def test_transform_keeps_the_signature(diagnostics, marker: str, result: str) -> None:
+def test_transform_keeps_the_signature(diagnostics, marker: str, revealed: str) -> None:
     messages = diagnostics.get(_line(marker), [])
     assert [m for _, m in messages] and all(s == "information" for s, _ in messages), messages
     (message,) = [m for _, m in messages]
-    assert message.endswith(f'is "{SIGNATURE} -> {result}"'), message
+    assert message.endswith(f'is "{revealed}"'), message
 
 
 def test_wrong_calls_are_reported(diagnostics) -> None:
-    wrong_type = diagnostics.get(_line("error: wrong argument type"), [])
-    assert any(s == "error" and '"scale"' in m for s, m in wrong_type), wrong_type
-    missing = diagnostics.get(_line("error: missing argument"), [])
-    assert any(s == "error" and 'parameter "scale"' in m for s, m in missing), missing
-    errors = [line for line, ms in diagnostics.items() for s, _ in ms if s == "error"]
-    assert len(errors) == 2, diagnostics  # nothing else in the snippet is an error
+    lines = SNIPPET.read_text().splitlines()
+    wrong = {i for i, text in enumerate(lines, 1) if "  # error: " in text}
+    assert len(wrong) >= 10
+    for line in sorted(wrong):
+        found = diagnostics.get(line, [])
+        assert any(s == "error" for s, _ in found), (lines[line - 1], found)
+    errors = {line for line, ms in diagnostics.items() for s, _ in ms if s == "error"}
+    assert errors == wrong, diagnostics  # nothing else in the snippet is an error

@@ -95,7 +95,8 @@ def user_stacklevel(*packages: str) -> int:
     level = 1
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name.partition(".")[0] not in skipped:
+        # JAX's traceback boundary wraps treemode's entry points: not the user's line.
+        if name.partition(".")[0] not in skipped and name != "jax._src.traceback_util":
             return level
         frame = frame.f_back
         level += 1

@@ -17,7 +17,7 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, ParamSpec, overload
 
 from flax import errors as flax_errors
 from flax import nnx
@@ -34,6 +34,33 @@ _patch_lock = threading.RLock()
 
 def _is_variable_type(x: Any) -> bool:
     return isinstance(x, type) and issubclass(x, nnx.Variable)
+
+
+P = ParamSpec("P")
+
+
+# For type checkers the captured function takes the function's (or the Module's
+# `__call__`'s) parameters; what it returns depends on how many types are collected.
+@overload
+def capture(
+    fn: type[nnx.Variable],
+    /,
+    *var_types: type[nnx.Variable],
+    init: Mapping[Any, Any] | None = ...,
+    method_outputs: type[nnx.Variable] | None = ...,
+    graph: bool = ...,
+) -> Callable[[Callable[P, Any]], Callable[P, Any]]: ...
+
+
+@overload
+def capture(
+    fn: Callable[P, Any],
+    /,
+    *var_types: type[nnx.Variable],
+    init: Mapping[Any, Any] | None = ...,
+    method_outputs: type[nnx.Variable] | None = ...,
+    graph: bool = ...,
+) -> Callable[P, Any]: ...
 
 
 def capture(

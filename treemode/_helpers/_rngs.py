@@ -28,6 +28,7 @@ from .._tree._leaves import is_variable
 from .._tree._paths import format_path, nnx_path
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")  # a node: its copy has its type
 Splits = int | tuple[int, ...]
 
 
@@ -135,14 +136,14 @@ def split_rngs(
 
 @overload
 def split_rngs(
-    node: Any,
+    node: T,
     /,
     *,
     splits: Splits,
     only: Any = ...,
     squeeze: bool = False,
     graph: bool = False,
-) -> Any: ...
+) -> T: ...
 
 
 @suggests_keywords
@@ -222,12 +223,12 @@ def fork_rngs(
 
 @overload
 def fork_rngs(
-    node: Any,
+    node: T,
     /,
     *,
     split: Mapping[Any, Splits | None] | Splits | None = None,
     graph: bool = False,
-) -> Any: ...
+) -> T: ...
 
 
 @suggests_keywords

@@ -22,6 +22,7 @@ import jax
 from .. import _compat
 from .._errors import AliasError, ClosureError, StructureError
 from .._tree import _graph, _pytree
+from .._tree._diff import Change, Node, Nodes, Path, TreeDiff, replaced
 from .._tree._leaves import (
     frozen_metadata,
     is_array,
@@ -442,7 +443,7 @@ def _value_changed(after: Any, before: Any) -> bool:
 
 def describe_structure_change(before: Any, after: Any) -> tuple[tuple[Any, ...], str]:
     """The first place where ``after`` differs structurally from ``before``."""
-    result = _diff((), before, after)
+    result = _ObjectDiff().first(before, after)
     if result is not None:
         return result
     return ((), "the structure changed")  # pragma: no cover - defensive
@@ -461,52 +462,49 @@ def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]] | None:
     return node_data, [(p[0], c) for p, c in flat]
 
 
-def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] | None:
-    if is_variable(a) or is_variable(b):
-        if not (is_variable(a) and is_variable(b)):
-            if is_variable(a):
-                return path, f"the {type(a).__name__} was replaced by a {type(b).__name__}"
-            return path, f"a {type(a).__name__} was replaced by a {type(b).__name__}"
-        if type(a) is not type(b):
-            return path, f"the {type(a).__name__} was replaced by a {type(b).__name__}"
-        return None
-    if is_graph_node(a) and is_graph_node(b) and type(a) is type(b):
-        va, vb = vars(a), vars(b)
-        added = [k for k in vb if k not in va]
-        removed = [k for k in va if k not in vb]
-        if added:
-            return (*path, jax.tree_util.GetAttrKey(added[0])), "a new attribute was added"
-        if removed:
-            return (*path, jax.tree_util.GetAttrKey(removed[0])), "the attribute was deleted"
-    la, lb = _one_level(a), _one_level(b)
-    if la is None or lb is None:
-        if la is None and lb is None:
-            if is_array(a) or is_array(b):
-                if is_array(a) and is_array(b):
-                    return None  # values are compared positionally, not here
+class _ObjectDiff(TreeDiff):
+    """The function's inputs before and after its trace: Variables, arrays and
+    static values are the leaves, and an attribute an NNX object gained or lost
+    is named as an attribute."""
+
+    added = "a new entry was added"
+    removed = "the entry was deleted"
+
+    def leaf(self, path: Path, a: Any, b: Any) -> Change | Nodes | None:
+        if is_variable(a) or is_variable(b):
+            if not (is_variable(a) and is_variable(b)):
+                if is_variable(a):
+                    return path, f"the {type(a).__name__} was replaced by a {type(b).__name__}"
                 return path, f"a {type(a).__name__} was replaced by a {type(b).__name__}"
-            if not same_static(a, b):
-                return path, f"the static value {a!r} was changed to {b!r}"
+            if type(a) is not type(b):
+                return path, f"the {type(a).__name__} was replaced by a {type(b).__name__}"
             return None
-        return path, f"a {type(a).__name__} was replaced by a {type(b).__name__}"
-    (ta, aux_a), ca = la
-    (tb, aux_b), cb = lb
-    if ta is not tb:
-        return path, f"a {ta.__name__} was replaced by a {tb.__name__}"
-    keys_a = [k for k, _ in ca]
-    keys_b = [k for k, _ in cb]
-    if keys_a != keys_b:
-        for k in keys_b:
-            if k not in keys_a:
-                return (*path, k), "a new entry was added"
-        for k in keys_a:
-            if k not in keys_b:
-                return (*path, k), "the entry was deleted"
-    for (k, x), (_, y) in zip(ca, cb, strict=True):
-        found = _diff((*path, k), x, y)
-        if found is not None:
-            return found
-    if not same_static(aux_a, aux_b):
+        if is_graph_node(a) and is_graph_node(b) and type(a) is type(b):
+            va, vb = vars(a), vars(b)
+            added = [k for k in vb if k not in va]
+            removed = [k for k in va if k not in vb]
+            if added:
+                return (*path, jax.tree_util.GetAttrKey(added[0])), "a new attribute was added"
+            if removed:
+                return (*path, jax.tree_util.GetAttrKey(removed[0])), "the attribute was deleted"
+        la, lb = _one_level(a), _one_level(b)
+        if la is None or lb is None:
+            if la is None and lb is None:
+                if is_array(a) or is_array(b):
+                    if is_array(a) and is_array(b):
+                        return None  # values are compared positionally, not here
+                    return replaced(path, type(a), type(b))
+                if not same_static(a, b):
+                    return path, f"the static value {a!r} was changed to {b!r}"
+                return None
+            return replaced(path, type(a), type(b))
+        ((ta, aux_a), ca), ((tb, aux_b), cb) = la, lb
+        return Nodes(Node(ta, aux_a, ca), Node(tb, aux_b, cb))
+
+    def static_equal(self, a: Any, b: Any) -> bool:
+        return same_static(a, b)
+
+    def static_change(self, path: Path, a: Any, b: Any, node: Node) -> Change:
         if is_graph_node(a):
             va, vb = vars(a), vars(b)
             for name in va:
@@ -519,7 +517,6 @@ def _diff(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] 
                         f"the static attribute was changed from {va[name]!r} to {vb[name]!r}",
                     )
         return path, "a static field of this node changed"
-    return None
 
 
 __all__ = ["Inputs", "PureFunction", "TraceRecord", "UnboundTrace", "describe_structure_change"]

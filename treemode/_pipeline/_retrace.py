@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 
+from .._tree._diff import Change, Node, Nodes, Path, TreeDiff, replaced
 from .._tree._leaves import is_graph_node, is_variable
 from .._tree._paths import format_path
 from .._tree._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec
@@ -97,37 +98,34 @@ def _children(node: Any) -> tuple[list[tuple[Any, Any]], Any]:
     return [(path[0], child) for path, child in pairs], treedef
 
 
-def _tree_change(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...], str] | None:
-    """The first difference between two skeletons: ``(path, what)``."""
-    if isinstance(a, (VarSpec, StaticLeaf)) or a is DYNAMIC:
-        if isinstance(b, (VarSpec, StaticLeaf)) or b is DYNAMIC:
-            what = _spec_change(a, b)
-            return None if what is None else (path, what)
-        return path, f"{_kind(a)} was replaced by a {type(b).__name__}"
-    if isinstance(b, (VarSpec, StaticLeaf)) or b is DYNAMIC:
-        return path, f"a {type(a).__name__} was replaced by {_kind(b)}"
-    if type(a) is not type(b):
-        return path, f"a {type(a).__name__} was replaced by a {type(b).__name__}"
-    ca, ta = _children(a)
-    cb, tb = _children(b)
-    keys_a = [k for k, _ in ca]
-    keys_b = [k for k, _ in cb]
-    if keys_a != keys_b:
-        for k in keys_b:
-            if k not in keys_a:
-                return (*path, k), "a new entry"
-        for k in keys_a:
-            if k not in keys_b:
-                return (*path, k), "the entry is gone"
-        return path, f"the order of the entries changed: {keys_a} -> {keys_b}"
-    for (k, x), (_, y) in zip(ca, cb, strict=True):
-        found = _tree_change((*path, k), x, y)
-        if found is not None:
-            return found
-    if ta != tb:
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, (VarSpec, StaticLeaf)) or x is DYNAMIC
+
+
+class _SkeletonDiff(TreeDiff):
+    """Two arguments rebuilt from their keys (`_skeleton`): the specs are the leaves."""
+
+    added = "a new entry"
+    removed = "the entry is gone"
+    reordered = "the order of the entries changed: {} -> {}"
+
+    def leaf(self, path: Path, a: Any, b: Any) -> Change | Nodes | None:
+        if _is_spec(a):
+            if _is_spec(b):
+                what = _spec_change(a, b)
+                return None if what is None else (path, what)
+            return path, f"{_kind(a)} was replaced by a {type(b).__name__}"
+        if _is_spec(b):
+            return path, f"a {type(a).__name__} was replaced by {_kind(b)}"
+        if type(a) is not type(b):
+            return replaced(path, type(a), type(b))
+        (ca, ta), (cb, tb) = _children(a), _children(b)
+        return Nodes(Node(type(a), ta, ca), Node(type(b), tb, cb))
+
+    def static_change(self, path: Path, a: Any, b: Any, node: Node) -> Change:
         if is_graph_node(a):
             va, vb = vars(a), vars(b)
-            children = {getattr(k, "name", None) for k in keys_a}
+            children = {getattr(k, "name", None) for k, _ in node.children}
             for name in sorted(va.keys() | vb.keys()):
                 x, y = va.get(name), vb.get(name)
                 if name.startswith("_pytree__") or name in children:
@@ -142,7 +140,6 @@ def _tree_change(path: tuple[Any, ...], a: Any, b: Any) -> tuple[tuple[Any, ...]
                         f"static attribute {x!r} -> {y!r}",
                     )
         return path, "the static fields of this node changed"
-    return None
 
 
 def _argument_change(before: Any, after: Any) -> str | None:
@@ -164,7 +161,7 @@ def _argument_change(before: Any, after: Any) -> str | None:
                 return f"{format_path(path, '')}: {what}" if path else what
         return None
     try:
-        found = _tree_change((), _skeleton(before), _skeleton(after))
+        found = _SkeletonDiff().first(_skeleton(before), _skeleton(after))
     except Exception:  # a node type that cannot be rebuilt from its specs
         found = None
     if found is None:

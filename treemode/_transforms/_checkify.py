@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from jax.experimental import checkify as jax_checkify
 
@@ -13,14 +13,17 @@ from .._pipeline import _call, _core, _pure
 from ._names import named
 from ._signature import suggests_keywords
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 @suggests_keywords
 def checkify(
-    f: Callable[..., Any],
+    f: Callable[P, R],
     errors: frozenset[Any] = jax_checkify.user_checks,
     *,
     graph: bool = False,
-) -> Callable[..., tuple[Any, Any]]:
+) -> Callable[P, tuple[jax_checkify.Error, R]]:
     """Functionalize the checks of `f`, like `jax.experimental.checkify.checkify`.
 
     The wrapped function returns `(error, out)`; `error.throw()` raises if a

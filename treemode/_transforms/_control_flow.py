@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,9 @@ from ._loop import (
 )
 from ._names import Stable
 from ._signature import UNSPECIFIED, legacy_operand, suggests_keywords
+
+# What the loops and branches return: the body's or branch's result type.
+R = TypeVar("R")
 
 
 @contextlib.contextmanager
@@ -142,11 +145,11 @@ class _LoopEntry:
 @suggests_keywords
 def while_loop(
     cond_fun: Callable[[Any], Any],
-    body_fun: Callable[[Any], Any],
+    body_fun: Callable[[Any], R],
     init_val: Any,
     *,
     graph: bool = False,
-) -> Any:
+) -> R:
     """`jax.lax.while_loop` over values that may hold modules, with Variable write-back.
 
     `body_fun(val)` changes the Variables of `val` in place and returns `val`
@@ -282,12 +285,12 @@ def _while_entry(call: _call.Call, cond_call: _call.Call, shared: tuple[int, ...
 def fori_loop(
     lower: Any,
     upper: Any,
-    body_fun: Callable[[Any, Any], Any],
+    body_fun: Callable[[Any, Any], R],
     init_val: Any,
     *,
     unroll: int | bool | None = None,
     graph: bool = False,
-) -> Any:
+) -> R:
     """`jax.lax.fori_loop` over values that may hold modules, with Variable write-back.
 
     `body_fun(i, val)` changes the Variables of `val` (or of modules in its
@@ -534,12 +537,12 @@ def _merged_metadata(
 @suggests_keywords
 def cond(
     pred: Any,
-    true_fun: Callable[..., Any],
-    false_fun: Callable[..., Any],
+    true_fun: Callable[..., R],
+    false_fun: Callable[..., R],
     *operands: Any,
     operand: Any = UNSPECIFIED,
     graph: bool = False,
-) -> Any:
+) -> R:
     """`jax.lax.cond` over operands that may hold modules, with Variable write-back.
 
     A Variable changed by one branch only is handled: the other branch passes
@@ -591,11 +594,11 @@ def cond(
 @suggests_keywords
 def switch(
     index: Any,
-    branches: Sequence[Callable[..., Any]],
+    branches: Sequence[Callable[..., R]],
     *operands: Any,
     operand: Any = UNSPECIFIED,
     graph: bool = False,
-) -> Any:
+) -> R:
     """`jax.lax.switch` over operands that may hold modules, with Variable write-back.
 
     Like `treemode.cond` with any number of branches; `index` is clamped

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class CustomVjp(Wrapped, Generic[P, R]):
+class CustomVjp(Wrapped[P, R]):
     """A function with a custom VJP, made by `treemode.custom_vjp`."""
 
     transform = "custom_vjp"
@@ -374,6 +374,26 @@ def _resolve_kwargs(
             f"{sorted(bound.kwargs)} are not supported; make them positional."
         )
     return tuple(bound.args)
+
+
+@overload
+def custom_vjp(
+    fun: Callable[P, R],
+    nondiff_argnums: Sequence[int] = ...,
+    nondiff_argnames: Sequence[str] = ...,
+    *,
+    graph: bool = ...,
+) -> CustomVjp[P, R]: ...
+
+
+@overload
+def custom_vjp(
+    fun: None = None,
+    nondiff_argnums: Sequence[int] = ...,
+    nondiff_argnames: Sequence[str] = ...,
+    *,
+    graph: bool = ...,
+) -> Callable[[Callable[P, R]], CustomVjp[P, R]]: ...
 
 
 @suggests_keywords

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 from flax import nnx
@@ -12,9 +12,13 @@ from .. import _compat
 from .._pipeline import _call, _core, _pure
 from .._tree._leaves import is_variable
 
+# As for `nnx.eval_shape`: the abstract result has the result's type (a Module comes
+# back as a Module holding `jax.ShapeDtypeStruct` values).
+R = TypeVar("R")
+
 
 @_compat.api_boundary
-def eval_shape(fun: Callable[..., Any], *args: Any, graph: bool = False, **kwargs: Any) -> Any:
+def eval_shape(fun: Callable[..., R], *args: Any, graph: bool = False, **kwargs: Any) -> R:
     """Shapes and dtypes of ``fun(*args, **kwargs)`` without running it.
 
     Arguments may hold `jax.ShapeDtypeStruct` in place of arrays. Variables the

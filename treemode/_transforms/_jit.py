@@ -5,7 +5,17 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Sequence
 from types import FunctionType
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Generic,
+    ParamSpec,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    overload,
+)
 
 import jax
 from jax.core import Tracer
@@ -19,11 +29,10 @@ from .._tree._flatten import ArgFlat, check_no_aliases
 from .._tree._leaves import is_variable
 from .._tree._specs import DYNAMIC, VarSpec
 from ._axes import graph_prefix_values
-from ._lifts import refuse_lifts
 from ._names import FLAT_ARGUMENTS, SPLIT_ARGUMENTS, named
 from ._prefix import broadcast_to_dynamic, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED, as_tuple, resolve_argnums, suggests_keywords
-from ._wrapped import Wrapped
+from ._wrapped import Wrapped, make_wrapper
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -404,7 +413,7 @@ class _NoExecutor:
 _FastCall: Any = _NoExecutor if TYPE_CHECKING or _compiled.FastCall is None else _compiled.FastCall
 
 
-class JitWrapped(_FastCall, Wrapped, Generic[P, R]):
+class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Generic[P, R]):
     """A function compiled with `treemode.jit`."""
 
     transform = "jit"
@@ -1025,6 +1034,10 @@ class Compiled(_Stage):
         return wrapped._run(call, wrapped._entry(call), self)
 
 
+# The options of `jit` and `jit_partial` that may not hold Flax lift objects.
+_SHARDINGS = ("in_shardings", "out_shardings")
+
+
 @overload
 def jit(
     fun: Callable[P, R],
@@ -1142,8 +1155,6 @@ def jit(
     assert counter.count[...] == 1
     ```
     """
-    refuse_lifts(in_shardings, transform="jit", what="in_shardings", graph=graph, shardings=True)
-    refuse_lifts(out_shardings, transform="jit", what="out_shardings", graph=graph, shardings=True)
     options: dict[str, Any] = dict(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
@@ -1158,9 +1169,69 @@ def jit(
         compiler_options=compiler_options,
         graph=graph,
     )
-    if fun is None:
-        return lambda f: JitWrapped(f, **options)
-    return JitWrapped(fun, **options)
+    return make_wrapper(JitWrapped, fun, options, transform="jit", specs=_SHARDINGS, shardings=True)
+
+
+class _JitOptions(TypedDict, total=False):
+    """The keyword options of `jit_partial`, for its overloads."""
+
+    in_shardings: Any
+    out_shardings: Any
+    static_argnums: int | Sequence[int] | None
+    static_argnames: str | Iterable[str] | None
+    donate_argnums: int | Sequence[int] | None
+    donate_argnames: str | Iterable[str] | None
+    keep_unused: bool
+    device: Any
+    backend: str | None
+    inline: bool
+    compiler_options: dict[str, Any] | None
+    graph: bool
+
+
+# The bound arguments' types, for the overloads of `jit_partial`.
+_A1 = TypeVar("_A1")
+_A2 = TypeVar("_A2")
+_A3 = TypeVar("_A3")
+
+
+# For type checkers the wrapper takes the parameters after the bound ones (up to
+# three bound arguments: a model, an optimizer, metrics); with more, any.
+@overload
+def jit_partial(fun: Callable[P, R], /, **options: Unpack[_JitOptions]) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit_partial(
+    fun: Callable[Concatenate[_A1, P], R], a1: _A1, /, **options: Unpack[_JitOptions]
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit_partial(
+    fun: Callable[Concatenate[_A1, _A2, P], R],
+    a1: _A1,
+    a2: _A2,
+    /,
+    **options: Unpack[_JitOptions],
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit_partial(
+    fun: Callable[Concatenate[_A1, _A2, _A3, P], R],
+    a1: _A1,
+    a2: _A2,
+    a3: _A3,
+    /,
+    **options: Unpack[_JitOptions],
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit_partial(
+    fun: Callable[..., R], /, *partial_args: Any, **options: Unpack[_JitOptions]
+) -> JitWrapped[..., R]: ...
 
 
 @suggests_keywords
@@ -1212,16 +1283,7 @@ def jit_partial(
     assert forward(jnp.ones((1, 2))).shape == (1, 2)
     ```
     """
-    refuse_lifts(
-        in_shardings, transform="jit_partial", what="in_shardings", graph=graph, shardings=True
-    )
-    refuse_lifts(
-        out_shardings, transform="jit_partial", what="out_shardings", graph=graph, shardings=True
-    )
-    if not graph:  # the bound arguments are fixed: check them for aliases now
-        check_no_aliases("jit_partial", args=tuple(partial_args))
-    return JitWrapped(
-        fun,
+    options: dict[str, Any] = dict(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
         static_argnums=static_argnums,
@@ -1236,3 +1298,10 @@ def jit_partial(
         graph=graph,
         partial_args=tuple(partial_args),
     )
+    # The shardings are checked first, then the bound arguments, then it is made.
+    make = make_wrapper(
+        JitWrapped, None, options, transform="jit_partial", specs=_SHARDINGS, shardings=True
+    )
+    if not graph:  # the bound arguments are fixed: check them for aliases now
+        check_no_aliases("jit_partial", args=tuple(partial_args))
+    return make(fun)

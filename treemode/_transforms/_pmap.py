@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 
 from .._pipeline import _call, _pure
 from ._axes import CallAxes, call_axes, check_axes_spec, check_mapped
-from ._lifts import refuse_lifts
 from ._names import named
 from ._signature import suggests_keywords
 from ._vmap import MappedWrapper, _Entry, find_batched_update, translate_axis_error
+from ._wrapped import make_wrapper
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _as_set(x: int | Iterable[int] | None) -> frozenset[int]:
@@ -23,7 +26,7 @@ def _as_set(x: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(x)
 
 
-class PmapWrapped(MappedWrapper):
+class PmapWrapped(MappedWrapper[P, R]):
     """A function parallelized with `treemode.pmap`."""
 
     transform = "pmap"
@@ -31,7 +34,7 @@ class PmapWrapped(MappedWrapper):
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         axis_name: Any = None,
         in_axes: Any = 0,
@@ -94,6 +97,41 @@ class PmapWrapped(MappedWrapper):
         translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
 
 
+# The function's parameters and result type are kept for type checkers, as for `vmap`.
+@overload
+def pmap(
+    fun: Callable[P, R],
+    axis_name: Any = ...,
+    *,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    static_broadcasted_argnums: int | Iterable[int] = ...,
+    devices: Sequence[Any] | None = ...,
+    backend: str | None = ...,
+    axis_size: int | None = ...,
+    donate_argnums: int | Iterable[int] = ...,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> PmapWrapped[P, R]: ...
+
+
+@overload
+def pmap(
+    fun: None = None,
+    axis_name: Any = ...,
+    *,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    static_broadcasted_argnums: int | Iterable[int] = ...,
+    devices: Sequence[Any] | None = ...,
+    backend: str | None = ...,
+    axis_size: int | None = ...,
+    donate_argnums: int | Iterable[int] = ...,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> Callable[[Callable[P, R]], PmapWrapped[P, R]]: ...
+
+
 @suggests_keywords
 def pmap(
     fun: Callable[..., Any] | None = None,
@@ -153,8 +191,6 @@ def pmap(
     assert stats.total[...] == 3 * n
     ```
     """
-    refuse_lifts(in_axes, transform="pmap", what="in_axes", graph=graph, variables=True)
-    refuse_lifts(out_axes, transform="pmap", what="out_axes", graph=graph, variables=True)
     options: dict[str, Any] = dict(
         axis_name=axis_name,
         in_axes=in_axes,
@@ -167,9 +203,8 @@ def pmap(
         transform_metadata=transform_metadata,
         graph=graph,
     )
-    if fun is None:
-        return lambda f: PmapWrapped(f, **options)
-    return PmapWrapped(fun, **options)
+    specs = ("in_axes", "out_axes")
+    return make_wrapper(PmapWrapped, fun, options, transform="pmap", specs=specs, variables=True)
 
 
 __all__ = ["PmapWrapped", "pmap"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 
@@ -12,6 +12,34 @@ from .. import _compat
 from .._pipeline import _call, _core, _pure
 from ._names import named
 from ._signature import as_tuple, resolve_argnums, suggests_keywords
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+# The function's signature is kept for type checkers, decorator form or not.
+@overload
+def remat(
+    fun: Callable[P, R],
+    *,
+    prevent_cse: bool | Sequence[bool] = ...,
+    policy: Callable[..., bool] | None = ...,
+    static_argnums: int | tuple[int, ...] = ...,
+    static_argnames: str | Iterable[str] = ...,
+    graph: bool = ...,
+) -> Callable[P, R]: ...
+
+
+@overload
+def remat(
+    fun: None = None,
+    *,
+    prevent_cse: bool | Sequence[bool] = ...,
+    policy: Callable[..., bool] | None = ...,
+    static_argnums: int | tuple[int, ...] = ...,
+    static_argnames: str | Iterable[str] = ...,
+    graph: bool = ...,
+) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
 @suggests_keywords

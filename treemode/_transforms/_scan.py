@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,6 @@ from .._pipeline import _call, _core, _pure
 from .._pipeline._trace_cache import TraceCache, avals, cache_for, call_current_fn
 from .._tree._leaves import is_variable
 from ._axes import call_axes, check_mapped, is_axis, is_int_axis
-from ._lifts import refuse_lifts
 from ._loop import (
     CarryLayout,
     LoopState,
@@ -31,7 +30,10 @@ from ._metadata import _split_metadata, with_axis_metadata
 from ._names import Stable
 from ._prefix import broadcast_to_leaves, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED, suggests_keywords
-from ._wrapped import Wrapped
+from ._wrapped import Wrapped, make_wrapper
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class Carry:
@@ -192,14 +194,14 @@ class _Entry:
         self.step = step  # handed to jax.lax.scan: the same object on every call
 
 
-class ScanWrapped(Wrapped):
+class ScanWrapped(Wrapped[P, R]):
     """A function scanned with `treemode.scan`."""
 
     transform = "scan"
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         length: int | None,
         reverse: bool,
@@ -319,13 +321,18 @@ class ScanWrapped(Wrapped):
     # -- calling ---------------------------------------------------------------------
 
     @_compat.api_boundary
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         entries = self._entries(len(args))
         carry_pos = self.in_carry
         if isinstance(entries, tuple) and len(entries) != len(args):
             carry_pos = None  # call_axes reports the length mismatch
         if carry_pos is not None:
-            args = (*args[:carry_pos], scalars_to_arrays(args[carry_pos]), *args[carry_pos + 1 :])
+            # The carry's Python numbers as arrays (a plain tuple now, not P.args).
+            args = (  # pyright: ignore[reportAssignmentType]
+                *args[:carry_pos],
+                scalars_to_arrays(args[carry_pos]),
+                *args[carry_pos + 1 :],
+            )
         call = _call.prepare("scan", self.fn, args, kwargs, graph=self.graph)
         entry = self._cache.get(
             (call.key, avals(call.dynamic)), lambda: self._build(call, entries, carry_pos)
@@ -478,6 +485,52 @@ def _step_types(init: Any, xs: Sequence[Any]) -> tuple[Any, ...]:
     return state, slices
 
 
+# The function's parameters and result type are kept for type checkers, as for
+# `vmap` (the scanned arguments and the stacked outputs have their step's types).
+@overload
+def scan(
+    f: Callable[P, R],
+    *,
+    length: int | None = ...,
+    reverse: bool = ...,
+    unroll: int | bool = ...,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> ScanWrapped[P, R]: ...
+
+
+@overload
+def scan(
+    f: Callable[..., R],
+    init: Any,
+    xs: Any = ...,
+    length: int | None = ...,
+    reverse: bool = ...,
+    unroll: int | bool = ...,
+    *,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> R: ...
+
+
+@overload
+def scan(
+    f: None = None,
+    *,
+    length: int | None = ...,
+    reverse: bool = ...,
+    unroll: int | bool = ...,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    transform_metadata: Mapping[str, Any] | None = ...,
+    graph: bool = ...,
+) -> Callable[[Callable[P, R]], ScanWrapped[P, R]]: ...
+
+
 @suggests_keywords
 def scan(
     f: Callable[..., Any] | None = None,
@@ -578,8 +631,6 @@ def scan(
     assert total == 6.0 and cumsum.tolist() == [0.0, 1.0, 3.0, 6.0]
     ```
     """
-    refuse_lifts(in_axes, transform="scan", what="in_axes", graph=graph, variables=True)
-    refuse_lifts(out_axes, transform="scan", what="out_axes", graph=graph, variables=True)
     options: dict[str, Any] = dict(
         length=length,
         reverse=reverse,
@@ -589,10 +640,9 @@ def scan(
         transform_metadata=transform_metadata,
         graph=graph,
     )
-    if f is None:
-        return lambda fn: ScanWrapped(fn, **options)
-    wrapped = ScanWrapped(f, **options)
-    if init is _MISSING:
+    specs = ("in_axes", "out_axes")
+    wrapped = make_wrapper(ScanWrapped, f, options, transform="scan", specs=specs, variables=True)
+    if f is None or init is _MISSING:
         return wrapped
     return wrapped(init, xs)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Set
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
@@ -19,10 +19,13 @@ from jax.sharding import Mesh, PartitionSpec
 from .._errors import AxisError
 from .._pipeline import _call, _pure
 from ._axes import CallAxes, call_axes, dynamic_paths
-from ._lifts import refuse_lifts
 from ._names import named
 from ._signature import suggests_keywords
 from ._vmap import MappedWrapper, _Entry
+from ._wrapped import make_wrapper
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _is_spec(x: Any) -> bool:
@@ -46,7 +49,7 @@ def spec_axes(spec: PartitionSpec) -> set[Any]:
     return {name for entry in spec for name in _names(entry)}
 
 
-class ShardMapWrapped(MappedWrapper):
+class ShardMapWrapped(MappedWrapper[P, R]):
     """A function wrapped with `treemode.shard_map`."""
 
     transform = "shard_map"
@@ -54,7 +57,7 @@ class ShardMapWrapped(MappedWrapper):
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         mesh: Mesh | Any,
         in_specs: Any,
@@ -184,6 +187,35 @@ def _check_replication(
                 )
 
 
+# The function's parameters and result type are kept for type checkers, as for `vmap`.
+@overload
+def shard_map(
+    f: Callable[P, R],
+    /,
+    *,
+    out_specs: Any,
+    in_specs: Any,
+    mesh: Mesh | Any,
+    axis_names: Set[Any] = ...,
+    check_vma: bool = ...,
+    graph: bool = ...,
+) -> ShardMapWrapped[P, R]: ...
+
+
+@overload
+def shard_map(
+    f: None = None,
+    /,
+    *,
+    out_specs: Any,
+    in_specs: Any,
+    mesh: Mesh | Any,
+    axis_names: Set[Any] = ...,
+    check_vma: bool = ...,
+    graph: bool = ...,
+) -> Callable[[Callable[P, R]], ShardMapWrapped[P, R]]: ...
+
+
 @suggests_keywords
 def shard_map(
     f: Callable[..., Any] | None = None,
@@ -249,9 +281,7 @@ def shard_map(
     assert y.shape == (2 * n, 3) and counter.seen[...] == 2 * n
     ```
     """
-    refuse_lifts(in_specs, transform="shard_map", what="in_specs", graph=graph)
-    refuse_lifts(out_specs, transform="shard_map", what="out_specs", graph=graph)
-    kwargs: dict[str, Any] = dict(
+    options: dict[str, Any] = dict(
         mesh=mesh,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -259,9 +289,8 @@ def shard_map(
         check_vma=check_vma,
         graph=graph,
     )
-    if f is None:
-        return lambda g: ShardMapWrapped(g, **kwargs)
-    return ShardMapWrapped(f, **kwargs)
+    specs = ("in_specs", "out_specs")
+    return make_wrapper(ShardMapWrapped, f, options, transform="shard_map", specs=specs)
 
 
 __all__ = ["ShardMapWrapped", "shard_map", "spec_axes"]

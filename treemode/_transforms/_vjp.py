@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 import jax
 
@@ -20,6 +20,60 @@ from .._tree import _graph
 from ._grad import DiffSplit, dynamic_like, split_aux, to_array_args
 from ._names import named
 from ._signature import UNSPECIFIED, check_reduce_axes, suggests_keywords
+
+T = TypeVar("T")
+U = TypeVar("U")
+# What `vjp` returns to compute the cotangents: one per primal, each of its type.
+VjpFunction = Callable[[Any], tuple[Any, ...]]
+
+
+# As for `jax.vjp`: the output's type, and with `has_aux` the aux's; without
+# primals, `vjp` with its options bound.
+@overload
+def vjp(
+    fun: Callable[..., tuple[T, U]],
+    primal: Any,
+    /,
+    *primals: Any,
+    has_aux: Literal[True],
+    reduce_axes: Sequence[Any] = ...,
+    graph: bool = ...,
+) -> tuple[T, VjpFunction, U]: ...
+
+
+@overload
+def vjp(
+    fun: Callable[..., T],
+    primal: Any,
+    /,
+    *primals: Any,
+    has_aux: Literal[False] = ...,
+    reduce_axes: Sequence[Any] = ...,
+    graph: bool = ...,
+) -> tuple[T, VjpFunction]: ...
+
+
+@overload
+def vjp(
+    fun: Callable[..., Any],
+    primal: Any,
+    /,
+    *primals: Any,
+    has_aux: bool,
+    reduce_axes: Sequence[Any] = ...,
+    graph: bool = ...,
+) -> tuple[Any, ...]: ...
+
+
+@overload
+def vjp(
+    fun: Callable[..., Any] = ...,
+    /,
+    *,
+    has_aux: bool = ...,
+    reduce_axes: Sequence[Any] = ...,
+    graph: bool = ...,
+) -> Callable[..., Any]: ...
 
 
 @suggests_keywords
@@ -73,34 +127,66 @@ def vjp(
     primals = to_array_args(primals, range(len(primals)))
     call = _call.prepare("vjp", fun, primals, {}, graph=graph)
     split = DiffSplit(call, range(len(call.arg_flats)))
-    pure = _pure.PureFunction(call)
-    other = split.other_values()
 
-    def differentiated(*diff: Any) -> tuple[Any, Any]:
-        out, updates = pure(*split.merge(diff, other))
-        if has_aux:
-            out, aux = split_aux("vjp", out)
-        else:
-            aux = None
-        return out, (aux, updates)
+    def linearize(differentiated: Callable[[Sequence[Any]], Any]) -> Any:
+        traced = named(lambda *diff: differentiated(diff), fun)
+        return jax.vjp(traced, *split.diff_values(), has_aux=True)
 
-    def jax_call() -> tuple[Any, Any]:
-        out, raw_vjp, (aux, updates) = jax.vjp(
-            named(differentiated, fun), *split.diff_values(), has_aux=True
-        )
-        return (out, raw_vjp, aux), updates
-
-    out, raw_vjp, aux = _core.run(call, pure, jax_call, finish=False)
+    out, raw_vjp, aux = _differentiate("vjp", call, split, has_aux, linearize)
 
     def vjp_fn(cotangent: Any) -> tuple[Any, ...]:
         if graph:
             cotangent = _graph.to_tree(cotangent)
         return tuple(split.cotangent_trees(raw_vjp(cotangent)))
 
-    out = _core.finish(call, out)
     if has_aux:
-        return out, vjp_fn, _core.finish(call, aux)
+        return out, vjp_fn, aux
     return out, vjp_fn
+
+
+# As for `jax.jvp`, with the output's type (and the aux's); without primals and
+# tangents, `jvp` with its options bound.
+@overload
+def jvp(
+    fun: Callable[..., tuple[T, U]],
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    has_aux: Literal[True],
+    *,
+    graph: bool = ...,
+) -> tuple[T, Any, U]: ...
+
+
+@overload
+def jvp(
+    fun: Callable[..., T],
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    has_aux: Literal[False] = ...,
+    *,
+    graph: bool = ...,
+) -> tuple[T, Any]: ...
+
+
+@overload
+def jvp(
+    fun: Callable[..., Any],
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    has_aux: bool,
+    *,
+    graph: bool = ...,
+) -> tuple[Any, ...]: ...
+
+
+@overload
+def jvp(
+    fun: Callable[..., Any] = ...,
+    primals: Sequence[Any] = ...,
+    *,
+    has_aux: bool = ...,
+    graph: bool = ...,
+) -> Callable[..., Any]: ...
 
 
 @suggests_keywords
@@ -164,28 +250,51 @@ def jvp(
     diff_tangents = dynamic_like(
         call, split, tangents, transform="jvp", what="tangent", names=names
     )
+
+    def linearize(differentiated: Callable[[Sequence[Any]], Any]) -> Any:
+        traced = named(differentiated, fun)
+        return jax.jvp(traced, (split.diff_values(),), (diff_tangents,), has_aux=True)
+
+    out, out_tangent, aux = _differentiate("jvp", call, split, has_aux, linearize)
+    out_tangent = _core.finish(call, out_tangent)
+    if has_aux:
+        return out, out_tangent, aux
+    return out, out_tangent
+
+
+def _differentiate(
+    transform: str,
+    call: _call.Call,
+    split: DiffSplit,
+    has_aux: bool,
+    linearize: Callable[[Callable[[Sequence[Any]], Any]], tuple[Any, Any, Any]],
+) -> tuple[Any, Any, Any]:
+    """The run `vjp` and `jvp` share; returns ``(output, linear, aux)``.
+
+    ``linearize(differentiated)`` calls ``jax.vjp`` or ``jax.jvp`` (with
+    ``has_aux=True``) on ``differentiated``, the function of the differentiated
+    arrays (one sequence) that calls the user's function and returns ``(output,
+    (aux, updates))``; it returns ``(output, linear, (aux, updates))``, ``linear``
+    being the VJP function or the output tangent. The updates are written back;
+    the output and ``aux`` (``None`` without ``has_aux``) come back finished.
+    """
     pure = _pure.PureFunction(call)
     other = split.other_values()
 
-    def differentiated(diff: list[Any]) -> tuple[Any, Any]:
+    def differentiated(diff: Sequence[Any]) -> tuple[Any, Any]:
         out, updates = pure(*split.merge(diff, other))
         if has_aux:
-            out, aux = split_aux("jvp", out)
+            out, aux = split_aux(transform, out)
         else:
             aux = None
         return out, (aux, updates)
 
     def jax_call() -> tuple[Any, Any]:
-        out, out_tangent, (aux, updates) = jax.jvp(
-            named(differentiated, fun), (split.diff_values(),), (diff_tangents,), has_aux=True
-        )
-        return (out, out_tangent, aux), updates
+        out, linear, (aux, updates) = linearize(differentiated)
+        return (out, linear, aux), updates
 
-    out, out_tangent, aux = _core.run(call, pure, jax_call, finish=False)
-    out, out_tangent = _core.finish(call, out), _core.finish(call, out_tangent)
-    if has_aux:
-        return out, out_tangent, _core.finish(call, aux)
-    return out, out_tangent
+    out, linear, aux = _core.run(call, pure, jax_call, finish=False)
+    return _core.finish(call, out), linear, _core.finish(call, aux) if has_aux else None
 
 
 __all__ = ["jvp", "vjp"]

@@ -20,13 +20,12 @@ from .._errors import AxisError, TreemodeError
 from .._pipeline import _call, _core, _explain, _interrupts, _pure
 from .._pipeline._trace_cache import TraceCache, cache_for, call_current_fn
 from ._axes import CallAxes, batched_update_error, call_axes, check_axes_spec, check_mapped
-from ._lifts import refuse_lifts
 from ._metadata import check_metadata, with_axis_metadata
 from ._names import named
 from ._prefix import decode_flax_prefixes, graph_output_prefix
 from ._rng_hints import warn_broadcast_draws
 from ._signature import suggests_keywords
-from ._wrapped import Wrapped
+from ._wrapped import Wrapped, make_wrapper
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -48,7 +47,7 @@ def _whole(out: Any) -> Any:
     return out
 
 
-class MappedWrapper(Wrapped):
+class MappedWrapper(Wrapped[P, R]):
     """Base of the wrappers returned by ``vmap``, ``pmap`` and ``shard_map``."""
 
     transform = "vmap"
@@ -59,7 +58,7 @@ class MappedWrapper(Wrapped):
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         in_axes: Any,
         out_axes: Any,
@@ -156,7 +155,7 @@ class MappedWrapper(Wrapped):
         )
 
     @_compat.api_boundary
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         call = self.prepare(args, kwargs)
         entry = self._entry(call)
         self.check(call, entry.axes)
@@ -246,7 +245,7 @@ def find_batched_update(
             raise batched_update_error(call, i, axis_name=axis_name) from None
 
 
-class VmapWrapped(MappedWrapper):
+class VmapWrapped(MappedWrapper[P, R]):
     """A function vectorized with `treemode.vmap`."""
 
     transform = "vmap"
@@ -254,7 +253,7 @@ class VmapWrapped(MappedWrapper):
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         in_axes: Any = 0,
         out_axes: Any = 0,
@@ -348,14 +347,14 @@ def translate_axis_error(
 
 
 class _Vmapping(Protocol):
-    """What ``treemode.vmap(in_axes=...)`` returns, for type checkers: a decorator that
-    keeps the decorated function's signature."""
+    """What ``treemode.vmap(in_axes=...)`` returns, for type checkers: a decorator
+    whose `VmapWrapped` keeps the decorated function's signature."""
 
-    def __call__(self, fun: Callable[P, R], /) -> Callable[P, R]: ...
+    def __call__(self, fun: Callable[P, R], /) -> VmapWrapped[P, R]: ...
 
 
 # The function's parameters and result type are kept for type checkers, as
-# `jax.vmap` does (at run time the result is a `VmapWrapped`).
+# `jax.vmap` does: a `VmapWrapped[P, R]` is called like the function.
 @overload
 def vmap(
     fun: Callable[P, R],
@@ -368,7 +367,7 @@ def vmap(
     *,
     transform_metadata: Mapping[str, Any] | None = ...,
     graph: bool = ...,
-) -> Callable[P, R]: ...
+) -> VmapWrapped[P, R]: ...
 
 
 @overload
@@ -453,8 +452,6 @@ def vmap(
     assert forward(stack, jnp.ones((5, 2))).shape == (4, 5, 3)
     ```
     """
-    refuse_lifts(in_axes, transform="vmap", what="in_axes", graph=graph, variables=True)
-    refuse_lifts(out_axes, transform="vmap", what="out_axes", graph=graph, variables=True)
     options: dict[str, Any] = dict(
         in_axes=in_axes,
         out_axes=out_axes,
@@ -465,9 +462,8 @@ def vmap(
         transform_metadata=transform_metadata,
         graph=graph,
     )
-    if fun is None:
-        return lambda f: VmapWrapped(f, **options)
-    return VmapWrapped(fun, **options)
+    specs = ("in_axes", "out_axes")
+    return make_wrapper(VmapWrapped, fun, options, transform="vmap", specs=specs, variables=True)
 
 
 __all__ = [

@@ -675,7 +675,7 @@ def check_no_aliases(transform: str = "check_no_aliases", /, **trees: Any) -> No
     """
     duplicate = first_duplicate(trees.items())
     if duplicate is not None:
-        raise alias_error(transform, *duplicate, roots=list(trees.items()))
+        raise alias_error(transform, *duplicate, roots=list(trees.items()), expand=True)
 
 
 def first_duplicate(roots: Iterable[tuple[str, Any]]) -> tuple[Any, str, str] | None:
@@ -696,6 +696,7 @@ def alias_error(
     second: str,
     roots: Sequence[tuple[str, Any]] = (),
     parameters: dict[str, str] | None = None,
+    expand: bool = False,
 ) -> AliasError:
     """The `AliasError` for ``var``, reached at ``first`` and at ``second``.
 
@@ -703,9 +704,11 @@ def alias_error(
     passed beside another that owns it (a module beside the
     ``nnx.ModelAndOptimizer`` holding it as ``.model``) is named as such, with
     the two fixes; ``parameters`` maps a root's name to the function's
-    parameter (``{"args[1]": "optimizer"}``).
+    parameter (``{"args[1]": "optimizer"}``); with ``expand``, the items of a
+    root that is a tuple, list or dict are the arguments (``args=(model,
+    optimizer)`` of `check_no_aliases`).
     """
-    owned = owned_argument(roots)
+    owned = owned_argument(roots, expand=expand)
     if owned is not None:
         name, obj, owner_name, owner, path = owned
         kind = type(obj).__name__
@@ -744,17 +747,20 @@ def alias_error(
 
 
 def owned_argument(
-    roots: Sequence[tuple[str, Any]],
+    roots: Sequence[tuple[str, Any]], *, expand: bool = False
 ) -> tuple[str, Any, str, Any, str] | None:
     """An NNX object among ``roots`` that another of them owns, if there is one.
 
     ``(name, object, owner's name, owner, path of the object inside the owner)``.
-    The candidates are the roots, or the items of a root that is a tuple, list
-    or dict (``args=(model, optimizer)``). Error path only.
+    The candidates are the roots (each an argument), or with ``expand`` the
+    items of a root that is a tuple, list or dict (``args=(model, optimizer)``).
+    Error path only.
     """
     candidates: list[tuple[str, Any]] = []
     for name, tree in roots:
-        if isinstance(tree, (tuple, list)) and not is_graph_node(tree):
+        if not expand:
+            candidates.append((name, tree))
+        elif isinstance(tree, (tuple, list)) and not is_graph_node(tree):
             candidates += [(f"{name}[{i}]", x) for i, x in enumerate(tree)]
         elif type(tree) is dict:
             candidates += [(f"{name}[{k!r}]", x) for k, x in tree.items()]

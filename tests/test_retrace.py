@@ -1,4 +1,5 @@
-"""With ``jax_explain_cache_misses`` on, a retrace of `treemode.jit` says what changed."""
+"""With ``jax_explain_cache_misses`` on, a retrace of `treemode.jit` says what changed
+(``treemode._pipeline._retrace``)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_shape_change_names_the_argument_path(explain):
     assert _treemode_messages(explain) == []  # the first trace is no retrace
     f(model, {"x": jnp.ones((3, 2))})
     (message,) = _treemode_messages(explain)
-    assert "treemode.jit: tracing" in message and "test_explain.py" in message
+    assert "treemode.jit: tracing" in message and "test_retrace.py" in message
     assert "args[1]['x']: float32[3,2] (before float32[1,2])" in message
 
 

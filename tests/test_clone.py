@@ -1,12 +1,10 @@
-"""clone(arrays=...) and eval_shape."""
+"""treemode.clone: new Variables, shared or independent buffers, sharing kept."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from helpers import Counter, Stateful, assert_same_state
+from helpers import Stateful, assert_same_state
 
 import treemode
 
@@ -37,18 +35,3 @@ def test_clone_preserves_sharing():
 
     copy = treemode.clone(Tied(), arrays=True)
     assert copy.enc is copy.dec
-
-
-def test_eval_shape_never_mutates(tracer_leaks):
-    counter = Counter()
-    before = counter.count.get_raw_value()
-    out = treemode.eval_shape(lambda c, x: c(x), counter, jax.ShapeDtypeStruct((3,), jnp.float32))
-    assert out.shape == (3,) and out.dtype == jnp.float32
-    assert counter.count.get_raw_value() is before
-    assert isinstance(counter.total.get_raw_value(), jax.Array)
-
-
-def test_eval_shape_builds_abstract_model():
-    abstract = treemode.eval_shape(lambda: Stateful(nnx.Rngs(0)))
-    assert isinstance(abstract.linear.kernel.get_raw_value(), jax.ShapeDtypeStruct)
-    assert abstract.linear.kernel.shape == (3, 4)

@@ -1,6 +1,7 @@
-"""``treemode.eval_shape`` under a mesh keeps the sharding Variable metadata names.
+"""``treemode.eval_shape``: inputs never mutated, abstract models, and the shardings
+of the Variables' metadata under a mesh.
 
-As Flax's ``nnx.eval_shape`` does: each returned Variable's abstract value
+Under a mesh, as Flax's ``nnx.eval_shape`` does: each returned Variable's abstract value
 gets ``NamedSharding(mesh, spec)``, the spec from its ``sharding_names`` /
 ``nnx.with_partitioning`` metadata (``P()`` without one), so that an abstract
 model is a restore target with the intended shardings.
@@ -13,10 +14,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import Counter, Stateful
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treemode
+
+
+def test_eval_shape_never_mutates(tracer_leaks):
+    counter = Counter()
+    before = counter.count.get_raw_value()
+    out = treemode.eval_shape(lambda c, x: c(x), counter, jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert out.shape == (3,) and out.dtype == jnp.float32
+    assert counter.count.get_raw_value() is before
+    assert isinstance(counter.total.get_raw_value(), jax.Array)
+
+
+def test_eval_shape_builds_abstract_model():
+    abstract = treemode.eval_shape(lambda: Stateful(nnx.Rngs(0)))
+    assert isinstance(abstract.linear.kernel.get_raw_value(), jax.ShapeDtypeStruct)
+    assert abstract.linear.kernel.shape == (3, 4)
 
 
 class Model(nnx.Module):
