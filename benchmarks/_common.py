@@ -18,9 +18,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -160,6 +164,31 @@ def _samples(
             jax.block_until_ready(out)  # pyright: ignore[reportPossiblyUnbound]
             samples[name].append((time.perf_counter() - start) / n * 1e6)
     return samples
+
+
+def without_extension(script: str, config: Config, *extra: str) -> dict[str, Any]:
+    """What ``script --python-path CONFIG OUT [extra...]`` measured in a subprocess
+    with the compiled extension off (``TREEMODE_NO_EXTENSION=1``): per case,
+    ``{peer: [best, median]}``, the floor among them."""
+    from treemode._accel import _compiled
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "python.json"
+        env = {**os.environ, _compiled.ENV_VAR: "1"}
+        cmd = [sys.executable, script, "--python-path", config.name, str(out), *extra]
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(out.read_text())
+
+
+def scaled_to_floor(floor: Timing, measured: Mapping[str, list[float]], peer: str) -> Timing:
+    """``peer``'s timing from another process (``measured``, with that process's own
+    floor), as the same ratios to this process's ``floor``."""
+    best, median = measured[peer]
+    return Timing(
+        best / measured["floor"][0] * floor.best,
+        median / measured["floor"][1] * floor.median,
+        floor.samples,
+    )
 
 
 def best_seconds(fn: Callable[[], Any], repeats: int) -> float:

@@ -36,10 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,7 +44,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import CONFIGS, Config, Table, Timing, case_main, measure, ratio_table
+from _common import (
+    CONFIGS,
+    Config,
+    Table,
+    case_main,
+    measure,
+    ratio_table,
+    scaled_to_floor,
+    without_extension,
+)
 from flax import nnx
 
 import treemode
@@ -180,13 +186,7 @@ def measure_layers(config: Config, names: list[str] | None = None) -> list[tuple
 def python_path_timings(config: Config) -> dict[str, dict[str, list[float]]]:
     """Per ``L``, ``{peer: [best, median]}`` of the floor and ``treemode.jit``, measured in
     a subprocess without the compiled extension."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "python.json"
-        env = {**os.environ, _compiled.ENV_VAR: "1"}
-        cmd = [sys.executable, __file__, "--python-path", config.name, str(out)]
-        cmd += [str(n) for n in config.decode_layers]
-        subprocess.run(cmd, env=env, check=True)
-        return json.loads(out.read_text())
+    return without_extension(__file__, config, *(str(n) for n in config.decode_layers))
 
 
 def _python_path_main(config_name: str, out: str, layers: list[int]) -> None:
@@ -217,12 +217,8 @@ def run(config: Config) -> list[Table]:
         print("  measuring the pure-Python path (TREEMODE_NO_EXTENSION=1)", flush=True)
         python = python_path_timings(config)
         for layers, timings in rows:
-            floor, other = timings["floor"], python[str(layers)]
-            best, median = other["treemode.jit"]
-            timings[PYTHON_PEER] = Timing(
-                best / other["floor"][0] * floor.best,
-                median / other["floor"][1] * floor.median,
-                floor.samples,
+            timings[PYTHON_PEER] = scaled_to_floor(
+                timings["floor"], python[str(layers)], "treemode.jit"
             )
         peers.append(PYTHON_PEER)
     note = (

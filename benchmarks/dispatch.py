@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +44,16 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from _common import CONFIGS, Config, Table, Timing, case_main, measure_instances, ratio_table
+from _common import (
+    CONFIGS,
+    Config,
+    Table,
+    case_main,
+    measure_instances,
+    ratio_table,
+    scaled_to_floor,
+    without_extension,
+)
 from _models import (
     BATCH,
     MLP,
@@ -240,12 +246,7 @@ def measure_cases(config: Config, names: list[str] | None = None) -> list[tuple[
 def python_path_timings(config: Config) -> dict[str, dict[str, list[float]]]:
     """Per case, ``{peer: [best, median]}`` of the floor and the treemode peers, measured
     in a subprocess without the compiled extension."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "python.json"
-        env = {**os.environ, _compiled.ENV_VAR: "1"}
-        cmd = [sys.executable, __file__, "--python-path", config.name, str(out)]
-        subprocess.run(cmd, env=env, check=True)
-        return json.loads(out.read_text())
+    return without_extension(__file__, config)
 
 
 def _python_path_main(config_name: str, out: str) -> None:
@@ -265,12 +266,7 @@ def run(config: Config) -> list[Table]:
         for case, timings in rows:
             floor, other = timings["floor"], python[case]
             for peer, column in PYTHON_PEERS.items():
-                best, median = other[peer]
-                timings[column] = Timing(
-                    best / other["floor"][0] * floor.best,
-                    median / other["floor"][1] * floor.median,
-                    floor.samples,
-                )
+                timings[column] = scaled_to_floor(floor, other, peer)
         peers += list(PYTHON_PEERS.values())
     note = "Lower is better; 1.00× is the hand-written `jax.jit` on a flat tuple."
     if _compiled.ENABLED:

@@ -42,10 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,7 +52,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import CONFIGS, Config, Table, Timing, case_main, measure, ratio_table
+from _common import (
+    CONFIGS,
+    Config,
+    Table,
+    Timing,
+    case_main,
+    measure,
+    ratio_table,
+    scaled_to_floor,
+    without_extension,
+)
 from _models import BATCH, MLP, WIDTH, loss_of, mlp_flat_forward, raw_arrays, train_step, tx
 from flax import nnx
 
@@ -391,12 +398,9 @@ def measure_cases(config: Config, names: list[str]) -> list[tuple[str, dict[str,
 
 
 def python_path_timings(config: Config) -> dict[str, dict[str, list[float]]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "python.json"
-        env = {**os.environ, _compiled.ENV_VAR: "1"}
-        cmd = [sys.executable, __file__, "--python-path", config.name, str(out)]
-        subprocess.run(cmd, env=env, check=True)
-        return json.loads(out.read_text())
+    """Per case, ``{peer: [best, median]}`` of the floor and ``treemode.jit``, measured in
+    a subprocess without the compiled extension."""
+    return without_extension(__file__, config)
 
 
 def _python_path_main(config_name: str, out: str) -> None:
@@ -461,13 +465,7 @@ def run(config: Config) -> list[Table]:
         print("  measuring the pure-Python path (TREEMODE_NO_EXTENSION=1)", flush=True)
         python = python_path_timings(config)
         for label, timings in rows:
-            floor, other = timings["floor"], python[label]
-            best, median = other["treemode.jit"]
-            timings[PYTHON_PEER] = Timing(
-                best / other["floor"][0] * floor.best,
-                median / other["floor"][1] * floor.median,
-                floor.samples,
-            )
+            timings[PYTHON_PEER] = scaled_to_floor(timings["floor"], python[label], "treemode.jit")
         peers.append(PYTHON_PEER)
     note = (
         "Lower is better; 1.00× is the hand-written `jax.jit` over flat tuples that "

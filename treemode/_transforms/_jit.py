@@ -166,8 +166,7 @@ class _Entry:
         owner = self._owner
         donated = tuple(j for j in self._candidates if owner[j] < 0 or owner[j] in written)
         layout = _donation_layout(donated, n) or ((), tuple(range(n)))
-        signature = tuple((a.shape, a.dtype, a.weak_type) for a in traced.jaxpr.in_avals)
-        self._replays[signature] = _Replay(
+        self._replays[_avals_key(traced.jaxpr.in_avals)] = _Replay(
             traced.jaxpr, jax.tree_util.tree_structure(traced.out_info), layout
         )
         jitted = self._executables.get(layout)
@@ -398,7 +397,12 @@ class _EntryRecord:
 
 def _signature(dynamic: Sequence[Any]) -> tuple[Any, ...]:
     """What ``jax.jit`` tells traces apart by: each input's shape, dtype and weak type."""
-    return tuple((a.shape, a.dtype, a.weak_type) for a in map(jax.typeof, dynamic))
+    return _avals_key(map(jax.typeof, dynamic))
+
+
+def _avals_key(avals: Iterable[Any]) -> tuple[Any, ...]:
+    """`_signature` of inputs given by their abstract values (a trace's ``in_avals``)."""
+    return tuple((a.shape, a.dtype, a.weak_type) for a in avals)
 
 
 # Calls matching the fast-path record run in C, without a Python frame
