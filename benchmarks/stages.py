@@ -135,7 +135,7 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
     def write_back() -> None:
         # Writes the values the call just produced (the same arrays each time).
         if updates is not None:  # None: the trace updates no Variable
-            _writeback.write_back(call, updates, entry.pure.record.metadata_updates)
+            _writeback.write_back(call, updates, entry.pure.findings.metadata_updates)
 
     def match_arguments() -> None:
         assert _callsite.match_into(site.slots, args, [], [], _callsite._match_slow)

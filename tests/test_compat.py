@@ -71,7 +71,7 @@ def fake_flax():
 def test_the_installed_versions_pass():
     # Older JAX releases keep the trace reference elsewhere: read through Flax
     # (a fallback), which keeps the compiled path.
-    assert not _compat.REPORT.missing and not _compat.REPORT.layout
+    assert not _compat.REPORT.missing and not _compat.REPORT.unslotted
     assert _compat.COMPILED_OK
     assert _compat.check() == _compat.REPORT
 
@@ -99,22 +99,22 @@ def test_a_missing_slot_is_an_import_error_naming_the_versions(fake_flax):
 def test_attributes_outside_slots_turn_the_compiled_path_off_with_one_warning(fake_flax):
     report = _compat.check(DictVariable, **fake_flax)
     assert not report.missing
-    assert report.layout == tuple(
+    assert report.unslotted == tuple(
         f"DictVariable.{name} is not a __slots__ member" for name in _compat.VARIABLE_SLOTS
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # _compat only decides; _compiled warns
         assert _compat.resolve(report) is False
-    problem = _compat.layout_problem(report, installed="jax 0.12.0, jaxlib 0.12.0, flax 0.14.1")
+    problem = _compat.slots_problem(report, installed="jax 0.12.0, jaxlib 0.12.0, flax 0.14.1")
     assert problem == (
-        "; ".join(report.layout)
+        "; ".join(report.unslotted)
         + " (installed: jax 0.12.0, jaxlib 0.12.0, flax 0.14.1; supported: "
         + _compat.SUPPORTED_VERSIONS
         + ")"
     )
     # ... and the extension is then not loaded, whatever the environment says,
     # with one ExtensionWarning naming the problem and the versions.
-    module, status = _compiled.resolve(environ={}, layout_problem=problem)
+    module, status = _compiled.resolve(environ={}, slots_problem=problem)
     assert module is None
     assert status == _compiled.ExtensionStatus(False, f"layout not supported: {problem}")
     with pytest.warns(_compiled.ExtensionWarning) as caught:
@@ -122,7 +122,7 @@ def test_attributes_outside_slots_turn_the_compiled_path_off_with_one_warning(fa
     assert len(caught) == 1
     message = str(caught[0].message)
     assert "flax 0.14.1" in message and "runs the same checks in Python" in message
-    assert _compiled.load(environ={}, layout_ok=False) is None
+    assert _compiled.load(environ={}, compiled_ok=False) is None
 
 
 def test_another_jax_trace_state_reads_the_trace_through_flax(fake_flax):
@@ -130,7 +130,7 @@ def test_another_jax_trace_state_reads_the_trace_through_flax(fake_flax):
         value = object()
 
     report = _compat.check(SlotVariable, FakeTracers, Elsewhere())
-    assert report.layout == () and report.missing == ()
+    assert report.unslotted == () and report.missing == ()
     assert report.fallbacks == (
         "jax._src.core.trace_state.value is not the trace reference Flax compares",
     )

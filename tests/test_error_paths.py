@@ -75,7 +75,7 @@ def test_an_array_on_another_device_names_the_variable(donate, warm):
     assert "incompatible devices" in message
     assert "argument args[0].b of scaled " in message and "flat_args" not in message
     assert "args[0].w of scaled" in message
-    for internal in ("dynamic[", "donated[", "kept[", "_Entry", "_call_flat", "_call_split"):
+    for internal in ("dynamic[", "donated[", "kept[", "_JitEntry", "_call_flat", "_call_split"):
         assert internal not in message
     assert m.w.get_raw_value() is w and not w.is_deleted()  # left as it was
 

@@ -319,5 +319,5 @@ def test_a_profiler_trace_of_a_training_loop_names_the_users_functions(tmp_path)
         evaluate(model, x).block_until_ready()
     data = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
     assert b"jit_train_step" in data and b"jit_eval_step" in data
-    for internal in (b"_call_flat", b"_call_split", b"_Entry", b"treemode/_"):
+    for internal in (b"_call_flat", b"_call_split", b"_JitEntry", b"treemode/_"):
         assert internal not in data, internal

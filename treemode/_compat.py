@@ -25,7 +25,7 @@ Every other module reads them through the accessors below, never by name.
 - a name the pure-Python path needs is missing: ``import treemode`` raises an
   `ImportError` naming the supported versions (never an ``AttributeError`` at
   the first call);
-- only the layout the compiled call path relies on differs (the Variable
+- only what the compiled call path relies on differs (the Variable
   attributes are not plain ``__slots__``): treemode runs its pure-Python path
   (`COMPILED_OK` is False), and ``treemode._accel._compiled`` says so in one
   ``treemode.ExtensionWarning`` (and in ``treemode.extension_status()``).
@@ -60,12 +60,12 @@ VARIABLE_SLOTS = (RAW_VALUE, TRACE_STATE, VAR_METADATA)
 
 @dataclass(frozen=True)
 class Report:
-    """What `check` found: ``missing`` breaks treemode, ``layout`` only its compiled path;
+    """What `check` found: ``missing`` breaks treemode, ``unslotted`` only its compiled path;
     ``fallbacks`` are reads that go through Flax instead of a faster JAX value
     (the compiled path reads through them as well)."""
 
     missing: tuple[str, ...] = ()
-    layout: tuple[str, ...] = ()
+    unslotted: tuple[str, ...] = ()
     fallbacks: tuple[str, ...] = ()
 
 
@@ -101,26 +101,26 @@ def check(
     ```
     """
     missing: list[str] = []
-    layout: list[str] = []
+    unslotted: list[str] = []
     slots = getattr(variable_type, "__slots__", ())
     for name in VARIABLE_SLOTS:
         where = next((c for c in variable_type.__mro__ if name in vars(c)), None)
         if where is None:
             missing.append(f"{variable_type.__qualname__}.{name}")
         elif name not in slots or type(vars(where)[name]) is not types.MemberDescriptorType:
-            layout.append(f"{variable_type.__qualname__}.{name} is not a __slots__ member")
+            unslotted.append(f"{variable_type.__qualname__}.{name} is not a __slots__ member")
     trace_state_type = getattr(tracers_module, "TraceState", None)
     current_jax_trace = getattr(tracers_module, "current_jax_trace", None)
     if trace_state_type is None or current_jax_trace is None:
         missing.append("flax.nnx.tracers.TraceState / current_jax_trace")
-        return Report(tuple(missing), tuple(layout))
+        return Report(tuple(missing), tuple(unslotted))
     if "_jax_trace" not in getattr(trace_state_type, "__slots__", ()):
         missing.append("flax.nnx.tracers.TraceState._jax_trace")
     try:
         ref = current_jax_trace()._trace_ref
     except AttributeError:
         missing.append("the _trace_ref of jax.extend.core.get_opaque_trace_state()")
-        return Report(tuple(missing), tuple(layout))
+        return Report(tuple(missing), tuple(unslotted))
     if trace_state is None:
         trace_state = _jax_trace_state()
     fallbacks: list[str] = []
@@ -128,7 +128,7 @@ def check(
         fallbacks.append("jax._src.core.trace_state is missing")
     elif getattr(trace_state, "value", None) is not ref:
         fallbacks.append("jax._src.core.trace_state.value is not the trace reference Flax compares")
-    return Report(tuple(missing), tuple(layout), tuple(fallbacks))
+    return Report(tuple(missing), tuple(unslotted), tuple(fallbacks))
 
 
 def resolve(report: Report, installed: str | None = None) -> bool:
@@ -140,8 +140,8 @@ def resolve(report: Report, installed: str | None = None) -> bool:
     - ``installed``: the installed versions in words, for the message (default:
       read from the package metadata).
 
-    **Returns:** ``False`` for a layout problem (``treemode._accel._compiled`` then
-    leaves the extension off and warns once, naming `layout_problem`), else ``True``.
+    **Returns:** ``False`` for a slots problem (``treemode._accel._compiled`` then
+    leaves the extension off and warns once, naming `slots_problem`), else ``True``.
 
     **Raises:** `ImportError` naming the installed and the supported versions
     for a missing name (the pure-Python path cannot run either).
@@ -155,25 +155,25 @@ def resolve(report: Report, installed: str | None = None) -> bool:
             + " with them (a release newer than the tested ones changed a private name it"
             + f" reads); please report it at {ISSUES_URL} with the versions above."
         )
-    return not report.layout
+    return not report.unslotted
 
 
-def layout_problem(report: Report, installed: str | None = None) -> str:
-    """Why the compiled path cannot read the installed layout, in words ("" where it can)."""
-    if not report.layout:
+def slots_problem(report: Report, installed: str | None = None) -> str:
+    """Why the compiled path cannot read the installed Variable slots, in words ("" where it can)."""
+    if not report.unslotted:
         return ""
     installed = installed_versions() if installed is None else installed
-    return "; ".join(report.layout) + f" (installed: {installed}; supported: {SUPPORTED_VERSIONS})"
+    return "; ".join(report.unslotted) + f" (installed: {installed}; supported: {SUPPORTED_VERSIONS})"
 
 
 REPORT = check()
 COMPILED_OK = resolve(REPORT)
-LAYOUT_PROBLEM = layout_problem(REPORT)
+SLOTS_PROBLEM = slots_problem(REPORT)
 
 # -- Accessors ---------------------------------------------------------------------
 
 # The member descriptors of the Variable slots (what the compiled path writes
-# through; `None` where `check` found another layout).
+# through; `None` where `check` found another version).
 _slot_members: dict[str, Any] = {
     name: vars(c)[name]
     for name in VARIABLE_SLOTS
@@ -236,7 +236,7 @@ CURRENT_TRACE: Any = (
 def _graph_context() -> Any:
     try:
         from flax.nnx import graphlib
-    except ImportError:  # pragma: no cover - another Flax layout
+    except ImportError:  # pragma: no cover - another Flax version
         return None
     return getattr(graphlib, "GRAPH_CONTEXT", None)
 
@@ -268,7 +268,7 @@ def _debug_check_states() -> tuple[Any, ...]:
         return ()
     states = tuple(getattr(config, name, None) for name in ("debug_nans", "debug_infs"))
     if any(not isinstance(getattr(s, "value", None), bool) for s in states):
-        return ()  # pragma: no cover - another layout
+        return ()  # pragma: no cover - another version
     return states
 
 
@@ -282,20 +282,20 @@ def debug_checks_on() -> bool:
     """Whether ``jax_debug_nans`` or ``jax_debug_infs`` is on in this thread."""
     if DEBUG_CHECKS:
         return DEBUG_CHECKS[0].value or DEBUG_CHECKS[1].value
-    flags = ("jax_debug_nans", "jax_debug_infs")  # pragma: no cover - another layout
+    flags = ("jax_debug_nans", "jax_debug_infs")  # pragma: no cover - another version
     return any(bool(getattr(jax.config, flag, False)) for flag in flags)  # pragma: no cover
 
 
 def _traceback_util() -> Any:
     """JAX's ``jax._src.traceback_util`` (its ``api_boundary`` and
-    ``register_exclusion``), or ``None`` where it has another layout."""
+    ``register_exclusion``), or ``None`` where it has another version."""
     try:
         from jax._src import traceback_util
     except ImportError:  # pragma: no cover - every supported JAX has it
         return None
     names = ("api_boundary", "register_exclusion")
     if not all(callable(getattr(traceback_util, name, None)) for name in names):
-        return None  # pragma: no cover - another layout
+        return None  # pragma: no cover - another version
     return traceback_util
 
 
@@ -312,7 +312,7 @@ def api_boundary(fn: F) -> F:
     Where JAX has no such function, ``fn`` itself.
     """
     if _TRACEBACK_UTIL is None:
-        return fn  # pragma: no cover - another layout
+        return fn  # pragma: no cover - another version
     return _TRACEBACK_UTIL.api_boundary(fn)
 
 
@@ -383,10 +383,10 @@ jaxpr_as_fun = _jaxpr_as_fun()
 
 __all__ = [
     "COMPILED_OK",
-    "LAYOUT_PROBLEM",
+    "SLOTS_PROBLEM",
     "Report",
     "SUPPORTED_VERSIONS",
     "check",
-    "layout_problem",
+    "slots_problem",
     "resolve",
 ]

@@ -21,8 +21,8 @@ runs every call through the pipeline).
 It is off when it was not built (no C compiler at install time), when it was
 built for another Python and fails to load, when the environment variable
 ``TREEMODE_NO_EXTENSION`` is set to a non-empty value other than ``0`` (read
-once, at import), or when ``treemode._compat`` found a Flax/JAX layout the C
-code does not know. `extension_status` (public: ``treemode.extension_status()``)
+once, at import), or when ``treemode._compat`` found a Flax/JAX whose private
+names the C code does not know. `extension_status` (public: ``treemode.extension_status()``)
 says which; every reason but the environment variable warns once at import
 (`ExtensionWarning`), unless ``TREEMODE_NO_EXTENSION_WARNING`` is set.
 
@@ -105,18 +105,18 @@ def _import_guard() -> ModuleType:
 
 def resolve(
     environ: Any = os.environ,
-    layout_problem: str = _compat.LAYOUT_PROBLEM,
+    slots_problem: str = _compat.SLOTS_PROBLEM,
     importer: Callable[[], ModuleType] = _import_guard,
 ) -> tuple[ModuleType | None, ExtensionStatus]:
     """``(the extension module or None, its ExtensionStatus)``, nothing warned.
 
     ``importer`` imports the compiled module (raising `ImportError` where it
-    cannot); ``layout_problem`` is `treemode._compat`'s finding ("" for none).
+    cannot); ``slots_problem`` is `treemode._compat`'s finding ("" for none).
     """
     if disabled_by(environ):
         return None, ExtensionStatus(False, DISABLED)
-    if layout_problem:
-        return None, ExtensionStatus(False, f"layout not supported: {layout_problem}")
+    if slots_problem:
+        return None, ExtensionStatus(False, f"layout not supported: {slots_problem}")
     try:
         module = importer()
     except ModuleNotFoundError as e:  # built without a C compiler
@@ -156,9 +156,9 @@ def announce(status: ExtensionStatus, environ: Any = os.environ) -> None:
     warnings.warn(warning_text(status), ExtensionWarning, stacklevel=3)
 
 
-def load(environ: Any = os.environ, layout_ok: bool = _compat.COMPILED_OK) -> ModuleType | None:
+def load(environ: Any = os.environ, compiled_ok: bool = _compat.COMPILED_OK) -> ModuleType | None:
     """The extension module, or ``None`` where it is off (see the module docstring)."""
-    module, _ = resolve(environ, "" if layout_ok else "the layout differs")
+    module, _ = resolve(environ, "" if compiled_ok else "the Variable slots differ")
     return module
 
 
@@ -180,7 +180,7 @@ def extension_status() -> ExtensionStatus:
     ``"active"``, ``"disabled by TREEMODE_NO_EXTENSION"`` (the environment
     variable was set), ``"not built"`` (installed from source without a C
     compiler), ``"failed to load: ..."`` (built for another Python) or
-    ``"layout not supported: ..."`` (a Flax/JAX whose private layout the C code
+    ``"layout not supported: ..."`` (a Flax/JAX whose Variable slots the C code
     cannot read; the message names the installed versions).
 
     ```python

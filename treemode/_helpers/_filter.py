@@ -127,14 +127,14 @@ def _mask_proxy(
     cache_key: Any,
 ) -> Pytree[Any]:
     pdef, leaves = proxy._pt_flatten()
-    layout = pdef.layout()
+    infos = pdef.leaf_infos()
     flags: tuple[bool | None, ...] | None = None
     if cache_key is not None:
         flags = pdef._masks.get((cache_key, prefix))
     if flags is None:
         computed: list[bool | None] = []
         decided: dict[int, bool] = {}
-        for info, leaf in zip(layout, leaves, strict=True):
+        for info, leaf in zip(infos, leaves, strict=True):
             if info.spec is None:
                 computed.append(None)
                 continue

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 class CallSite:
     """What `prepare` concluded for one call, reusable for the same objects.
 
-    Built by `CallSite.record` from a prepared `Call`, or not at all when the
+    Built by `CallSite.from_call` from a prepared `Call`, or not at all when the
     call has anything the memo cannot revalidate by identity: static or graph
     arguments, an argument whose flattening is not cached (a tuple, a plain
     dict, an Equinox module, a module holding tracers), or closure objects the
@@ -87,7 +87,7 @@ class CallSite:
     _rebuild: weakref.WeakMethod[Callable[[tuple[Any, ...], dict[str, Any]], Call]]
 
     @classmethod
-    def record(
+    def from_call(
         cls, call: Call, rebuild: Callable[[tuple[Any, ...], dict[str, Any]], Call]
     ) -> CallSite | None:
         """The memo of ``call``, or ``None`` if it cannot be revalidated by identity.
@@ -197,7 +197,7 @@ def _match_slow(entry: ArgFlat | None, obj: Any) -> list[Any] | None:
     """
     if entry is None:
         return [obj] if is_traced(obj) else None
-    return current_dynamic(entry) if still_flattens(entry, obj) else None  # None: a layout changed
+    return current_dynamic(entry) if still_flattens(entry, obj) else None  # None: a structure changed
 
 
 _PYTHON_NUMBERS = frozenset({bool, int, float, complex})
@@ -240,7 +240,7 @@ def match_into(
                     return False
                 values = list(map(_raw_value_of, entry.variables))
                 if not one_leaf_values(values):
-                    return False  # a Variable's value changed layout: flattened again
+                    return False  # a Variable's value changed structure: flattened again
                 sources.append(entry)
                 dynamic += values
                 continue
@@ -327,7 +327,7 @@ def fast_record(
     updates back. ``None`` (every call runs
     through the pipeline) where a fast path cannot be trusted:
 
-    - the extension is off, or there is no memo (see `CallSite.record`);
+    - the extension is off, or there is no memo (see `CallSite.from_call`);
     - a flattening has no ``Guarded`` (its guard is not compiled, or its arrays
       are not exactly its Variables' values);
     - a trace of the entry recorded metadata updates (the executor writes

@@ -45,7 +45,7 @@ def run(
     jax_call: Callable[[], tuple[Any, Any]],
     *,
     finish: bool = True,
-    layout: tuple[Sequence[int], Sequence[int]] | None = None,
+    split: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> Any:
     """Run one prepared call: bind, call JAX, explain a failure, write back, finish.
 
@@ -57,7 +57,7 @@ def run(
     metadata updates the first pure function's trace recorded), a `WriteBack`
     or `WriteBacks`. Returns ``out``, through ``from_tree`` in graph mode
     unless ``finish`` is false (the transform then finishes what it returns).
-    ``layout`` says how an executable with donated arrays takes them (see
+    ``split`` says how an executable with donated arrays takes them (see
     `raise_explained`).
     """
     single = isinstance(pure, PureFunction)  # one trace (most transforms): bound directly
@@ -69,7 +69,7 @@ def run(
     try:
         out, writes = jax_call()
     except EXPLAINED_OR_NAMING as e:
-        raise_explained(call, e, layout)
+        raise_explained(call, e, split)
     finally:
         if single:
             pure.binding.call = None
@@ -84,7 +84,7 @@ def run(
             write_all(writes)
         else:
             first = pure if single else pure[0][0]
-            write_back(call, writes, first.record.metadata_updates)
+            write_back(call, writes, first.findings.metadata_updates)
     return _graph.from_tree(out) if finish and call.graph else out
 
 

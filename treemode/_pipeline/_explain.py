@@ -30,21 +30,21 @@ NAMING = (ValueError, TypeError, OverflowError)
 EXPLAINED_OR_NAMING = (*EXPLAINED, *NAMING)
 
 # JAX's names for the arrays of treemode's executables (``jax.jit`` of
-# ``_Entry._call_flat(*dynamic)`` or ``_Entry._call_split(donated, kept)``).
+# ``_JitEntry._call_flat(*dynamic)`` or ``_JitEntry._call_split(donated, kept)``).
 _INTERNAL_ARGUMENT = re.compile(
     r"\b(dynamic|donated|kept|flat_args|donated_args|kept_args)\[(\d+)\]"
 )
-_INTERNAL_FUNCTION = re.compile(r"_Entry\._call_(?:flat|split)")
+_INTERNAL_FUNCTION = re.compile(r"_JitEntry\._call_(?:flat|split)")
 
 
 def raise_explained(
     call: PreparedCall,
     error: BaseException,
-    layout: tuple[Sequence[int], Sequence[int]] | None = None,
+    split: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> NoReturn:
     """Raise ``error``, or the treemode error `explain_failure` finds behind it.
 
-    ``layout``: ``(donated, kept)``, the indices into the call's dynamic arrays
+    ``split``: ``(donated, kept)``, the indices into the call's dynamic arrays
     of the two tuples an executable with donated arrays takes (see
     `name_internal_paths`). For such a call, an error JAX raised while the
     executable ran is raised as it is (same type and message), with a note
@@ -58,11 +58,11 @@ def raise_explained(
         if better is not None:
             raise better from error
     elif isinstance(error, NAMING) and not isinstance(error, TreemodeError):
-        renamed = name_internal_paths(call, error, layout)
+        renamed = name_internal_paths(call, error, split)
         if renamed is not None:
             raise renamed from error
-    if layout is not None and layout[0]:
-        note_consumed(call, error, layout[0])
+    if split is not None and split[0]:
+        note_consumed(call, error, split[0])
     raise error
 
 
@@ -125,13 +125,13 @@ def _is_concrete_array(x: Any) -> bool:
 def name_internal_paths(
     call: PreparedCall,
     error: BaseException,
-    layout: tuple[Sequence[int], Sequence[int]] | None = None,
+    split: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> BaseException | None:
     """``error`` again, naming the user's paths where JAX named treemode's flat arrays.
 
     JAX names an argument by its place in the function it compiled: for
     ``treemode.jit`` that is ``dynamic[i]`` (or ``donated[i]`` / ``kept[i]``)
-    of ``_Entry._call_flat``, which says nothing to the user. Each is replaced
+    of ``_JitEntry._call_flat``, which says nothing to the user. Each is replaced
     by the path of the array in the call (``args[1]``, ``args[0].b``,
     ``kwargs['n']``) and the function by the user's. ``None`` when the message
     names none of them.
@@ -145,9 +145,9 @@ def name_internal_paths(
     def path_of(match: re.Match[str]) -> str:
         kind, i = match.group(1), int(match.group(2))
         if kind not in ("dynamic", "flat_args"):
-            if layout is None:
+            if split is None:
                 return match.group(0)
-            indices = layout[0] if kind.startswith("donated") else layout[1]
+            indices = split[0] if kind.startswith("donated") else split[1]
             if i >= len(indices):
                 return match.group(0)
             i = indices[i]

@@ -49,8 +49,8 @@ from __future__ import annotations
 import importlib
 import signal
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import jax
 from jax.core import Tracer
@@ -61,6 +61,7 @@ _MAIN_IDENT = threading.main_thread().ident
 _get_ident = threading.get_ident
 _getsignal = _signal.getsignal
 _setsignal = _signal.signal
+T = TypeVar("T")
 _SIGNALS = tuple(
     int(s) for s in sorted(signal.valid_signals()) if s not in {signal.SIGKILL, signal.SIGSTOP}
 )
@@ -197,4 +198,17 @@ def _deliver(deferred: list[int]) -> None:
             block(_signal.SIG_SETMASK, old)
 
 
-__all__ = ["close", "hold", "hold_state", "release"]
+def run_held(donated: Sequence[Any], run: Callable[[], T]) -> T:
+    """``run()`` under a signal hold for a call donating ``donated``: the one bracket
+    of the pipeline's donated calls (`hold`, then `close` and `release` in the
+    ``finally``; the compiled executor makes the same bracket in C)."""
+    token = hold(donated)
+    try:
+        return run()
+    finally:
+        if token is not None:
+            close()
+            release(token)
+
+
+__all__ = ["close", "hold", "hold_state", "release", "run_held"]

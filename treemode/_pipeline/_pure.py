@@ -110,7 +110,7 @@ def _check_reached(
 
 
 @dataclasses.dataclass
-class TraceRecord:
+class TraceFindings:
     """What a trace learned that is not an array: metadata changes."""
 
     metadata_updates: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -165,7 +165,7 @@ class PureFunction:
         # ``(what, prefix, select, is_spec_leaf, root)``, ``select`` picking from
         # the function's output the part ``prefix`` describes (named ``root``).
         self.output_spec: tuple[str, Any, Callable[[Any], Any], Any, str] | None = None
-        self.record = TraceRecord()
+        self.findings = TraceFindings()
         # The current Call in ``binding.call``, per thread so concurrent calls do
         # not see each other. `bind` sets it; a hot path may set it directly.
         self.binding = _Binding()
@@ -412,7 +412,7 @@ class PureFunction:
             if frozen_metadata(metadata) != spec.frozen:
                 metadata_updates[i] = dict(metadata)
             updates.append(value if (changed or i in self.force) else None)
-        self.record.metadata_updates = metadata_updates
+        self.findings.metadata_updates = metadata_updates
         return tuple(updates)
 
     def _flat_keys(self) -> list[StructureKey]:
@@ -519,4 +519,4 @@ class _ObjectDiff(TreeDiff):
         return path, "a static field of this node changed"
 
 
-__all__ = ["Inputs", "PureFunction", "TraceRecord", "UnboundTrace", "describe_structure_change"]
+__all__ = ["Inputs", "PureFunction", "TraceFindings", "UnboundTrace", "describe_structure_change"]

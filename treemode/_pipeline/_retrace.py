@@ -76,7 +76,7 @@ def _spec_change(before: Any, after: Any) -> str | None:
                     f"the Variable's metadata {name!r} changed from "
                     f"{old.get(name, '(absent)')!r} to {new.get(name, '(absent)')!r}"
                 )
-        return "the layout of the Variable's value changed"
+        return "the structure of the Variable's value changed"
     if isinstance(before, StaticLeaf) and isinstance(after, StaticLeaf):
         return f"static value {before.value!r} -> {after.value!r}"
     return f"{_kind(before)} -> {_kind(after)}"

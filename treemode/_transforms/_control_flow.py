@@ -23,7 +23,7 @@ from .._pipeline._trace_cache import avals, cache_for, call_current_fn
 from ._loop import (
     LoopState,
     abstract,
-    carry_layout,
+    carry_structure,
     check_carry_out,
     inner_arrays,
     probe_changed,
@@ -68,10 +68,10 @@ class _LoopEntry:
     thread-local slot, set around each call of ``pure``.
     """
 
-    __slots__ = ("pure", "loop", "layout", "step", "indexed_step", "cond", "cond_extra")
+    __slots__ = ("pure", "loop", "structure", "step", "indexed_step", "cond", "cond_extra")
 
     def __init__(self, transform: str, call: _call.Call, index_aval: Any = None):
-        layout = carry_layout(call, 0, "init_val")
+        structure = carry_structure(call, 0, "init_val")
         index = threading.local()
 
         def make_body(pure: _pure.PureFunction) -> Callable[..., Any]:
@@ -79,9 +79,9 @@ class _LoopEntry:
 
             def body(val: Any) -> list[Any]:
                 i, index.value = getattr(index, "value", None), None  # never keep a tracer
-                inner = inner_arrays(layout, val)
+                inner = inner_arrays(structure, val)
                 out = fn(val) if index_aval is None else fn(i, val)
-                return check_carry_out(transform, layout, val, out, inner)
+                return check_carry_out(transform, structure, val, out, inner)
 
             return body
 
@@ -101,7 +101,7 @@ class _LoopEntry:
                 index.value = None
         pure = _pure.PureFunction(call, force_updates=state_vars)
         pure.fn = make_body(pure)
-        loop = LoopState(transform, call, layout.free, state_vars)
+        loop = LoopState(transform, call, structure.free, state_vars)
 
         def step(state: Any, i: Any = None) -> Any:
             index.value = i
@@ -116,7 +116,7 @@ class _LoopEntry:
 
         self.pure = pure
         self.loop = loop
-        self.layout = layout
+        self.structure = structure
         self.step = step
         self.indexed_step = indexed_step
         self.cond: Callable[..., Any] | None = None
@@ -139,7 +139,7 @@ class _LoopEntry:
             return free, self.loop.final_updates(values)
 
         free = _core.run(call, [(self.pure, call), *others], jax_call, finish=False)
-        return rebuild_carry(init_val, self.layout, free)
+        return rebuild_carry(init_val, self.structure, free)
 
 
 @suggests_keywords
@@ -519,7 +519,7 @@ def _merged_metadata(
     to_union: Sequence[Sequence[int]],
 ) -> dict[int, dict[str, Any]]:
     merged: list[dict[int, dict[str, Any]]] = [
-        {to_union[b][k]: m for k, m in p.record.metadata_updates.items()}
+        {to_union[b][k]: m for k, m in p.findings.metadata_updates.items()}
         for b, p in enumerate(pures)
     ]
     first = merged[0]

@@ -149,7 +149,7 @@ class CustomVjp(Wrapped[P, R]):
         primal = _pure.PureFunction(call)
         fwd_pure = _pure.PureFunction(call, allow_output_variables=True)
         fwd_pure.fn = self.fwd
-        residual_layout: list[Any] = []
+        residual_structure: list[Any] = []
         user_bwd = self.bwd
         nondiff = self.nondiff_argnums
         graph = self.graph
@@ -213,7 +213,7 @@ class CustomVjp(Wrapped[P, R]):
                 out, residuals = out
             leaves, treedef = jax.tree_util.tree_flatten(residuals)
             is_arr = [isinstance(x, ARRAY_TYPES) for x in leaves]
-            residual_layout[:] = [
+            residual_structure[:] = [
                 treedef,
                 is_arr,
                 [None if a else x for x, a in zip(leaves, is_arr, strict=True)],
@@ -224,7 +224,7 @@ class CustomVjp(Wrapped[P, R]):
         def flat_bwd(saved: Any, cotangents: Any) -> tuple[Any, ...]:
             arrays, dynamic = saved
             out_ct = jax.tree_util.tree_map(_instantiate, cotangents[0])
-            treedef, is_arr, statics = residual_layout
+            treedef, is_arr, statics = residual_structure
             it = iter(arrays)
             residuals = treedef.unflatten(
                 [next(it) if a else s for a, s in zip(is_arr, statics, strict=True)]
@@ -274,7 +274,7 @@ class CustomVjp(Wrapped[P, R]):
                 out, updates = flat(*call.dynamic)
             finally:
                 current.clear()
-            record = primal.record.metadata_updates or fwd_pure.record.metadata_updates
+            record = primal.findings.metadata_updates or fwd_pure.findings.metadata_updates
             return out, _writeback.WriteBack(call, updates, record)
 
         # ``flat`` binds the call itself (``run`` above), as its rules do.

@@ -46,7 +46,7 @@ def _resolve_argnums(
     return resolve_argnums("jit", fn, argnums, argnames, what)
 
 
-class _Entry:
+class _JitEntry:
     """The compiled form of one call structure.
 
     The dynamic arrays reach ``jax.jit`` as positional arguments (JAX's C++
@@ -68,14 +68,14 @@ class _Entry:
     is traced, so a call of a signature not seen yet first traces the user
     function once, without donation (``probe``, a ``jax.jit`` that is never
     compiled), and the donated executable of that write set (``jitted``,
-    ``layout``) replays the probe's jaxpr (`_Replay`): the user function runs
+    ``split``) replays the probe's jaxpr (`_Replay`): the user function runs
     once per signature, as under ``jax.jit``. A signature whose trace writes
     another set gets its own executable; the one called last is the entry's
     ``jitted``. The executable of one set raises `_Unprobed` when JAX traces it
     for a signature it was not probed for (new shapes, or another set): nothing
     has run, and the caller probes and calls again.
 
-    Metadata updates are static, so each trace records its own in `record`,
+    Metadata updates are static, so each trace keeps its own in `findings`,
     under the abstract values of its inputs: ``jax.jit`` keeps one executable
     per input shape under this one entry, and a call writes back the metadata
     updates of the trace its executable came from.
@@ -84,8 +84,8 @@ class _Entry:
     __slots__ = (
         "pure",
         "jitted",
-        "layout",
-        "record",
+        "split",
+        "findings",
         "traced_types",
         "probe",
         "donates",
@@ -108,7 +108,7 @@ class _Entry:
         in_shardings: Sequence[Any] | None = None,
     ):
         self.pure = pure
-        self.record = _EntryRecord()
+        self.findings = _EntryFindings()
         self.traced_types: list[tuple[Any, ...]] = []  # per trace (see `_retrace`)
         self._compact = "out_shardings" not in jit_kwargs
         # Named like the user function: JAX's program (``jit_<name>``), its
@@ -117,7 +117,7 @@ class _Entry:
         if in_shardings is not None:
             jit_kwargs = dict(jit_kwargs, in_shardings=tuple(in_shardings))
         self.probe: Any = None
-        self.layout: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self.split: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.donates = bool(donated)  # whether the executable is `probe`'s donated one
         if donated:
             _explain.note_donation()
@@ -137,16 +137,16 @@ class _Entry:
         return self._traced(dynamic)
 
     def _traced(self, dynamic: Sequence[Any]) -> tuple[Any, tuple[Any, ...] | None]:
-        self._record_types(dynamic)
+        self._note_types(dynamic)
         result = self.pure(*dynamic)
         out, updates = result
-        metadata = self.pure.record.metadata_updates
-        self.record.note(dynamic, metadata)
+        metadata = self.pure.findings.metadata_updates
+        self.findings.note(dynamic, metadata)
         if not self._compact or any(u is not None for u in updates) or metadata:
             return result
         return out, None
 
-    def _record_types(self, dynamic: Sequence[Any]) -> None:
+    def _note_types(self, dynamic: Sequence[Any]) -> None:
         """At trace time (JAX traces again for new shapes/dtypes): explain a retrace."""
         call = getattr(self.pure.binding, "call", None)
         if call is not None:
@@ -165,21 +165,21 @@ class _Entry:
             written = {i for i, u in enumerate(updates_info) if u is not None}
         owner = self._owner
         donated = tuple(j for j in self._candidates if owner[j] < 0 or owner[j] in written)
-        layout = _donation_layout(donated, n) or ((), tuple(range(n)))
+        split = _donation_split(donated, n) or ((), tuple(range(n)))
         self._replays[_avals_key(traced.jaxpr.in_avals)] = _Replay(
-            traced.jaxpr, jax.tree_util.tree_structure(traced.out_info), layout
+            traced.jaxpr, jax.tree_util.tree_structure(traced.out_info), split
         )
-        jitted = self._executables.get(layout)
+        jitted = self._executables.get(split)
         if jitted is None:
-            jitted = self._executables[layout] = self._donating(layout)
+            jitted = self._executables[split] = self._donating(split)
         self.jitted = jitted
-        self.layout = layout
-        return jitted, layout
+        self.split = split
+        return jitted, split
 
-    def _donating(self, layout: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
-        """The ``jax.jit`` of the replayed traces that donate ``layout[0]``."""
-        order = [0] * (len(layout[0]) + len(layout[1]))
-        for position, i in enumerate(layout[0] + layout[1]):
+    def _donating(self, split: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
+        """The ``jax.jit`` of the replayed traces that donate ``split[0]``."""
+        order = [0] * (len(split[0]) + len(split[1]))
+        for position, i in enumerate(split[0] + split[1]):
             order[i] = position
         replays = self._replays
 
@@ -187,24 +187,23 @@ class _Entry:
             joined = donated + kept
             dynamic = [joined[j] for j in order]
             replay = replays.get(_signature(dynamic))
-            if replay is None or replay.layout != layout:
+            if replay is None or replay.split != split:
                 raise _Unprobed(self.pure.transform)
             return replay(dynamic)
 
         kwargs = self._jit_kwargs
         if self._in_shardings is not None:
-            kwargs = dict(kwargs, in_shardings=_arrange(self._in_shardings, layout))
-        split = named(call_split, self.pure.fn, SPLIT_ARGUMENTS)
-        return jax.jit(split, donate_argnums=0, **kwargs)
+            kwargs = dict(kwargs, in_shardings=_arrange(self._in_shardings, split))
+        return jax.jit(named(call_split, self.pure.fn, SPLIT_ARGUMENTS), donate_argnums=0, **kwargs)
 
     def metadata_for(self, dynamic: Sequence[Any]) -> dict[int, dict[str, Any]] | None:
         """The metadata updates of the trace whose executable ran on ``dynamic``."""
-        if not self.record.metadata_updates:
+        if not self.findings.metadata_updates:
             return None  # no trace of this entry recorded one
-        return self.record.by_signature.get(_signature(dynamic))
+        return self.findings.by_signature.get(_signature(dynamic))
 
     def args(self, dynamic: Sequence[Any]) -> tuple[Any, ...]:
-        return _arrange(dynamic, self.layout)
+        return _arrange(dynamic, self.split)
 
     def executables(self) -> tuple[Any, ...]:
         """Every ``jax.jit`` function of this entry that compiles."""
@@ -220,18 +219,18 @@ class _Entry:
             self._replays.clear()
             self._executables.clear()
             self.jitted = None
-            self.layout = None
+            self.split = None
 
 
 class _Replay:
     """The jaxpr of one probed trace, replayed by the donated executable of its write set."""
 
-    __slots__ = ("run", "out_tree", "layout")
+    __slots__ = ("run", "out_tree", "split")
 
-    def __init__(self, jaxpr: Any, out_tree: Any, layout: tuple[tuple[int, ...], tuple[int, ...]]):
+    def __init__(self, jaxpr: Any, out_tree: Any, split: tuple[tuple[int, ...], tuple[int, ...]]):
         self.run = _compat.jaxpr_as_fun(jaxpr)
         self.out_tree = out_tree
-        self.layout = layout
+        self.split = split
 
     def __call__(self, dynamic: Sequence[Any]) -> Any:
         return jax.tree_util.tree_unflatten(self.out_tree, self.run(*dynamic))
@@ -241,7 +240,7 @@ class _Unprobed(_pure.UnboundTrace):
     """A donated executable was traced for a signature its write set was not probed for.
 
     Raised while JAX traces, before anything runs or is donated: the caller probes
-    (`_Entry.probe_call`) and calls again. The compiled executor treats it as any
+    (`_JitEntry.probe_call`) and calls again. The compiled executor treats it as any
     `UnboundTrace`: a miss.
     """
 
@@ -262,7 +261,7 @@ def _forget_failed_dispatch(jitted: Any) -> None:
         clear()
 
 
-def _donation_layout(
+def _donation_split(
     donated: Sequence[int], n: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """``(donated, kept)`` indices of ``n`` dynamic arrays, or None when none is donated."""
@@ -273,13 +272,13 @@ def _donation_layout(
 
 
 def _arrange(
-    per_dynamic: Sequence[Any], layout: tuple[tuple[int, ...], tuple[int, ...]] | None
+    per_dynamic: Sequence[Any], split: tuple[tuple[int, ...], tuple[int, ...]] | None
 ) -> tuple[Any, ...]:
     """One value per dynamic array (the arrays, or their shardings) as the entry's
     executable takes them: positionally, or as the donated and the kept tuples."""
-    if layout is None:
+    if split is None:
         return tuple(per_dynamic)
-    donated, kept = layout
+    donated, kept = split
     return tuple(per_dynamic[i] for i in donated), tuple(per_dynamic[i] for i in kept)
 
 
@@ -296,7 +295,7 @@ class _Memo:
 
     __slots__ = ("site", "entry", "record", "due")
 
-    def __init__(self, site: CallSite, entry: _Entry):
+    def __init__(self, site: CallSite, entry: _JitEntry):
         self.site = site
         self.entry = entry
         self.record: Any = None
@@ -317,7 +316,7 @@ class _SharedJit:
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
         self.settings: dict[str, Any] | None = None  # set by the first wrapper
-        self.entries: dict[_call.CallKey, _Entry] = {}
+        self.entries: dict[_call.CallKey, _JitEntry] = {}
         self.memos: tuple[_Memo, ...] = ()
         self.records: tuple[Any, ...] = ()
 
@@ -377,8 +376,8 @@ class _SharedTable:
         self.by_options: dict[tuple[Any, ...], _SharedJit] = {}
 
 
-class _EntryRecord:
-    """The metadata updates of every trace of one `_Entry`, by input signature.
+class _EntryFindings:
+    """The metadata updates of every trace of one `_JitEntry`, by input signature.
 
     ``metadata_updates`` is true once any trace recorded one (no fast-path
     record is made for the entry from then on: `_callsite.fast_record`).
@@ -503,7 +502,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         self.donate_argnums = donate_nums
         self.donate_argnames = donate_names
         self._n_partial = n_partial
-        self._cache: dict[_call.CallKey, _Entry] = {}
+        self._cache: dict[_call.CallKey, _JitEntry] = {}
         self._shared = shared
         if shared is not None:
             self._cache = shared.entries
@@ -565,7 +564,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
             abstract=abstract,
         )
 
-    def _entry(self, call: _call.Call) -> _Entry:
+    def _entry(self, call: _call.Call) -> _JitEntry:
         entry = self._cache.get(call.key)
         if entry is None:
             entry = self._cache[call.key] = self._build(call)
@@ -575,7 +574,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         """Indices into ``call.arg_flats`` of the donated arguments."""
         return call.traced_roots(self.donate_argnums, self.donate_argnames)
 
-    def _build(self, call: _call.Call) -> _Entry:
+    def _build(self, call: _call.Call) -> _JitEntry:
         donated = self._donated_roots(call)
         donate_flat: list[int] = []
         dyn_offset = 0
@@ -605,7 +604,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
             var_shardings = self._variable_shardings(call)
             out = None if self.out_shardings is _UNSET else self._jax_out_shardings
             jit_kwargs["out_shardings"] = (out, tuple(var_shardings))
-        return _Entry(pure, jit_kwargs, donate_flat, len(call.dynamic), owner, in_shardings)
+        return _JitEntry(pure, jit_kwargs, donate_flat, len(call.dynamic), owner, in_shardings)
 
     def _positional_roots(self, call: _call.Call) -> list[tuple[ArgFlat, Any]]:
         trees = [t for _, t in call.arg_roots()]
@@ -682,7 +681,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
                     record = memo.record
                     if memo.due or (
                         record is not None
-                        and (entry.record.metadata_updates or record.jitted is not entry.jitted)
+                        and (entry.findings.metadata_updates or record.jitted is not entry.jitted)
                     ):
                         self._emit(memo, matched)
                     return out
@@ -692,7 +691,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         # The memo rebuilds a full call through an object that lives as long as the
         # memo may be used: the wrapper, or the state its function's wrappers share.
         rebuild = self._prepare_in_full if self._shared is None else self._shared.prepare_in_full
-        site = CallSite.record(call, rebuild)
+        site = CallSite.from_call(call, rebuild)
         memo = None
         if site is not None:
             # Emitted once this call ran (its trace may change the entry); the memo
@@ -723,8 +722,8 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
             call,
             self.partial_args,
             entry.jitted,
-            entry.layout,
-            entry.record.metadata_updates,
+            entry.split,
+            entry.findings.metadata_updates,
         )
         self._publish()
 
@@ -737,7 +736,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
             shared.records = self._records
 
     @property
-    def _memo(self) -> tuple[CallSite, _Entry] | None:
+    def _memo(self) -> tuple[CallSite, _JitEntry] | None:
         """The most recent memo's site and entry (``None``: no memo)."""
         return (self._memos[0].site, self._memos[0].entry) if self._memos else None
 
@@ -758,7 +757,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
             return self._call(*args, **(kwargs or {}))
         call = self._prepare(args, kwargs or {}, abstract=False)
         entry = self._cache.get(call.key)
-        _explain.raise_explained(call, error, None if entry is None else entry.layout)
+        _explain.raise_explained(call, error, None if entry is None else entry.split)
         raise error  # raise_explained raises; this line is never reached
 
     def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
@@ -766,65 +765,61 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         return self._prepare(args[self._n_partial :], kwargs, abstract=False)
 
     def _run(
-        self, call: _call.PreparedCall, entry: _Entry, compiled: Compiled | None = None
+        self, call: _call.PreparedCall, entry: _JitEntry, compiled: Compiled | None = None
     ) -> Any:
         """Run ``call`` on its entry's executable (or on ``compiled``, an AOT-compiled one)."""
         if compiled is not None:
-            return self._execute(call, entry, compiled._stage, compiled._layout)
+            return self._execute(call, entry, compiled._stage, compiled._split)
         if not entry.donates:
             return self._execute(call, entry, entry.jitted, None)
         if _compat.debug_checks_on():  # JAX's re-run of a NaN/Inf needs the inputs alive:
             return self._execute(call, entry, entry.probe, None)  # the undonated probe
-        jitted, layout = entry.jitted, entry.layout
+        jitted, split = entry.jitted, entry.split
         if jitted is None:
-            jitted, layout = self._probe(call, entry)
+            jitted, split = self._probe(call, entry)
         try:
-            return self._execute(call, entry, jitted, layout)
+            return self._execute(call, entry, jitted, split)
         except _Unprobed:
             # JAX traced the executable for a signature it was not probed for;
             # nothing ran: probe this one and call its executable.
             _forget_failed_dispatch(jitted)
-            jitted, layout = self._probe(call, entry)
-            return self._execute(call, entry, jitted, layout)
+            jitted, split = self._probe(call, entry)
+            return self._execute(call, entry, jitted, split)
 
-    def _probe(self, call: _call.PreparedCall, entry: _Entry) -> tuple[Any, Any]:
-        """`_Entry.probe_call` with the call bound, failures explained as a call's;
-        returns the executable of what the trace writes and its donation layout."""
+    def _probe(self, call: _call.PreparedCall, entry: _JitEntry) -> tuple[Any, Any]:
+        """`_JitEntry.probe_call` with the call bound, failures explained as a call's;
+        returns the executable of what the trace writes and its donation split."""
         dynamic = call.dynamic
         return _core.run(call, entry.pure, lambda: (entry.probe_call(dynamic), None), finish=False)
 
     def _execute(
         self,
         call: _call.PreparedCall,
-        entry: _Entry,
+        entry: _JitEntry,
         executable: Callable[..., Any],
-        layout: tuple[tuple[int, ...], tuple[int, ...]] | None,
+        split: tuple[tuple[int, ...], tuple[int, ...]] | None,
     ) -> Any:
-        """Run ``executable``, taking ``call``'s arrays as ``layout`` says, and write back."""
-        if layout is not None:
-            _check_donation(call, *layout)
-        arrays = _arrange(call.dynamic, layout)
+        """Run ``executable``, taking ``call``'s arrays as ``split`` says, and write back."""
+        if split is not None:
+            _check_donation(call, *split)
+        arrays = _arrange(call.dynamic, split)
 
         def jax_call() -> tuple[Any, Any]:
             out, updates = executable(*arrays)
-            if updates is None or not entry.record.metadata_updates:
+            if updates is None or not entry.findings.metadata_updates:
                 # No trace of this entry recorded metadata updates (the pure function's
                 # last one among them): `run` writes the values.
                 return out, updates
             return out, _writeback.WriteBack(call, updates, entry.metadata_for(call.dynamic))
 
-        if layout is not None:
+        if split is not None:
             # Once the executable consumed the donated buffers, the new values are the
             # only whole state until written: a signal's handler waits for the write
             # (treemode._pipeline._interrupts; one raised during the trace or compilation, before
             # anything was consumed, is raised at once).
-            token = _interrupts.hold(arrays[0])
-            try:
-                return _core.run(call, entry.pure, jax_call, layout=layout)
-            finally:
-                if token is not None:
-                    _interrupts.close()
-                    _interrupts.release(token)
+            return _interrupts.run_held(
+                arrays[0], lambda: _core.run(call, entry.pure, jax_call, split=split)
+            )
         return _core.run(call, entry.pure, jax_call)
 
     # -- AOT ---------------------------------------------------------------------
@@ -833,12 +828,12 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         """Trace without compiling; ``.jaxpr`` and ``.lower()`` are available."""
         call = self._prepare(args, kwargs, abstract=True)
         entry = self._entry(call)
-        jitted, layout = entry.jitted, entry.layout
+        jitted, split = entry.jitted, entry.split
         if entry.donates:  # the donated executable of what this trace writes
-            jitted, layout = self._probe(call, entry)
-        arrays = _arrange(call.dynamic, layout)
+            jitted, split = self._probe(call, entry)
+        arrays = _arrange(call.dynamic, split)
         traced = _core.run(call, entry.pure, lambda: (jitted.trace(*arrays), None), finish=False)
-        return Traced(self, call.key, traced, layout)
+        return Traced(self, call.key, traced, split)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -991,12 +986,12 @@ class _Stage:
         wrapped: JitWrapped[Any, Any],
         key: _call.CallKey,
         stage: Any,
-        layout: tuple[tuple[int, ...], tuple[int, ...]] | None,
+        split: tuple[tuple[int, ...], tuple[int, ...]] | None,
     ):
         self._wrapped = wrapped
         self._key = key
         self._stage = stage
-        self._layout = layout  # how the stage takes donated arrays (`_donation_layout`)
+        self._split = split  # how the stage takes donated arrays (`_donation_split`)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stage, name)
@@ -1006,7 +1001,7 @@ class Traced(_Stage):
     """The result of `JitWrapped.trace` (a ``jax.stages.Traced``): ``.jaxpr``, ``.lower()``."""
 
     def lower(self, **kwargs: Any) -> Lowered:
-        return Lowered(self._wrapped, self._key, self._stage.lower(**kwargs), self._layout)
+        return Lowered(self._wrapped, self._key, self._stage.lower(**kwargs), self._split)
 
 
 class Lowered(_Stage):
@@ -1014,7 +1009,7 @@ class Lowered(_Stage):
 
     def compile(self, *args: Any, **kwargs: Any) -> Compiled:
         stage = self._stage.compile(*args, **kwargs)
-        return Compiled(self._wrapped, self._key, stage, self._layout)
+        return Compiled(self._wrapped, self._key, stage, self._split)
 
 
 class Compiled(_Stage):

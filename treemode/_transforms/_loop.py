@@ -122,7 +122,7 @@ NODE, FREE, STATIC = "node", "free", "static"
 
 
 @dataclasses.dataclass
-class CarryLayout:
+class CarryStructure:
     """How one carry argument splits into NNX objects, free arrays and static leaves.
 
     ``kinds`` has one entry per coarse leaf (NNX objects and Variables are
@@ -142,8 +142,8 @@ class CarryLayout:
     graph: bool = False  # the carry went through `to_tree` (graph=True)
 
 
-def carry_layout(call: _call.Call, k: int, root: str) -> CarryLayout:
-    """The layout of traced argument ``k`` (index into ``call.arg_flats``)."""
+def carry_structure(call: _call.Call, k: int, root: str) -> CarryStructure:
+    """The structure of traced argument ``k`` (index into ``call.arg_flats``)."""
     flat = call.arg_flats[k]
     tree = call.arg_roots()[k][1]
     start = call.root_dynamic_ranges()[k].start
@@ -175,19 +175,19 @@ def carry_layout(call: _call.Call, k: int, root: str) -> CarryLayout:
             offset += 1
         else:
             kinds.append(STATIC)
-    return CarryLayout(root, kinds, free + inner_free, inner, graph=call.graph)
+    return CarryStructure(root, kinds, free + inner_free, inner, graph=call.graph)
 
 
 def _inner_leaves(node: Any) -> list[tuple[Any, Any]]:
     return jax.tree_util.tree_flatten_with_path(node, is_leaf=is_variable)[0]
 
 
-def inner_arrays(layout: CarryLayout, carry: Any) -> list[Any]:
+def inner_arrays(structure: CarryStructure, carry: Any) -> list[Any]:
     """The plain arrays inside the carry's NNX objects (call before the function runs)."""
-    if not layout.inner:
+    if not structure.inner:
         return []
     coarse = jax.tree_util.tree_leaves(carry, is_leaf=_is_coarse_leaf)
-    return [_get_at(coarse[c], path) for c, path, _ in layout.inner]
+    return [_get_at(coarse[c], path) for c, path, _ in structure.inner]
 
 
 def _get_at(node: Any, path: Sequence[Any]) -> Any:
@@ -224,7 +224,7 @@ def _child(parent: Any, key: Any) -> Any:
 
 def check_carry_out(
     transform: str,
-    layout: CarryLayout,
+    structure: CarryStructure,
     carry_in: Any,
     carry_out: Any,
     inner_before: Sequence[Any] = (),
@@ -246,13 +246,13 @@ def check_carry_out(
         path, what = _pure.describe_structure_change(carry_in, carry_out)
         raise StructureError(
             f"treemode.{transform}: the carry returned by the function does not have the "
-            f"structure of the carry it received, at {format_path(path, layout.root)}: "
+            f"structure of the carry it received, at {format_path(path, structure.root)}: "
             f"{what}.\nReturn the carry with the same structure (the same modules, "
             "containers and static values); put new things in the outputs instead."
         )
     free: list[Any] = []
-    for (path, before), after, kind in zip(in_paths, out_leaves, layout.kinds, strict=True):
-        where = format_path(path, layout.root)
+    for (path, before), after, kind in zip(in_paths, out_leaves, structure.kinds, strict=True):
+        where = format_path(path, structure.root)
         if kind == NODE:
             if after is not before:
                 _raise_replaced(transform, where, before, after)
@@ -275,14 +275,14 @@ def check_carry_out(
                 f"{before!r} to {after!r}. Static values (non-array leaves) cannot change "
                 "inside a loop; make it an array or keep it constant."
             )
-    if layout.inner:
-        free += _take_inner(transform, layout, in_paths, out_leaves, inner_before)
+    if structure.inner:
+        free += _take_inner(transform, structure, in_paths, out_leaves, inner_before)
     return free
 
 
 def _take_inner(
     transform: str,
-    layout: CarryLayout,
+    structure: CarryStructure,
     in_paths: Sequence[tuple[Any, Any]],
     out_leaves: Sequence[Any],
     inner_before: Sequence[Any],
@@ -290,9 +290,9 @@ def _take_inner(
     """The new plain arrays of the carry's NNX objects; the objects get the old ones back."""
     values: list[Any] = []
     restore: list[tuple[Any, Any, Any]] = []
-    for k, ((c, path, aval), old) in enumerate(zip(layout.inner, inner_before, strict=True)):
+    for k, ((c, path, aval), old) in enumerate(zip(structure.inner, inner_before, strict=True)):
         node = out_leaves[c]
-        where = format_path((*in_paths[c][0], *path), layout.root)
+        where = format_path((*in_paths[c][0], *path), structure.root)
         try:
             raw = _get_at(node, path)
         except (TypeError, AttributeError, KeyError, IndexError):
@@ -317,7 +317,7 @@ def _take_inner(
             raise type_error(transform, where, "the carry array", problem)
         values.append(new)
         if raw is not old:
-            layout.reassigned.add(k)
+            structure.reassigned.add(k)
             restore.append((node, path, old))
     for node, path, old in restore:
         try:
@@ -338,35 +338,35 @@ def _raise_replaced(transform: str, where: str, before: Any, after: Any) -> None
     )
 
 
-def rebuild_carry(original: Any, layout: CarryLayout, free_values: Sequence[Any]) -> Any:
+def rebuild_carry(original: Any, structure: CarryStructure, free_values: Sequence[Any]) -> Any:
     """The caller's carry object with new free arrays; NNX objects are kept as they are,
     except that one whose plain arrays are carried becomes a new object of its type
     holding the new arrays and the same Variables."""
-    if not layout.free:
+    if not structure.free:
         return original
     leaves, treedef = jax.tree_util.tree_flatten(original, is_leaf=is_variable_or_graph_node)
     values = iter(free_values)
     new = [
         next(values) if kind == FREE else leaf
-        for leaf, kind in zip(leaves, layout.kinds, strict=True)
+        for leaf, kind in zip(leaves, structure.kinds, strict=True)
     ]
     per_node: dict[int, dict[tuple[Any, ...], Any]] = {}
     changed: set[int] = set()
-    for k, ((c, path, _), value) in enumerate(zip(layout.inner, values, strict=True)):
+    for k, ((c, path, _), value) in enumerate(zip(structure.inner, values, strict=True)):
         per_node.setdefault(c, {})[path] = value
-        if k in layout.reassigned:
+        if k in structure.reassigned:
             changed.add(c)
     renewed: dict[int, Any] = {}  # id(caller's object) -> the new one
     for c in sorted(changed):
-        renewed[id(leaves[c])] = new[c] = _renew(new[c], per_node[c], layout.graph)
-    if layout.graph and renewed:
-        # A second reference to a renewed object (a `SharedRef` in the layout)
+        renewed[id(leaves[c])] = new[c] = _renew(new[c], per_node[c], structure.graph)
+    if structure.graph and renewed:
+        # A second reference to a renewed object (a `SharedRef` in the structure)
         # refers to the new object too, so the carry keeps its sharing.
         new = [
             renewed.get(id(leaf), x) if kind == NODE else x
-            for leaf, x, kind in zip(leaves, new, layout.kinds, strict=True)
+            for leaf, x, kind in zip(leaves, new, structure.kinds, strict=True)
         ]
-    if not layout.kinds.count(FREE) and not changed:
+    if not structure.kinds.count(FREE) and not changed:
         return original
     return treedef.unflatten(new)
 

@@ -199,7 +199,7 @@ class Stable:
 
         JAX traces `fn` once per input types and reuses the trace whatever step is
         bound: what a trace records (e.g. metadata updates) belongs to every step
-        bound for those types, so they share one record.
+        bound for those types, so they share one `TraceFindings`.
         """
         if not STABLE_STEPS:
             return value

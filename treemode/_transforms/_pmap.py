@@ -11,7 +11,7 @@ from .._pipeline import _call, _pure
 from ._axes import CallAxes, call_axes, check_axes_spec, check_mapped
 from ._names import named
 from ._signature import suggests_keywords
-from ._vmap import MappedWrapper, _Entry, find_batched_update, translate_axis_error
+from ._vmap import MappedEntry, MappedWrapper, find_batched_update, translate_axis_error
 from ._wrapped import make_wrapper
 
 P = ParamSpec("P")
@@ -80,7 +80,7 @@ class PmapWrapped(MappedWrapper[P, R]):
             donate_argnums=self.donated_dynamic(call),
         )
 
-    def first_call_check(self, entry: _Entry, call: _call.Call) -> None:
+    def first_call_check(self, entry: MappedEntry, call: _call.Call) -> None:
         # jax.pmap silently keeps one device's value of an unmapped output; check
         # under vmap once that no broadcast Variable gets a per-device value.
         find_batched_update(
@@ -93,7 +93,7 @@ class PmapWrapped(MappedWrapper[P, R]):
             check_first=True,
         )
 
-    def translate(self, error: Exception, call: _call.Call, entry: _Entry) -> None:
+    def translate(self, error: Exception, call: _call.Call, entry: MappedEntry) -> None:
         translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
 
 

@@ -16,10 +16,10 @@ from .._pipeline._trace_cache import TraceCache, avals, cache_for, call_current_
 from .._tree._leaves import is_variable
 from ._axes import call_axes, check_mapped, is_axis, is_int_axis
 from ._loop import (
-    CarryLayout,
+    CarryStructure,
     LoopState,
     abstract,
-    carry_layout,
+    carry_structure,
     check_carry_out,
     inner_arrays,
     probe_changed,
@@ -170,16 +170,16 @@ class _OutSpec:
         return self.axes
 
 
-class _Entry:
+class _ScanEntry:
     """What one call structure needs, built once; holds no arrays (see `_trace_cache`)."""
 
-    __slots__ = ("pure", "loop", "layout", "scanned", "scanned_vars", "length", "step")
+    __slots__ = ("pure", "loop", "structure", "scanned", "scanned_vars", "length", "step")
 
     def __init__(
         self,
         pure: _pure.PureFunction,
         loop: LoopState,
-        layout: CarryLayout | None,
+        structure: CarryStructure | None,
         scanned: list[tuple[int, int]],
         scanned_vars: list[tuple[int, int]],
         length: int,
@@ -187,7 +187,7 @@ class _Entry:
     ):
         self.pure = pure
         self.loop = loop
-        self.layout = layout
+        self.structure = structure
         self.scanned = scanned  # (index into call.dynamic, axis) of the scanned arrays
         self.scanned_vars = scanned_vars  # (index into call.variables, axis)
         self.length = length
@@ -351,7 +351,7 @@ class ScanWrapped(Wrapped[P, R]):
             # JAX keeps one trace of the step per input types, whatever the length:
             # entries of this structure that differ in length only share it, and
             # share what it records (`_core.run` writes its metadata updates back).
-            entry.pure.record = stable.share(_step_types(init, xs), entry.pure.record)
+            entry.pure.findings = stable.share(_step_types(init, xs), entry.pure.findings)
             with stable.bound(entry.step) as step:
                 (_, free, values), (ys, stacked) = jax.lax.scan(
                     step,
@@ -374,11 +374,11 @@ class ScanWrapped(Wrapped[P, R]):
         free, ys = _core.run(call, entry.pure, jax_call, finish=False)
         ys = _core.finish(call, self._move_out_axes(ys))
         carry = None
-        if carry_pos is not None and entry.layout is not None:
-            carry = rebuild_carry(args[carry_pos], entry.layout, free)
+        if carry_pos is not None and entry.structure is not None:
+            carry = rebuild_carry(args[carry_pos], entry.structure, free)
         return self.out.join(carry, ys)
 
-    def _build(self, call: _call.Call, entries: Any, carry_pos: int | None) -> _Entry:
+    def _build(self, call: _call.Call, entries: Any, carry_pos: int | None) -> _ScanEntry:
         """What a call structure needs, built once (see `treemode._pipeline._trace_cache`)."""
         axes = call_axes(
             call,
@@ -390,27 +390,27 @@ class ScanWrapped(Wrapped[P, R]):
             expected="an int, None or treemode.Carry",
         )
         length = self._length(call, axes.dynamic)
-        layout = None
+        structure = None
         if carry_pos is not None:
-            layout = carry_layout(call, carry_pos, f"args[{carry_pos}]")
+            structure = carry_structure(call, carry_pos, f"args[{carry_pos}]")
         scanned = [(j, ax) for j, ax in enumerate(axes.dynamic) if is_int_axis(ax)]
         scanned_vars = [(i, ax) for i, ax in enumerate(axes.variables) if is_int_axis(ax)]
         candidates = {i for i, ax in enumerate(axes.variables) if not is_int_axis(ax)}
         state_vars: frozenset[int] = frozenset()
         if candidates:
             probe = _pure.PureFunction(call)
-            probe.fn = self._body(probe, entries, layout, carry_pos)
+            probe.fn = self._body(probe, entries, structure, carry_pos)
             probe_avals = [
                 abstract(x, ax if is_int_axis(ax) else None)
                 for x, ax in zip(call.dynamic, axes.dynamic, strict=True)
             ]
             state_vars = probe_changed(probe, call, probe_avals) & candidates
         pure = _pure.PureFunction(call, force_updates=state_vars)
-        pure.fn = self._body(pure, entries, layout, carry_pos)
+        pure.fn = self._body(pure, entries, structure, carry_pos)
         if self.graph:  # one out_axes per shared Variable of the stacked outputs
             pure.output_spec = ("out_axes", self.out.ys_axes(), _ys, _is_spec_leaf, "ys")
         loop = LoopState(
-            "scan", call, layout.free if layout else [], state_vars, (j for j, _ in scanned)
+            "scan", call, structure.free if structure else [], state_vars, (j for j, _ in scanned)
         )
         allowed = frozenset(i for i, _ in scanned_vars)
         scanned_positions = [j for j, _ in scanned]
@@ -423,13 +423,13 @@ class ScanWrapped(Wrapped[P, R]):
             new_state = loop.next_state(pure.call, state, free_out, updates, allowed)
             return new_state, (ys, [updates[i] for i in scanned_indices])
 
-        return _Entry(pure, loop, layout, scanned, scanned_vars, length, step)
+        return _ScanEntry(pure, loop, structure, scanned, scanned_vars, length, step)
 
     def _body(
         self,
         pure: _pure.PureFunction,
         entries: Any,
-        layout: CarryLayout | None,
+        structure: CarryStructure | None,
         carry_pos: int | None,
     ) -> Callable[..., Any]:
         """``pure``'s function: the user function, its outputs split into carry and ys.
@@ -452,12 +452,14 @@ class ScanWrapped(Wrapped[P, R]):
 
         def body(*args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
             inner = (
-                inner_arrays(layout, args[carry_pos]) if layout and carry_pos is not None else []
+                inner_arrays(structure, args[carry_pos])
+                if structure and carry_pos is not None
+                else []
             )
             carry_out, ys = out.split(fn(*args, **kwargs))
-            if layout is None or carry_pos is None:
+            if structure is None or carry_pos is None:
                 return [], ys
-            return check_carry_out("scan", layout, args[carry_pos], carry_out, inner), ys
+            return check_carry_out("scan", structure, args[carry_pos], carry_out, inner), ys
 
         return body
 

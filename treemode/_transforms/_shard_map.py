@@ -21,7 +21,7 @@ from .._pipeline import _call, _pure
 from ._axes import CallAxes, call_axes, dynamic_paths
 from ._names import named
 from ._signature import suggests_keywords
-from ._vmap import MappedWrapper, _Entry
+from ._vmap import MappedEntry, MappedWrapper
 from ._wrapped import make_wrapper
 
 P = ParamSpec("P")
@@ -132,7 +132,7 @@ class ShardMapWrapped(MappedWrapper[P, R]):
             check_vma=self.check_vma,
         )
 
-    def translate(self, error: Exception, call: _call.Call, entry: _Entry) -> None:
+    def translate(self, error: Exception, call: _call.Call, entry: MappedEntry) -> None:
         if "does not match the specs of the input" not in str(error):
             return
         for i, (x, spec) in enumerate(zip(call.dynamic, entry.axes.dynamic, strict=True)):

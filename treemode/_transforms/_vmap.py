@@ -31,7 +31,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class _Entry:
+class MappedEntry:
     """What is built once per call structure."""
 
     __slots__ = ("pure", "axes", "mapped", "checked")
@@ -81,7 +81,7 @@ class MappedWrapper(Wrapped[P, R]):
         if self.metadata:
             check_metadata(self.metadata, self.transform)
         # Per wrapper; `VmapWrapped` shares it between wrappers of one function.
-        self._cache: TraceCache[_Entry] = TraceCache()
+        self._cache: TraceCache[MappedEntry] = TraceCache()
 
     # -- hooks for subclasses -----------------------------------------------------
 
@@ -96,18 +96,18 @@ class MappedWrapper(Wrapped[P, R]):
         """The JAX-transformed pure function."""
         raise NotImplementedError
 
-    def first_call_check(self, entry: _Entry, call: _call.Call) -> None:
+    def first_call_check(self, entry: MappedEntry, call: _call.Call) -> None:
         """Run once per call structure before the first real call."""
 
-    def translate(self, error: Exception, call: _call.Call, entry: _Entry) -> None:
+    def translate(self, error: Exception, call: _call.Call, entry: MappedEntry) -> None:
         """Raise a treemode error for a JAX error, or return to re-raise it."""
 
     # -- the pipeline ---------------------------------------------------------------
 
-    def _entry(self, call: _call.Call) -> _Entry:
+    def _entry(self, call: _call.Call) -> MappedEntry:
         return self._cache.get(call.key, lambda: self._build_entry(call))
 
-    def _build_entry(self, call: _call.Call) -> _Entry:
+    def _build_entry(self, call: _call.Call) -> MappedEntry:
         axes = self.resolve(call)
         force: frozenset[int] = frozenset()
         if self.donate_argnums:
@@ -126,7 +126,7 @@ class MappedWrapper(Wrapped[P, R]):
                 transform=self.transform,
                 is_leaf=self.metadata_is_leaf,
             )
-        return _Entry(pure, axes, self.build(pure, call, axes))
+        return MappedEntry(pure, axes, self.build(pure, call, axes))
 
     @staticmethod
     def metadata_is_leaf(x: Any) -> bool:
@@ -178,13 +178,8 @@ class MappedWrapper(Wrapped[P, R]):
             return _core.run(call, entry.pure, jax_call)
         # pmap donates: once the executable consumed the buffers, a signal's handler
         # waits for the write-back (treemode._pipeline._interrupts, as for treemode.jit).
-        token = _interrupts.hold([call.dynamic[i] for i in self.donated_dynamic(call)])
-        try:
-            return _core.run(call, entry.pure, jax_call)
-        finally:
-            if token is not None:
-                _interrupts.close()
-                _interrupts.release(token)
+        donated = [call.dynamic[i] for i in self.donated_dynamic(call)]
+        return _interrupts.run_held(donated, lambda: _core.run(call, entry.pure, jax_call))
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -307,7 +302,7 @@ class VmapWrapped(MappedWrapper[P, R]):
             sum_match=self.sum_match,
         )
 
-    def first_call_check(self, entry: _Entry, call: _call.Call) -> None:
+    def first_call_check(self, entry: MappedEntry, call: _call.Call) -> None:
         # With sum_match, jax.vmap would sum the per-example updates of a broadcast
         # Variable instead of failing: check once, with the outputs mapped, that
         # no broadcast Variable gets a per-example value.
@@ -322,14 +317,14 @@ class VmapWrapped(MappedWrapper[P, R]):
                 check_first=True,
             )
 
-    def translate(self, error: Exception, call: _call.Call, entry: _Entry) -> None:
+    def translate(self, error: Exception, call: _call.Call, entry: MappedEntry) -> None:
         translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
 
 
 def translate_axis_error(
     error: Exception,
     call: _call.Call,
-    entry: _Entry,
+    entry: MappedEntry,
     out_axes: Any,
     axis_name: Any,
     axis_size: int | None,
@@ -403,7 +398,7 @@ def vmap(
     Every array of the arguments, Variable values included, is mapped over the
     axis its `in_axes` entry gives (`None`: broadcast). A Variable the function
     changes is written back stacked along the axis it came in on, so a mapped
-    `BatchStat` keeps one value per example and a stack of layers keeps its layout.
+    `BatchStat` keeps one value per example and a stack of layers keeps its structure.
 
     **Arguments:**
 

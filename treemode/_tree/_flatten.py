@@ -511,7 +511,7 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     The cache is keyed by the argument object and validated by checking, with
     identity comparisons only, that every dict/list/NNX object walked last time
     still holds the same attribute names and values, and that every Variable
-    still has the same type, metadata and value layout.
+    still has the same type, metadata and value structure.
     """
     key = id(arg)
     entry = _cache.get(key)
@@ -576,7 +576,7 @@ _variables_of = operator.attrgetter("variables")
 
 def _refresh(entry: ArgFlat) -> ArgFlat | None:
     """A copy of ``entry`` with the Variables' current values (``None``: a value's
-    layout changed, see `current_dynamic`)."""
+    structure changed, see `current_dynamic`)."""
     dynamic = current_dynamic(entry)
     if dynamic is None:
         return None

@@ -104,7 +104,7 @@ class PytreeDef(StructureKey):
     Holds the module's structure (the treedef of ``to_tree(module)`` with
     Variables as leaves; static attributes and shared references live there) and,
     per leaf of that treedef, a spec: the Variable's type, metadata and value
-    layout, a traced non-Variable array, or a static value. Two proxies of
+    structure, a traced non-Variable array, or a static value. Two proxies of
     modules with equal structure have equal ``PytreeDef``s, so they share one
     `jax.jit` cache entry.
     """
@@ -112,7 +112,7 @@ class PytreeDef(StructureKey):
     __slots__ = (
         "num_leaves",
         "_keys",
-        "_layout",
+        "_leaf_infos",
         "_var_slots",
         "_masks",
         "__weakref__",
@@ -133,7 +133,7 @@ class PytreeDef(StructureKey):
                 "containers with nnx.data(...)."
             ) from e
         self._keys: tuple[ModuleKey, ...] | None = None
-        self._layout: tuple[LeafInfo, ...] | None = None
+        self._leaf_infos: tuple[LeafInfo, ...] | None = None
         self._var_slots: tuple[tuple[int, int, VarSpec], ...] | None = None
         self._masks: dict[Any, tuple[bool | None, ...]] = {}
 
@@ -143,18 +143,18 @@ class PytreeDef(StructureKey):
     def __reduce__(self) -> tuple[Any, ...]:
         return _unpickle_def, (self.treedef, self.specs)
 
-    def layout(self) -> tuple[LeafInfo, ...]:
+    def leaf_infos(self) -> tuple[LeafInfo, ...]:
         """Per leaf: where it sits in the module and which Variable owns it."""
-        if self._layout is None:
+        if self._leaf_infos is None:
             placeholders = self.treedef.unflatten(list(range(len(self.specs))))
             paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(placeholders)[0]]
-            layout: list[LeafInfo] = []
+            infos: list[LeafInfo] = []
             var_index = 0
             for path, spec in zip(paths, self.specs, strict=True):
                 if type(spec) is VarSpec:
                     var_path = tuple(path)
                     if _single(spec):
-                        layout.append(LeafInfo(var_path, spec, var_index, var_path))
+                        infos.append(LeafInfo(var_path, spec, var_index, var_path))
                     else:
                         assert spec.value_def is not None
                         value = spec.value_def.unflatten(list(range(len(spec.value_static))))
@@ -162,17 +162,17 @@ class PytreeDef(StructureKey):
                         for (p, _), static in zip(sub, spec.value_static, strict=True):
                             if static is None:
                                 info = LeafInfo((*var_path, *p), spec, var_index, var_path)
-                                layout.append(info)
+                                infos.append(info)
                     var_index += 1
                 elif spec is DYNAMIC:
-                    layout.append(LeafInfo(tuple(path), None, -1, ()))
-            self._layout = tuple(layout)
-        return self._layout
+                    infos.append(LeafInfo(tuple(path), None, -1, ()))
+            self._leaf_infos = tuple(infos)
+        return self._leaf_infos
 
     def keys(self) -> tuple[ModuleKey, ...]:
         """One `ModuleKey` per leaf."""
         if self._keys is None:
-            self._keys = tuple(ModuleKey(info.path) for info in self.layout())
+            self._keys = tuple(ModuleKey(info.path) for info in self.leaf_infos())
         return self._keys
 
     def var_slots(self) -> tuple[tuple[int, int, VarSpec], ...]:

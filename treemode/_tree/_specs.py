@@ -1,7 +1,7 @@
 """Specs, structure keys and `rebuild`: what a flattened pytree's static part is made of.
 
 A pytree flattened with Variables as leaves is described by its treedef and one
-spec per leaf: a `VarSpec` (the Variable's type, metadata and value layout),
+spec per leaf: a `VarSpec` (the Variable's type, metadata and value structure),
 `DYNAMIC` (a traced array outside any Variable) or a `StaticLeaf` (a value
 compared by equality). `StructureKey` holds the two, hashable; `rebuild` makes
 a new tree (with new Variables) from a key and the traced leaves. The
@@ -68,7 +68,7 @@ class StaticLeaf:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class VarSpec:
-    """Spec of a Variable leaf: its type, metadata and the layout of its value.
+    """Spec of a Variable leaf: its type, metadata and the structure of its value.
 
     ``value_def`` is ``None`` when the value is a single array (the common case);
     otherwise it is the value's treedef, and ``value_static`` holds, per value
