@@ -159,11 +159,12 @@ def resolve(report: Report, installed: str | None = None) -> bool:
 
 
 def slots_problem(report: Report, installed: str | None = None) -> str:
-    """Why the compiled path cannot read the installed Variable slots, in words ("" where it can)."""
+    """Why the compiled path cannot read the installed Variable slots ("" where it can)."""
     if not report.unslotted:
         return ""
     installed = installed_versions() if installed is None else installed
-    return "; ".join(report.unslotted) + f" (installed: {installed}; supported: {SUPPORTED_VERSIONS})"
+    versions = f" (installed: {installed}; supported: {SUPPORTED_VERSIONS})"
+    return "; ".join(report.unslotted) + versions
 
 
 REPORT = check()

@@ -197,7 +197,8 @@ def _match_slow(entry: ArgFlat | None, obj: Any) -> list[Any] | None:
     """
     if entry is None:
         return [obj] if is_traced(obj) else None
-    return current_dynamic(entry) if still_flattens(entry, obj) else None  # None: a structure changed
+    # None: the argument's structure changed
+    return current_dynamic(entry) if still_flattens(entry, obj) else None
 
 
 _PYTHON_NUMBERS = frozenset({bool, int, float, complex})
