@@ -1,4 +1,4 @@
-"""The orchestrator every treemode transform runs through.
+"""The orchestrator every treemode transform runs through: steps 2 and 6 of the pipeline.
 
 The pipeline of one transform call, each step in its own module:
 

@@ -1,4 +1,4 @@
-"""Failure explanation: a JAX error turned into one that names the input behind it.
+"""Failure explanation, step 4 of the pipeline: a JAX error turned into one naming its input.
 
 Called only after the JAX transform raised (never on the hot path): an input
 array that was deleted (donated to an earlier call), an input holding a tracer
