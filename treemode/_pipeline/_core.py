@@ -27,7 +27,7 @@ from .._tree import _graph
 from ._call import PreparedCall
 from ._explain import EXPLAINED, EXPLAINED_OR_NAMING, raise_explained
 from ._pure import PureFunction
-from ._writeback import WriteBack, write_all, write_back
+from ._writeback import WriteBack, write_back, write_back_all
 
 
 class WriteBacks(tuple[WriteBack, ...]):
@@ -81,7 +81,7 @@ def run(
         if kind is WriteBack:
             write_back(*writes)
         elif kind is WriteBacks:
-            write_all(writes)
+            write_back_all(writes)
         else:
             first = pure if single else pure[0][0]
             write_back(call, writes, first.findings.metadata_updates)

@@ -1,8 +1,8 @@
-"""Write-back, after the JAX transform returns: step 4 of the pipeline.
+"""Write-back, after the JAX transform returns: step 5 of the pipeline.
 
 `write_back` stores the changed values (and any metadata a trace changed) into
 the caller's Variables, all or nothing, after `check_writable` made sure every
-target may be written in the current trace. `write_all` does the same for
+target may be written in the current trace. `write_back_all` does the same for
 several candidate write-backs at once (the branches of ``cond``/``switch``,
 whose closure Variables differ): all of them commit, or none.
 
@@ -193,7 +193,7 @@ class WriteBack(NamedTuple):
     metadata: dict[int, dict[str, Any]] | None = None
 
 
-def write_all(writes: Sequence[WriteBack]) -> None:
+def write_back_all(writes: Sequence[WriteBack]) -> None:
     """Every write-back of ``writes``, all or nothing (each is checked before any is made)."""
     if len(writes) == 1:
         write_back(*writes[0])
@@ -218,6 +218,6 @@ __all__ = [
     "check_writable",
     "writable_in",
     "store",
-    "write_all",
+    "write_back_all",
     "write_back",
 ]
