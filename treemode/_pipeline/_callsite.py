@@ -103,20 +103,20 @@ class CallSite:
             if flat.key is ARRAY_KEY:
                 slots.append(None)
                 continue
-            entry = _cached_entry(flat)
-            if entry is None:
+            cached = _cached_flat(flat)
+            if cached is None:
                 return None
-            slots.append(_slot(entry))
+            slots.append(_slot(cached))
         # ``sources`` are the argument flattenings with Variables, then the closure
-        # objects' ones; a closure object without Variables has no cache entry.
+        # objects' ones; a closure object without Variables has no cached flattening.
         n_lifted = len(call.sources) - sum(1 for f in call.arg_flats if f.variables)
         snapshot = closure_snapshot(call.fn)
-        lifted = [_cached_entry(f) for f in call.sources[len(call.sources) - n_lifted :]]
+        lifted = [_cached_flat(f) for f in call.sources[len(call.sources) - n_lifted :]]
         if (
             snapshot is None
             or n_lifted != len(call.lifted_roots)
             or call.closure_aliases  # closure objects that are arguments': prepared each call
-            or any(entry is None for entry in lifted)
+            or any(cached is None for cached in lifted)
         ):
             return None
         site = cls()
@@ -181,24 +181,24 @@ def _same_referents(
     return True
 
 
-def _slot(entry: ArgFlat) -> weakref.ref[Any]:
-    """A memo slot: a weak reference to the entry's ``Guarded`` (what the compiled
-    match reads), or to the entry itself where it has none."""
-    return weakref.ref(entry if entry._fast is None else entry._fast)
+def _slot(flat: ArgFlat) -> weakref.ref[Any]:
+    """A memo slot: a weak reference to the cached flattening's ``Guarded`` (what the
+    compiled match reads), or to the flattening itself where it has none."""
+    return weakref.ref(flat if flat._fast is None else flat._fast)
 
 
-def _match_slow(entry: ArgFlat | None, obj: Any) -> list[Any] | None:
+def _match_slow(flat: ArgFlat | None, obj: Any) -> list[Any] | None:
     """The arrays ``obj`` contributes to a matched call (``None``: no match).
 
-    ``entry`` is its slot's flattening, or ``None`` for a slot that held a bare
+    ``flat`` is its slot's flattening, or ``None`` for a slot that held a bare
     array. The compiled match calls this only for what it does not decide
     itself: an array of a type not seen yet, or a flattening without a
     compiled guard or with dynamic leaves other than Variable values.
     """
-    if entry is None:
+    if flat is None:
         return [obj] if is_traced(obj) else None
     # None: the argument's structure changed
-    return current_dynamic(entry) if still_flattens(entry, obj) else None
+    return current_dynamic(flat) if still_flattens(flat, obj) else None
 
 
 _PYTHON_NUMBERS = frozenset({bool, int, float, complex})
@@ -212,11 +212,11 @@ def match_into(
     slow: Callable[[ArgFlat | None, Any], list[Any] | None],
 ) -> bool:
     """Whether every object of ``objs`` still matches its memo slot; if so, their
-    arrays are appended to ``dynamic`` and their cache entries to ``sources``.
+    arrays are appended to ``dynamic`` and their cached flattenings to ``sources``.
 
     A slot is ``None`` (a bare array: an array of a known type or a Python
-    number) or a weak reference to a cache entry's ``Guarded`` (or to the entry
-    itself). What the fast case cannot decide goes to ``slow(entry or None, obj)``,
+    number) or a weak reference to a cached flattening's ``Guarded`` (or to the
+    flattening itself). What the fast case cannot decide goes to ``slow(flat or None, obj)``,
     which returns the arrays or ``None``. The executor of the fast-path record
     matches the same slots in C (tests/test_twins.py checks they decide alike).
     """
@@ -230,24 +230,24 @@ def match_into(
             found = slow(None, obj)
         else:
             held = slot()
-            entry = held.flat() if held is not None and type(held) is _GUARDED else held
-            if entry is None:
+            cached = held.flat() if held is not None and type(held) is _GUARDED else held
+            if cached is None:
                 return False
-            ref = entry._ref
-            if entry.values_only and ref is not None and ref() is obj:
+            ref = cached._ref
+            if cached.values_only and ref is not None and ref() is obj:
                 # The compiled match's fast case, inline: `still_flattens`, then the values.
-                guard = entry._guard
-                if guard is None or not guard.holds(entry.variables, obj):
+                guard = cached._guard
+                if guard is None or not guard.holds(cached.variables, obj):
                     return False
-                values = list(map(_raw_value_of, entry.variables))
+                values = list(map(_raw_value_of, cached.variables))
                 if not one_leaf_values(values):
                     return False  # a Variable's value changed structure: flattened again
-                sources.append(entry)
+                sources.append(cached)
                 dynamic += values
                 continue
-            found = slow(entry, obj)
+            found = slow(cached, obj)
             if found is not None:
-                sources.append(entry)
+                sources.append(cached)
         if found is None:
             return False
         dynamic += found
@@ -257,10 +257,10 @@ def match_into(
 _GUARDED = _compiled.Guarded
 
 
-def _cached_entry(flat: ArgFlat) -> ArgFlat | None:
-    """The flattening-cache entry ``flat`` comes from (``None`` if it is not cached)."""
-    entry = flat.origin or flat
-    return entry if entry._ref is not None and entry._guard is not None else None
+def _cached_flat(flat: ArgFlat) -> ArgFlat | None:
+    """The cached flattening ``flat`` comes from (``None`` if it is not cached)."""
+    cached = flat.origin or flat
+    return cached if cached._ref is not None and cached._guard is not None else None
 
 
 class SiteCall:

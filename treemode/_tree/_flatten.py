@@ -123,8 +123,8 @@ class ArgFlat:
         self.has_aliases = len(self.variable_ids) != len(self.variables)
         self._guard: _Guard | None = None
         self._ref: weakref.ref[Any] | None = None
-        # A copy made by `_refresh` points to its cache entry (``None`` otherwise);
-        # the entry remembers the trace its Variables may be written in.
+        # A copy made by `_refresh` points to its cached flattening (``None`` otherwise);
+        # which remembers the trace its Variables may be written in.
         self.origin: ArgFlat | None = None
         self.writable_in: Any = None
         self._variable_specs: tuple[VarSpec, ...] | None = None
@@ -160,7 +160,7 @@ class _Guard:
       values checked) whenever an attribute is added or deleted, so their keys
       need no separate check; the length check covers the rest.
 
-    The top-level argument is not held (the cache entry holds it weakly): its
+    The top-level argument is not held (the cached flattening holds it weakly): its
     type and ``__dict__`` are checked on the object passed to `holds`.
 
     Where the compiled guard (``treemode/_accel/_guard.c``) is on, the same checks run
@@ -281,7 +281,7 @@ class _Guard:
         """Whether the snapshot still describes the objects walked from ``top``.
 
         ``variables`` are the flattening's Variables and ``top`` the top-level
-        argument (the object the cache entry's weak reference points to).
+        argument (the object the cached flattening's weak reference points to).
         """
         if self.compiled_state is not None:
             return _compiled_holds(self.compiled_state, variables, top)  # type: ignore[misc]
@@ -491,17 +491,17 @@ def _array_flat(arg: Any) -> ArgFlat:
 
 def variable_specs(flat: ArgFlat) -> tuple[VarSpec, ...]:
     """The specs of ``flat``'s Variables, computed once per cached flattening."""
-    entry = flat.origin or flat
-    specs = entry._variable_specs
+    cached = flat.origin or flat
+    specs = cached._variable_specs
     if specs is None:
-        specs = entry._variable_specs = tuple(s for s in entry.specs if type(s) is VarSpec)
+        specs = cached._variable_specs = tuple(s for s in cached.specs if type(s) is VarSpec)
     return specs
 
 
 def _evict(key: int, cache: dict[int, ArgFlat], ref: weakref.ref[Any]) -> None:
     # ``cache`` is bound at creation so the callback works during interpreter exit.
-    entry = cache.get(key)
-    if entry is not None and entry._ref is ref:
+    cached = cache.get(key)
+    if cached is not None and cached._ref is ref:
         cache.pop(key, None)  # another thread may have removed it meanwhile
 
 
@@ -514,10 +514,10 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     still has the same type, metadata and value structure.
     """
     key = id(arg)
-    entry = _cache.get(key)
-    if entry is not None and entry._ref is not None and entry._ref() is arg:
-        if still_flattens(entry, arg):
-            fresh = _refresh(entry)
+    cached = _cache.get(key)
+    if cached is not None and cached._ref is not None and cached._ref() is arg:
+        if still_flattens(cached, arg):
+            fresh = _refresh(cached)
             if fresh is not None:
                 return fresh
         _cache.pop(key, None)  # not ``del``: another thread may have removed it
@@ -537,31 +537,31 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
     return flat
 
 
-def _fast_state(entry: ArgFlat) -> Any:
-    """What the compiled call-site match reads of a cache entry: a ``_guard.Guarded``.
+def _fast_state(cached: ArgFlat) -> Any:
+    """What the compiled call-site match reads of a cached flattening: a ``_guard.Guarded``.
 
-    For an entry whose dynamic arrays are exactly its Variables' values and
+    For a cached flattening whose dynamic arrays are exactly its Variables' values and
     whose guard is compiled; ``None`` otherwise (the match asks `still_flattens`
     and `current_dynamic` instead, and no fast-path record is made).
     """
-    guard = entry._guard
-    if _Guarded is None or entry._ref is None or guard is None or guard.compiled_state is None:
+    guard = cached._guard
+    if _Guarded is None or cached._ref is None or guard is None or guard.compiled_state is None:
         return None
-    if not entry.values_only:
+    if not cached.values_only:
         return None
-    return _Guarded(entry._ref, guard.compiled_state, tuple(entry.variables), weakref.ref(entry))
+    return _Guarded(cached._ref, guard.compiled_state, tuple(cached.variables), weakref.ref(cached))
 
 
 def _is_tracer(x: Any) -> bool:
     return isinstance(x, Tracer)
 
 
-def still_flattens(entry: ArgFlat | None, obj: Any) -> TypeGuard[ArgFlat]:
-    """Whether the cache entry ``entry`` (``None`` once dropped) is still ``obj``'s flattening."""
-    if entry is None or entry._ref is None or entry._ref() is not obj:
+def still_flattens(cached: ArgFlat | None, obj: Any) -> TypeGuard[ArgFlat]:
+    """Whether ``cached`` (``None`` once dropped) is still ``obj``'s flattening."""
+    if cached is None or cached._ref is None or cached._ref() is not obj:
         return False
-    guard = entry._guard
-    return guard is not None and guard.holds(entry.variables, obj)
+    guard = cached._guard
+    return guard is not None and guard.holds(cached.variables, obj)
 
 
 def variables_of(flats: Sequence[ArgFlat]) -> list[Any]:
@@ -574,46 +574,46 @@ def variables_of(flats: Sequence[ArgFlat]) -> list[Any]:
 _variables_of = operator.attrgetter("variables")
 
 
-def _refresh(entry: ArgFlat) -> ArgFlat | None:
-    """A copy of ``entry`` with the Variables' current values (``None``: a value's
+def _refresh(cached: ArgFlat) -> ArgFlat | None:
+    """A copy of ``cached`` with the Variables' current values (``None``: a value's
     structure changed, see `current_dynamic`)."""
-    dynamic = current_dynamic(entry)
+    dynamic = current_dynamic(cached)
     if dynamic is None:
         return None
     fresh = ArgFlat.__new__(ArgFlat)
-    fresh.treedef = entry.treedef
-    fresh.specs = entry.specs
-    fresh.leaves = entry.leaves
-    fresh.variables = entry.variables
-    fresh.var_dynamic_counts = entry.var_dynamic_counts
-    fresh.key = entry.key
-    fresh._guard = entry._guard
-    fresh.variable_ids = entry.variable_ids
-    fresh.has_aliases = entry.has_aliases
+    fresh.treedef = cached.treedef
+    fresh.specs = cached.specs
+    fresh.leaves = cached.leaves
+    fresh.variables = cached.variables
+    fresh.var_dynamic_counts = cached.var_dynamic_counts
+    fresh.key = cached.key
+    fresh._guard = cached._guard
+    fresh.variable_ids = cached.variable_ids
+    fresh.has_aliases = cached.has_aliases
     fresh._ref = None
-    fresh.origin = entry
-    fresh.writable_in = None  # remembered on the entry
+    fresh.origin = cached
+    fresh.writable_in = None  # remembered on the cached flattening
     fresh._variable_specs = None
-    fresh.values_only = entry.values_only
+    fresh.values_only = cached.values_only
     fresh._fast = None
     fresh.dynamic = dynamic
     return fresh
 
 
-def current_dynamic(entry: ArgFlat) -> list[Any] | None:
+def current_dynamic(cached: ArgFlat) -> list[Any] | None:
     """The dynamic arrays of a cached flattening, with the Variables' current values.
 
     ``None`` if a Variable's value is no longer one array (it became a dict, a
     tuple, ``None``, a string, ...): the flattening's structure key no longer
     describes the argument, which must be flattened again.
     """
-    if entry.values_only:
-        dynamic = list(map(_raw_value_of, entry.variables))
+    if cached.values_only:
+        dynamic = list(map(_raw_value_of, cached.variables))
         return dynamic if one_leaf_values(dynamic) else None
     dynamic = []
     values: list[Any] = []
-    variables = iter(entry.variables)
-    for spec, leaf in zip(entry.specs, entry.leaves, strict=True):
+    variables = iter(cached.variables)
+    for spec, leaf in zip(cached.specs, cached.leaves, strict=True):
         if type(spec) is VarSpec:
             value = _raw_value_of(next(variables))
             dynamic.append(value)
