@@ -82,7 +82,7 @@ class CallSite:
     kw_names: tuple[str, ...]
     # per argument: a weak reference to its flattening's Guarded (or the flattening); None: an array
     slots: tuple[weakref.ref[Any] | None, ...]
-    snapshot: Any  # the closure cache entry the lifted objects came from
+    snapshot: Any  # the cached closure search the lifted objects came from
     lifted_slots: tuple[weakref.ref[Any], ...]
     _rebuild: weakref.WeakMethod[Callable[[tuple[Any, ...], dict[str, Any]], Call]]
 
