@@ -6,7 +6,15 @@ hands it, compiled and in Python, and the whole memo-matched call is timed
 against the pipeline's memo path:
 
 - ``holds``: the flattening guard (`treemode._tree._flatten._Guard.holds`);
-- ``reads_hold``: the closure-read check (`treemode._tree._closure._Snapshot`);
+- ``holds`` without version tags: the same guard state with its dict version
+  tags left out (every dict compared, as on Python 3.12+): what the tags save
+  (the row reads "n/a" where the interpreter has none);
+- ``holds`` without the generic ``__dict__`` read: the same state checked by a
+  copy of the extension compiled with ``TM_GENERIC_DICT=0`` (every
+  ``obj.__dict__`` read with getattr instead of ``_PyType_Lookup``'s decision
+  per type): what that shortcut saves (skipped without a C compiler);
+- ``reads_hold``: the closure-read check (`treemode._tree._closure._Snapshot`),
+  the compiled kernel against its Python twin ``reads_hold_python``;
 - ``write_changed``: the all-or-nothing write of a train step's new values;
 - ``FastCall``: the whole call by the executor of the fast-path record,
   against the same call through the pipeline (``JitWrapped._call``: the memo's
@@ -15,13 +23,20 @@ against the pipeline's memo path:
 
 Run: ``python benchmarks/c_pieces.py`` (needs the extension; prints a table).
 CPU time (``time.process_time``) per call, best of several rounds, so that a
-loaded machine changes the numbers less.
+loaded machine changes the numbers less. The last column is each saving's
+share of the whole memo-matched call (the ``FastCall`` row of the same model):
+docs/contributing.md's rule returns a piece saving under about 2% to Python.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -31,7 +46,7 @@ from flax import nnx
 
 import treemode
 from treemode._accel import _compiled
-from treemode._pipeline import _writeback
+from treemode._pipeline import _callsite, _writeback
 from treemode._tree import _closure, _flatten
 from treemode._tree._leaves import is_array
 
@@ -74,12 +89,34 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
         )
     )
 
-    snap = site.snapshot
+    n_untagged = len(guard.GUARD_STATE_FIELDS) - 3  # the fields before the three tags
+    if len(state) > n_untagged:
+        untagged = state[:n_untagged]
+        rows.append(
+            (
+                "holds with version tags (against without)",
+                per_call_us(lambda: guard.holds(state, variables, m)),
+                per_call_us(lambda: guard.holds(untagged, variables, m)),
+            )
+        )
+    else:
+        rows.append(("holds with version tags (against without)", float("nan"), float("nan")))
+    plain = _variant("TM_GENERIC_DICT")
+    if plain is not None:
+        rows.append(
+            (
+                "holds with the generic __dict__ read (against getattr)",
+                per_call_us(lambda: guard.holds(state, variables, m)),
+                per_call_us(lambda: plain.holds(state, variables, m)),
+            )
+        )
+
+    reads = site.snapshot.reads
     rows.append(
         (
             "reads_hold (closure reads)",
-            per_call_us(lambda: guard.reads_hold(snap.reads)),
-            _python(snap.still_valid, g)(),
+            per_call_us(lambda: guard.reads_hold(reads)),
+            per_call_us(lambda: _closure.reads_hold_python(reads)),
         )
     )
 
@@ -124,28 +161,53 @@ def _python_holds(g: Any, variables: list[Any], top: Any) -> bool:
         g.compiled_state = state
 
 
-def _python(fn: Callable[[], Any], g: Any) -> Callable[[], float]:
-    """``fn`` timed with the Python twins of the helpers it calls (``g``: the guard)."""
+_variants: dict[str, ModuleType | None] = {}
 
-    def timed() -> float:
-        saved = (_flatten._compiled_holds, _closure._reads_hold, g.compiled_state)
-        _flatten._compiled_holds = None
-        _closure._reads_hold = None
-        g.compiled_state = None
-        try:
-            return per_call_us(fn)
-        finally:
-            _flatten._compiled_holds, _closure._reads_hold, g.compiled_state = saved
 
-    return timed
+def _variant(switch: str) -> ModuleType | None:
+    """A copy of the extension compiled with ``-D<switch>=0``, configured; ``None``
+    (with a note on stderr) where it cannot be built. Built once per switch, with
+    setuptools' own flags, into a temporary folder."""
+    if switch in _variants:
+        return _variants[switch]
+    module = None
+    try:
+        from setuptools import Distribution, Extension
+        from setuptools.command.build_ext import build_ext
+
+        folder = Path(_compiled.__file__).parent
+        sources = [str(p) for p in sorted(folder.glob("*.c"))]
+        out = Path(tempfile.mkdtemp(prefix="treemode-variant-"))
+        ext = Extension("_guard", sources, define_macros=[(switch, "0")])
+        cmd = build_ext(Distribution({"ext_modules": [ext]}))
+        cmd.build_lib, cmd.build_temp = str(out), str(out / "build")
+        cmd.ensure_finalized()
+        cmd.run()
+        spec = importlib.util.spec_from_file_location("_guard", cmd.get_ext_fullpath("_guard"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.configure(**_callsite.configure_fields())
+    except Exception as e:  # no C compiler, or no setuptools
+        print(f"(the {switch}=0 copy of the extension was not built: {e})", file=sys.stderr)
+        module = None
+    _variants[switch] = module
+    return module
 
 
 def main() -> None:
-    print("| piece | model | compiled µs | Python µs | saved µs per call |")
-    print("|---|---|---:|---:|---:|")
+    print("| piece | model | with it µs | without it µs | saved µs per call | share of the call |")
+    print("|---|---|---:|---:|---:|---:|")
     for depth in (2, 64):
-        for name, c, py in pieces(depth):
-            print(f"| {name} | {depth}-layer MLP | {c:.2f} | {py:.2f} | {py - c:.2f} |")
+        rows = pieces(depth)
+        forward = next(c for name, c, _ in rows if name == "FastCall (whole forward call)")
+        step = next(c for name, c, _ in rows if name == "FastCall (whole train step)")
+        for name, c, py in rows:
+            # Each saving against the memo-matched call that pays it: the train
+            # step's for its write, the forward call's for the others.
+            whole = step if name.startswith("write") else forward
+            share = "" if name.startswith("FastCall") else f"{(py - c) / whole:.1%}"
+            print(f"| {name} | {depth}-layer MLP | {c:.2f} | {py:.2f} | {py - c:.2f} | {share} |")
 
 
 if __name__ == "__main__":

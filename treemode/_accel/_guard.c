@@ -288,6 +288,11 @@ slot_cache_clear(SlotCache *cache)
  * from a built-in type with its own dict), `obj.__dict__` is exactly
  * `PyObject_GenericGetDict(obj)`. Decided once per type (`dict_access`); any
  * other type is read with getattr, so the answer is always `obj.__dict__`. */
+/* Compiled with TM_GENERIC_DICT=0 (benchmarks/c_pieces.py builds such a copy to
+ * measure what the shortcut saves), every `__dict__` is read with getattr. */
+#ifndef TM_GENERIC_DICT
+#define TM_GENERIC_DICT 1
+#endif
 static getter plain_dict_getter;          /* the `__dict__` getter of Python classes */
 static PyObject *object_getattribute;     /* object.__getattribute__ (borrowed: static type) */
 static SlotCache dict_access;             /* "offsets": 1 generic, 0 getattr */
@@ -339,8 +344,9 @@ generic_dict_type(PyTypeObject *type)
 static int
 dict_is(PyObject *obj, PyObject *expected)
 {
-    PyObject *current = generic_dict_type(Py_TYPE(obj)) ? PyObject_GenericGetDict(obj, NULL)
-                                                        : PyObject_GetAttr(obj, dict_name);
+    PyObject *current = TM_GENERIC_DICT && generic_dict_type(Py_TYPE(obj))
+                            ? PyObject_GenericGetDict(obj, NULL)
+                            : PyObject_GetAttr(obj, dict_name);
     if (current == NULL)
         return -1;
     Py_DECREF(current); /* only compared; `expected` keeps the saved dict alive */
