@@ -9,12 +9,6 @@ against the pipeline's memo path:
 - ``holds`` without version tags: the same guard state with its dict version
   tags left out (every dict compared, as on Python 3.12+): what the tags save
   (the row reads "n/a" where the interpreter has none);
-- ``holds`` without the generic ``__dict__`` read: the same state checked by a
-  copy of the extension compiled with ``TM_GENERIC_DICT=0`` (every
-  ``obj.__dict__`` read with getattr instead of ``_PyType_Lookup``'s decision
-  per type): what that shortcut saves (skipped without a C compiler);
-- ``reads_hold``: the closure-read check (`treemode._tree._closure._Snapshot`),
-  the compiled kernel against its Python twin ``reads_hold_python``;
 - ``write_changed``: the all-or-nothing write of a train step's new values;
 - ``FastCall``: the whole call by the executor of the fast-path record,
   against the same call through the pipeline (``JitWrapped._call``: the memo's
@@ -26,17 +20,15 @@ CPU time (``time.process_time``) per call, best of several rounds, so that a
 loaded machine changes the numbers less. The last column is each saving's
 share of the whole memo-matched call (the ``FastCall`` row of the same model):
 docs/contributing.md's rule returns a piece saving under about 2% to Python.
+Two pieces went back to Python by it (docs/performance.md has their numbers,
+measured by this file at commit b2ebe9f): the exported closure-read kernel
+``reads_hold`` and the generic ``__dict__`` read of the guard.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import jax
@@ -46,8 +38,8 @@ from flax import nnx
 
 import treemode
 from treemode._accel import _compiled
-from treemode._pipeline import _callsite, _writeback
-from treemode._tree import _closure, _flatten
+from treemode._pipeline import _writeback
+from treemode._tree import _flatten
 from treemode._tree._leaves import is_array
 
 
@@ -73,8 +65,7 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     f = treemode.jit(_fwd)
     for _ in range(3):
         jax.block_until_ready(f(m, x))
-    memo: Any = f._memo
-    site, entry = memo
+    assert f._memo is not None and f._record is not None
     rows = []
 
     flat = _flatten.flatten_arg(m, is_array)
@@ -101,25 +92,6 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
         )
     else:
         rows.append(("holds with version tags (against without)", float("nan"), float("nan")))
-    plain = _variant("TM_GENERIC_DICT")
-    if plain is not None:
-        rows.append(
-            (
-                "holds with the generic __dict__ read (against getattr)",
-                per_call_us(lambda: guard.holds(state, variables, m)),
-                per_call_us(lambda: plain.holds(state, variables, m)),
-            )
-        )
-
-    reads = site.snapshot.reads
-    rows.append(
-        (
-            "reads_hold (closure reads)",
-            per_call_us(lambda: guard.reads_hold(reads)),
-            per_call_us(lambda: _closure.reads_hold_python(reads)),
-        )
-    )
-
     values = [v.get_raw_value() for v in variables]
     rows.append(
         (
@@ -159,40 +131,6 @@ def _python_holds(g: Any, variables: list[Any], top: Any) -> bool:
         return g.holds(variables, top)
     finally:
         g.compiled_state = state
-
-
-_variants: dict[str, ModuleType | None] = {}
-
-
-def _variant(switch: str) -> ModuleType | None:
-    """A copy of the extension compiled with ``-D<switch>=0``, configured; ``None``
-    (with a note on stderr) where it cannot be built. Built once per switch, with
-    setuptools' own flags, into a temporary folder."""
-    if switch in _variants:
-        return _variants[switch]
-    module = None
-    try:
-        from setuptools import Distribution, Extension
-        from setuptools.command.build_ext import build_ext
-
-        folder = Path(_compiled.__file__).parent
-        sources = [str(p) for p in sorted(folder.glob("*.c"))]
-        out = Path(tempfile.mkdtemp(prefix="treemode-variant-"))
-        ext = Extension("_guard", sources, define_macros=[(switch, "0")])
-        cmd = build_ext(Distribution({"ext_modules": [ext]}))
-        cmd.build_lib, cmd.build_temp = str(out), str(out / "build")
-        cmd.ensure_finalized()
-        cmd.run()
-        spec = importlib.util.spec_from_file_location("_guard", cmd.get_ext_fullpath("_guard"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.configure(**_callsite.configure_fields())
-    except Exception as e:  # no C compiler, or no setuptools
-        print(f"(the {switch}=0 copy of the extension was not built: {e})", file=sys.stderr)
-        module = None
-    _variants[switch] = module
-    return module
 
 
 def main() -> None:

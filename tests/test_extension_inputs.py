@@ -119,20 +119,33 @@ class _Holder:
 
 
 @pytest.mark.parametrize(
-    "args",
+    "reads",
     [
-        (None,),
-        ((),) * 5,
-        (((),) * 6,),
-        (("x",) * 7,),
-        (((), (), (), (), (), ("pair",), ()),),
-        (((), (), (), (), (), (), ("triple",)),),
-        ((((),) * 7), None),
+        ((), (), (), (), (), ("pair",), ()),  # a cell read is (holder, contents)
+        ((), (), (), (), (), ((len, None),), ()),
+        ((), (), (), (), (), (), ("triple",)),  # an attribute read is (owner, name, value)
     ],
 )
-def test_reads_hold_arguments(extension, args):
-    with pytest.raises(ERRORS):
-        extension.reads_hold(*args)
+def test_an_executed_record_with_malformed_closure_reads_raises(extension, reads):
+    class Fn(extension.FastCall):
+        pass
+
+    f = Fn()
+    f._miss = lambda self, error, args, kwargs: "missed"
+    f._records = (
+        extension.FastRecord(
+            **_record_fields(closure_reads=reads, trace=_compat.current_trace_ref())
+        ),
+    )
+    with pytest.raises(TypeError):
+        f(1.0)
+    # The same record with well-formed reads runs its entry: ``(out, updates)``.
+    f._records = (
+        extension.FastRecord(
+            **_record_fields(jitted=lambda x: (x * 2, None), trace=_compat.current_trace_ref())
+        ),
+    )
+    assert f(1.0) == 2.0
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,7 @@ def test_the_compiled_guard_is_built():
     m.w = nnx.Param(jnp.ones(2))
     flat = _flatten.flatten_arg(m, treemode._tree._leaves.is_array)
     assert module.holds is not None
-    assert module.FastRecord is not None and module.reads_hold is not None
+    assert module.FastRecord is not None and module.FastCall is not None
     assert flat._guard is not None
     entry = flat.origin or flat
     if _flatten._compiled_holds is None:

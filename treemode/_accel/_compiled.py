@@ -195,7 +195,6 @@ def extension_status() -> ExtensionStatus:
 
 holds: Callable[..., bool] | None = guard.holds if guard else None
 version_tags: Callable[..., bytes | None] | None = guard.version_tags if guard else None
-reads_hold: Callable[..., bool] | None = guard.reads_hold if guard else None
 write_changed: Callable[..., int] | None = guard.write_changed if guard else None
 Guarded: type | None = guard.Guarded if guard else None
 FastRecord: type | None = guard.FastRecord if guard else None

@@ -24,7 +24,6 @@
 static PyObject *code_name;      /* interned "__code__" */
 static PyObject *closure_name;   /* interned "__closure__" */
 static PyObject *dict_name;      /* interned "__dict__" */
-static PyObject *getattribute_name; /* interned "__getattribute__" */
 
 /* The configuration (see `configure`), held. */
 static int is_configured;
@@ -281,72 +280,11 @@ slot_cache_clear(SlotCache *cache)
     cache->n = 0;
 }
 
-/* `obj.__dict__` without an attribute lookup, where that gives the same object.
- *
- * For a class defined in Python whose `__dict__` attribute is the one every
- * such class gets (and that neither overrides `__getattribute__` nor derives
- * from a built-in type with its own dict), `obj.__dict__` is exactly
- * `PyObject_GenericGetDict(obj)`. Decided once per type (`dict_access`); any
- * other type is read with getattr, so the answer is always `obj.__dict__`. */
-/* Compiled with TM_GENERIC_DICT=0 (benchmarks/c_pieces.py builds such a copy to
- * measure what the shortcut saves), every `__dict__` is read with getattr. */
-#ifndef TM_GENERIC_DICT
-#define TM_GENERIC_DICT 1
-#endif
-static getter plain_dict_getter;          /* the `__dict__` getter of Python classes */
-static PyObject *object_getattribute;     /* object.__getattribute__ (borrowed: static type) */
-static SlotCache dict_access;             /* "offsets": 1 generic, 0 getattr */
-
-static int
-init_dict_access(void)
-{
-    PyObject *cls = PyObject_CallFunction((PyObject *)&PyType_Type, "s(O){}", "_Plain",
-                                          (PyObject *)&PyBaseObject_Type);
-    if (cls == NULL)
-        return -1;
-    PyObject *descr = _PyType_Lookup((PyTypeObject *)cls, dict_name); /* borrowed */
-    if (descr != NULL && Py_IS_TYPE(descr, &PyGetSetDescr_Type))
-        plain_dict_getter = ((PyGetSetDescrObject *)descr)->d_getset->get; /* a static function */
-    Py_DECREF(cls);
-    object_getattribute = _PyType_Lookup(&PyBaseObject_Type, getattribute_name);
-    return 0;
-}
-
-static int
-generic_dict_type(PyTypeObject *type)
-{
-    for (int i = 0; i < dict_access.n; i++) {
-        if (dict_access.types[i] == type)
-            return (int)dict_access.offsets[i];
-    }
-    int generic = 0;
-    PyObject *descr = _PyType_Lookup(type, dict_name); /* borrowed; no exception set */
-    if (plain_dict_getter != NULL && object_getattribute != NULL && descr != NULL &&
-        Py_IS_TYPE(descr, &PyGetSetDescr_Type) &&
-        ((PyGetSetDescrObject *)descr)->d_getset->get == plain_dict_getter &&
-        _PyType_Lookup(type, getattribute_name) == object_getattribute) {
-        generic = 1;
-        for (PyTypeObject *base = type; base != NULL; base = base->tp_base) {
-            if (!(base->tp_flags & Py_TPFLAGS_HEAPTYPE) && base->tp_dictoffset != 0)
-                generic = 0; /* a built-in base keeps the dict: its own getter runs */
-        }
-    }
-    if (dict_access.n < SLOT_CACHE_SIZE) {
-        Py_INCREF(type);
-        dict_access.types[dict_access.n] = type;
-        dict_access.offsets[dict_access.n] = generic;
-        dict_access.n++;
-    }
-    return generic;
-}
-
 /* Whether `obj.__dict__` is `expected`: 1, 0, or -1 with the exception raised. */
 static int
 dict_is(PyObject *obj, PyObject *expected)
 {
-    PyObject *current = TM_GENERIC_DICT && generic_dict_type(Py_TYPE(obj))
-                            ? PyObject_GenericGetDict(obj, NULL)
-                            : PyObject_GetAttr(obj, dict_name);
+    PyObject *current = PyObject_GetAttr(obj, dict_name);
     if (current == NULL)
         return -1;
     Py_DECREF(current); /* only compared; `expected` keeps the saved dict alive */
@@ -808,11 +746,6 @@ same_cells(PyObject *holder, PyObject *contents)
     return same;
 }
 
-PyDoc_STRVAR(reads_hold_doc,
-"reads_hold(reads) -> bool\n\n"
-"Whether every read of a closure search still gives the same object (twin:\n"
-"treemode._tree._closure.reads_hold_python; `reads` is a _Snapshot's).");
-
 /* What `reads_hold` answers: 1, 0, or -1 with an exception set. */
 static int
 closure_reads_hold(PyObject *reads)
@@ -877,13 +810,6 @@ closure_reads_hold(PyObject *reads)
                           PyTuple_GET_ITEM(triple, 2));
     }
     return ok;
-}
-
-static PyObject *
-reads_hold(PyObject *Py_UNUSED(module), PyObject *reads)
-{
-    int ok = configured() ? closure_reads_hold(reads) : -1;
-    return ok < 0 ? NULL : PyBool_FromLong(ok);
 }
 
 /* Sets `var._raw_value` to `value` (a new reference is taken) and appends
@@ -1645,7 +1571,6 @@ static PyMethodDef methods[] = {
      configure_doc},
     {"holds", (PyCFunction)(void (*)(void))holds, METH_FASTCALL, holds_doc},
     {"version_tags", (PyCFunction)version_tags, METH_O, version_tags_doc},
-    {"reads_hold", (PyCFunction)reads_hold, METH_O, reads_hold_doc},
     {"write_changed", (PyCFunction)(void (*)(void))write_changed, METH_FASTCALL,
      write_changed_doc},
     {NULL, NULL, 0, NULL},
@@ -1702,8 +1627,7 @@ module_exec(PyObject *module)
 {
     if (intern_once(&code_name, "__code__") == NULL ||
         intern_once(&closure_name, "__closure__") == NULL ||
-        intern_once(&dict_name, "__dict__") == NULL ||
-        intern_once(&getattribute_name, "__getattribute__") == NULL || init_dict_access() < 0)
+        intern_once(&dict_name, "__dict__") == NULL)
         return -1;
     if (add_type(module, "Guarded", &Guarded_Type) < 0 ||
         add_type(module, "FastRecord", &FastRecord_Type) < 0 ||

@@ -54,11 +54,7 @@ from typing import Any
 from flax import nnx
 
 from .. import _caches
-from .._accel import _compiled
 from ._leaves import is_variable_or_graph_node
-
-# The compiled checks (treemode._accel._compiled); None where it is off: the same checks below.
-_reads_hold = _compiled.reads_hold
 
 
 class ClosureWarning(UserWarning):
@@ -272,7 +268,7 @@ def unchanged_closure_objects(fn: Callable[..., Any], snapshot: Any) -> list[Any
     again). The list returned for a function without closure objects is shared:
     do not modify it.
     """
-    if _snapshots.get(id(fn)) is not snapshot or not reads_hold(snapshot.reads):
+    if _snapshots.get(id(fn)) is not snapshot or not reads_hold_python(snapshot.reads):
         return None
     if not snapshot.found:
         return _EMPTY_ANSWER
@@ -583,11 +579,10 @@ _Reads = tuple[
 class _Snapshot:
     """One function's answer and every read it depends on, checked in bulk.
 
-    Where the extension is built, every read is checked in one call of the
-    compiled ``reads_hold`` over ``reads`` (the same groups, as tuples). In
-    Python, the global reads are checked in one C-level pass (``dict.get`` over
-    all the ``(globals, name)`` pairs, compared with ``is``); the functions'
-    code objects, closure cells and Module classes one by one.
+    `reads_hold_python` checks ``reads`` (the executor of the fast-path record
+    checks the same groups in C): the global reads in one C-level pass
+    (``dict.get`` over all the ``(globals, name)`` pairs, compared with ``is``);
+    the functions' code objects, closure cells and Module classes one by one.
     """
 
     __slots__ = ("ref", "found", "reads")
@@ -606,18 +601,17 @@ class _Snapshot:
         )
 
     def still_valid(self) -> bool:
-        return reads_hold(self.reads)
-
-
-def reads_hold(reads: tuple[tuple[Any, ...], ...]) -> bool:
-    """Whether every read of a closure search (a `_Snapshot`'s ``reads``) still holds."""
-    if _reads_hold is not None:
-        return _reads_hold(reads)
-    return reads_hold_python(reads)
+        return reads_hold_python(self.reads)
 
 
 def reads_hold_python(reads: tuple[tuple[Any, ...], ...]) -> bool:
-    """The Python twin of the compiled ``reads_hold`` (tests/test_twins.py binds them)."""
+    """Whether every read of a closure search (a `_Snapshot`'s ``reads``) still holds.
+
+    The twin of the closure-read check the executor of the fast-path record makes
+    in C (tests/test_twins.py binds them through the executor). The pipeline
+    calls this one in either mode: a compiled copy saved about 0.6 µs of a
+    25 µs pipeline call (docs/performance.md#what-each-compiled-piece-saves).
+    """
     dicts, names, values, functions, codes, cells, attrs = reads
     if names and not all(map(operator.is_, map(dict.get, dicts, names), values)):
         return False
@@ -645,12 +639,11 @@ def reads_hold_python(reads: tuple[tuple[Any, ...], ...]) -> bool:
     return True
 
 
-if _reads_hold is None:  # no extension: the twin itself, one call less per check
-    reads_hold = reads_hold_python  # noqa: F811
-
-
 def read_check_args() -> tuple[dict[type, int], int, object, object]:
-    """What ``reads_hold`` compares cells with: ``(kinds, ignore, empty, ignored)``."""
+    """What the executor's closure-read check compares cells with.
+
+    ``(kinds, ignore, empty, ignored)``.
+    """
     return _kinds, _IGNORE, _EMPTY, _IGNORED
 
 
