@@ -4,7 +4,7 @@ The cache (``treemode._tree._flatten``) revalidates a cached flattening with bul
 identity checks; each test below changes an argument in one way between two calls
 and asserts the second call sees the change (a new trace where the structure
 differs, the new Variable where one was replaced). Every test runs with the
-compiled guard (``treemode/_accel/_guard.c``, where the extension is on) and with the
+compiled guard (``treemode/_accel/_guard_kernels.c``, where the extension is on) and with the
 pure-Python one that replaces it where it is off.
 """
 

@@ -1,6 +1,6 @@
 """Differential tests: each compiled kernel and its Python twin decide alike.
 
-The compiled extension (``treemode/_accel/_guard.c``) and the Python code implement the
+The compiled extension (``treemode/_accel/_guard*.c``) and the Python code implement the
 same kernels: the flattening guard (``holds``) and the bulk write
 (``write_changed``); and the executor of the fast-path record matches what the
 pipeline's memo matches (``_callsite.match_into``), its closure-read check

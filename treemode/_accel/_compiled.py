@@ -1,4 +1,4 @@
-"""The optional compiled extension (``treemode/_accel/_guard.c``), imported here and nowhere else.
+"""The optional compiled extension (``treemode/_accel/_guard*.c``), imported here and nowhere else.
 
 The extension holds two kinds of code:
 
