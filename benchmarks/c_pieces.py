@@ -9,7 +9,7 @@ against the pipeline's memo path:
 - ``holds`` without version tags: the same guard state with its dict version
   tags left out (every dict compared, as on Python 3.12+): what the tags save
   (the row reads "n/a" where the interpreter has none);
-- ``write_changed``: the all-or-nothing write of a train step's new values;
+- ``write_back``: the all-or-nothing write of a train step's new values;
 - ``FastCall``: the whole call by the executor of the fast-path record,
   against the same call through the pipeline (``JitWrapped._call``: the memo's
   `CallSite.match` and `treemode._pipeline._core.run`) with the compiled kernels:
@@ -95,8 +95,8 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     values = [v.get_raw_value() for v in variables]
     rows.append(
         (
-            "write_changed (train-step write)",
-            per_call_us(lambda: guard.write_changed(variables, values)),
+            "write_back (train-step write)",
+            per_call_us(lambda: guard.write_back(variables, values)),
             per_call_us(lambda: list(map(_writeback._setattr, variables, _repeat_raw, values))),
         )
     )

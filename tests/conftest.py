@@ -100,7 +100,7 @@ def implementation(request, monkeypatch):
     if request.param == "python":
         monkeypatch.setattr(_flatten, "_compiled_holds", None)
         monkeypatch.setattr(_callsite, "fast_record", lambda *args: None)
-        monkeypatch.setattr(_writeback, "_write_changed", None)
+        monkeypatch.setattr(_writeback, "_write_back_compiled", None)
     return request.param
 
 

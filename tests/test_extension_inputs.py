@@ -151,16 +151,16 @@ def test_an_executed_record_with_malformed_closure_reads_raises(extension, reads
 @pytest.mark.parametrize(
     "args", [(), (None, None), ([nnx.Param(1.0)], [1, 2]), (3, []), ([], 3), ([Plain()], [1])]
 )
-def test_write_changed_arguments(extension, args):
+def test_write_back_arguments(extension, args):
     with pytest.raises((*ERRORS, AttributeError)):
-        extension.write_changed(*args)
+        extension.write_back(*args)
 
 
-def test_write_changed_leaves_a_variable_alone_on_error(extension):
+def test_write_back_leaves_a_variable_alone_on_error(extension):
     v = nnx.Param(jnp.zeros(2))
     before = v.get_raw_value()
     with pytest.raises(AttributeError):
-        extension.write_changed([v, Plain()], [jnp.ones(2), 1])
+        extension.write_back([v, Plain()], [jnp.ones(2), 1])
     assert v.get_raw_value() is before
 
 
@@ -185,7 +185,7 @@ def test_configure_checks_every_field(extension):
     # The refused configurations left the configured one in place.
     v = nnx.Param(jnp.zeros(2))
     new = jnp.ones(2)
-    assert extension.write_changed([v], [new]) == 1 and v.get_raw_value() is new
+    assert extension.write_back([v], [new]) == 1 and v.get_raw_value() is new
 
 
 def _record_fields(**changes: Any) -> dict[str, Any]:

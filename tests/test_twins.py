@@ -2,7 +2,7 @@
 
 The compiled extension (``treemode/_accel/_guard*.c``) and the Python code implement the
 same kernels: the flattening guard (``holds``) and the bulk write
-(``write_changed``); and the executor of the fast-path record matches what the
+(``write_back``); and the executor of the fast-path record matches what the
 pipeline's memo matches (``_callsite.match_into``), its closure-read check
 included (``_closure.reads_hold_python``). Here both are fed the same hypothesis-generated models,
 mutations and call sequences, and must give the same decisions: hit or miss,
@@ -324,14 +324,14 @@ def test_the_executors_closure_reads_decide_as_reads_hold_python(n_globals, n_ce
         np.testing.assert_allclose(out, fn(x), rtol=1e-6)
 
 
-# -- write_changed -------------------------------------------------------------------
+# -- write_back -------------------------------------------------------------------
 
 
 @given(
     tree=trees(),
     updates=st.lists(st.sampled_from(["none", "new", "new"]), min_size=1, max_size=12),
 )
-def test_write_changed_writes_as_its_python_twin(tree, updates):
+def test_write_back_writes_as_its_python_twin(tree, updates):
     twin = nnx.clone(tree) if isinstance(tree, nnx.Module) else None
     if twin is None:
         return
@@ -341,18 +341,18 @@ def test_write_changed_writes_as_its_python_twin(tree, updates):
         None if updates[i % len(updates)] == "none" else jnp.full_like(v[...], 7.0 + i)
         for i, v in enumerate(variables_c)
     ]
-    written = COMPILED.write_changed(variables_c, new)
+    written = COMPILED.write_back(variables_c, new)
     call = types.SimpleNamespace(variables=variables_p, sources=[], transform="jit")
-    before = _writeback._write_changed
-    _writeback._write_changed = None
+    before = _writeback._write_back_compiled
+    _writeback._write_back_compiled = None
     try:
         _writeback.write_back(call, new)  # type: ignore[arg-type]
     finally:
-        _writeback._write_changed = before
+        _writeback._write_back_compiled = before
     assert written == sum(u is not None for u in new)
     for a, b, u in zip(variables_c, variables_p, new, strict=True):
         np.testing.assert_array_equal(_compat.raw_value_of(a), _compat.raw_value_of(b))
         if u is not None:
             assert _compat.raw_value_of(a) is u and _compat.raw_value_of(b) is u
     with pytest.raises(ValueError, match="one update per Variable"):
-        COMPILED.write_changed(variables_c, new + [None])
+        COMPILED.write_back(variables_c, new + [None])

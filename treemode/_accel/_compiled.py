@@ -5,7 +5,7 @@ The extension holds two kinds of code:
 - kernels that treemode's Python code also implements (each pair bound by a
   differential test, tests/test_twins.py): the flattening guard (``holds``,
   ``version_tags``), the closure-read check (``reads_hold``) and the bulk
-  write (``write_changed``);
+  write (``write_back``);
 - the executor of the fast-path record: the Python pipeline decides how a
   repeated ``treemode.jit`` call runs and emits a ``FastRecord``
   (`treemode._pipeline._callsite.fast_record`); ``FastCall``, the base of
@@ -195,7 +195,7 @@ def extension_status() -> ExtensionStatus:
 
 holds: Callable[..., bool] | None = guard.holds if guard else None
 version_tags: Callable[..., bytes | None] | None = guard.version_tags if guard else None
-write_changed: Callable[..., int] | None = guard.write_changed if guard else None
+write_back: Callable[..., int] | None = guard.write_back if guard else None
 Guarded: type | None = guard.Guarded if guard else None
 FastRecord: type | None = guard.FastRecord if guard else None
 FastCall: type | None = guard.FastCall if guard else None

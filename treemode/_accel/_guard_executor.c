@@ -6,7 +6,7 @@
  * arguments against the record's slots (the cached flattenings, `Guarded`)
  * and the closure's objects, call the compiled entry, write the new values
  * back. Every doubt is a miss, handed to the one Python callback. The bulk
- * write is also exported (`write_changed`) for the pipeline's write-back.
+ * write is also exported (`write_back`) for the pipeline's write-back.
  */
 #include "_guard.h"
 
@@ -232,8 +232,8 @@ set_raw_value(PyObject *var, PyObject *value, PyObject *previous)
     return 0;
 }
 
-PyDoc_STRVAR(write_changed_doc,
-"write_changed(variables, updates) -> int\n\n"
+PyDoc_STRVAR(write_back_doc,
+"write_back(variables, updates) -> int\n\n"
 "Sets `variables[i]._raw_value = updates[i]` (as object.__setattr__ does) for\n"
 "every update that is not None, all or nothing; returns how many were written.\n"
 "The replaced values are released only after the last write.");
@@ -241,7 +241,7 @@ PyDoc_STRVAR(write_changed_doc,
 /* Writes every non-None `updates[i]` into `variables[i]` (both fast
  * sequences of one length), all or nothing: the count written, or -1. */
 static Py_ssize_t
-write_all(PyObject *variables, PyObject *updates)
+write_back(PyObject *variables, PyObject *updates)
 {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(variables);
     PyObject *previous = PyList_New(0); /* the replaced values, released last */
@@ -278,12 +278,12 @@ write_all(PyObject *variables, PyObject *updates)
 }
 
 static PyObject *
-write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+write_back_kernel(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (!tm_configured())
         return NULL;
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "write_changed(variables, updates) takes 2 arguments");
+        PyErr_SetString(PyExc_TypeError, "write_back(variables, updates) takes 2 arguments");
         return NULL;
     }
     PyObject *variables = PySequence_Fast(args[0], "variables must be a sequence");
@@ -296,10 +296,10 @@ write_changed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
     }
     PyObject *result = NULL;
     if (PySequence_Fast_GET_SIZE(updates) != PySequence_Fast_GET_SIZE(variables)) {
-        PyErr_SetString(PyExc_ValueError, "write_changed: one update per Variable");
+        PyErr_SetString(PyExc_ValueError, "write_back: one update per Variable");
     }
     else {
-        Py_ssize_t written = write_all(variables, updates);
+        Py_ssize_t written = write_back(variables, updates);
         if (written >= 0)
             result = PyLong_FromSsize_t(written);
     }
@@ -631,7 +631,7 @@ execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
                             "treemode: a compiled entry's updates differ from its record's Variables");
             goto done;
         }
-        if (write_all(variables, updates) < 0) {
+        if (write_back(variables, updates) < 0) {
             if (r->donated != Py_None)
                 finish_write(variables, updates);
             goto done;
@@ -745,8 +745,8 @@ static PyTypeObject FastCall_Type = {
 
 
 static PyMethodDef executor_methods[] = {
-    {"write_changed", (PyCFunction)(void (*)(void))write_changed, METH_FASTCALL,
-     write_changed_doc},
+    {"write_back", (PyCFunction)(void (*)(void))write_back_kernel, METH_FASTCALL,
+     write_back_doc},
     {NULL, NULL, 0, NULL},
 };
 
