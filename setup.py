@@ -8,7 +8,7 @@ the build goes on without it and treemode runs the same checks in Python.
 from setuptools import Extension, setup
 
 _SOURCES = ("_guard", "_guard_kernels", "_guard_executor", "_guard_hold")
-_HEADERS = ("_guard",)
+_HEADERS = ("_guard", "_border")
 
 setup(
     ext_modules=[

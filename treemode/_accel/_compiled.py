@@ -42,6 +42,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import _compat
+from . import _border
 
 ENV_VAR = "TREEMODE_NO_EXTENSION"
 QUIET_ENV_VAR = "TREEMODE_NO_EXTENSION_WARNING"
@@ -199,9 +200,10 @@ write_back: Callable[..., int] | None = guard.write_back if guard else None
 Guarded: type | None = guard.Guarded if guard else None
 FastRecord: type | None = guard.FastRecord if guard else None
 FastCall: type | None = guard.FastCall if guard else None
-RECORD_VERSION = 1  # the record layout this Python code emits (the C code checks it)
-# The names of a compiled guard state's fields, in order (defined in the C code).
-GUARD_STATE_FIELDS: tuple[str, ...] = guard.GUARD_STATE_FIELDS if guard else ()
+# The record's version this Python code emits, defined once (the C code checks it).
+RECORD_VERSION = _border.RECORD_VERSION
+# The names of a compiled guard state's fields, in order (defined in _border.py).
+GUARD_STATE_FIELDS: tuple[str, ...] = _border.GUARD_STATE_FIELDS if guard else ()
 
 
 def configure(**fields: Any) -> None:

@@ -53,12 +53,8 @@ tm_malformed(const char *message)
 }
 
 /* configure(**fields): see treemode._accel._compiled.configure. */
-static char *configure_fields[] = {
-    "raw_value", "metadata", "trace_state", "trace_attr", "array_types", "closure_kinds",
-    "closure_ignore", "closure_empty", "closure_ignored", "hold_open", "hold_deferred",
-    "hold_plan", "signals", "getsignal", "setsignal", "main_thread", "debug_checks", NULL,
-};
-#define CONFIGURE_OBJECTS 17
+static char *configure_fields[] = {TM_CONFIGURE_FIELD_NAMES, NULL};
+#define CONFIGURE_OBJECTS TM_CONFIGURE_SIZE
 
 static int
 object_slot_member(PyObject *descr)
@@ -78,25 +74,37 @@ configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
 {
     PyObject *f[CONFIGURE_OBJECTS] = {NULL};
     PyTypeObject *list = &PyList_Type;
+    /* In CONFIGURE_FIELDS' order (the format's); a type where one is checked. */
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "|$OOOO!O!O!OOOO!O!O!O!OOO!O!:configure", configure_fields, &f[0],
-            &f[1], &f[2], &PyUnicode_Type, &f[3], &PySet_Type, &f[4], &PyDict_Type, &f[5], &f[6],
-            &f[7], &f[8], list, &f[9], list, &f[10], list, &f[11], &PyTuple_Type, &f[12], &f[13],
-            &f[14], &PyLong_Type, &f[15], &PyTuple_Type, &f[16]))
+            args, kwds, "|$OOOO!O!O!OOOO!O!O!O!OOO!O!:configure", configure_fields,
+            &f[TM_CONFIGURE_RAW_VALUE], &f[TM_CONFIGURE_METADATA], &f[TM_CONFIGURE_TRACE_STATE],
+            &PyUnicode_Type, &f[TM_CONFIGURE_TRACE_ATTR],
+            &PySet_Type, &f[TM_CONFIGURE_ARRAY_TYPES],
+            &PyDict_Type, &f[TM_CONFIGURE_CLOSURE_KINDS],
+            &f[TM_CONFIGURE_CLOSURE_IGNORE], &f[TM_CONFIGURE_CLOSURE_EMPTY],
+            &f[TM_CONFIGURE_CLOSURE_IGNORED],
+            list, &f[TM_CONFIGURE_HOLD_OPEN], list, &f[TM_CONFIGURE_HOLD_DEFERRED],
+            list, &f[TM_CONFIGURE_HOLD_PLAN], &PyTuple_Type, &f[TM_CONFIGURE_SIGNALS],
+            &f[TM_CONFIGURE_GETSIGNAL], &f[TM_CONFIGURE_SETSIGNAL],
+            &PyLong_Type, &f[TM_CONFIGURE_MAIN_THREAD],
+            &PyTuple_Type, &f[TM_CONFIGURE_DEBUG_CHECKS]))
         return NULL;
     for (int i = 0; i < CONFIGURE_OBJECTS; i++) {
         if (f[i] == NULL)
             return PyErr_Format(PyExc_TypeError, "configure: missing %s", configure_fields[i]);
     }
-    unsigned long main_thread = PyLong_AsUnsignedLong(f[15]);
+    unsigned long main_thread = PyLong_AsUnsignedLong(f[TM_CONFIGURE_MAIN_THREAD]);
     if (PyErr_Occurred())
         return NULL;
-    if (!object_slot_member(f[0]) || !object_slot_member(f[1]) || !PyCallable_Check(f[13]) ||
-        !PyCallable_Check(f[14])) {
+    if (!object_slot_member(f[TM_CONFIGURE_RAW_VALUE]) ||
+        !object_slot_member(f[TM_CONFIGURE_METADATA]) ||
+        !PyCallable_Check(f[TM_CONFIGURE_GETSIGNAL]) ||
+        !PyCallable_Check(f[TM_CONFIGURE_SETSIGNAL])) {
         tm_malformed("configure: raw_value, metadata: object-slot member descriptors; "
                      "getsignal, setsignal: callables");
         return NULL;
     }
+    /* The fields held as they are, in CONFIGURE_FIELDS' order (all but the last two). */
     PyObject **targets[CONFIGURE_OBJECTS - 2] = {
         &tm_raw_value_member, &tm_metadata_member, &tm_trace_state, &tm_trace_attr,
         &tm_array_types, &tm_closure_kinds, &tm_closure_ignore, &tm_closure_empty,
@@ -107,7 +115,7 @@ configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
         Py_XSETREF(*targets[i], Py_NewRef(f[i]));
     if (tm_value_name == NULL && (tm_value_name = PyUnicode_InternFromString("value")) == NULL)
         return NULL;
-    Py_XSETREF(tm_debug_checks, Py_NewRef(f[16]));
+    Py_XSETREF(tm_debug_checks, Py_NewRef(f[TM_CONFIGURE_DEBUG_CHECKS]));
     tm_raw_value_name = PyDescr_NAME(tm_raw_value_member);
     tm_metadata_name = PyDescr_NAME(tm_metadata_member);
     tm_main_thread = main_thread;

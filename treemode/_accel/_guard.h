@@ -16,6 +16,8 @@
 #include <Python.h>
 #include <structmember.h> /* T_OBJECT_EX */
 
+#include "_border.h" /* the structures read from Python (generated) */
+
 /* Interned attribute names (set by the module's init). */
 extern PyObject *tm_code_name;    /* "__code__" */
 extern PyObject *tm_closure_name; /* "__closure__" */

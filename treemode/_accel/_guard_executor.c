@@ -47,7 +47,7 @@ static PyTypeObject Guarded_Type;
 static PyObject *
 guarded_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *names[] = {"arg", "state", "variables", "flat", NULL};
+    static char *names[] = {TM_GUARDED_FIELD_NAMES, NULL};
     PyObject *arg, *state, *variables, *flat;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O:Guarded", names, &arg, &PyTuple_Type,
                                      &state, &PyTuple_Type, &variables, &flat))
@@ -84,7 +84,7 @@ fields_clear(PyObject **fields, int n)
     return 0;
 }
 
-#define GUARDED_OBJECTS 4 /* arg, state, variables, flat */
+#define GUARDED_OBJECTS TM_GUARDED_SIZE /* arg, state, variables, flat, in this order */
 
 static int
 guarded_traverse(GuardedObject *self, visitproc visit, void *arg)
@@ -319,8 +319,6 @@ write_back_kernel(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t
  * the one Python callback, `miss(self, error, args, kwargs)`: `error` is None, or
  * the exception the compiled entry raised. */
 
-#define RECORD_VERSION 1
-
 typedef struct {
     PyObject_HEAD
     PyObject *slots, *partial_args, *kw_names, *closure_reads, *closure_holders, *lifted_slots,
@@ -328,11 +326,8 @@ typedef struct {
 } RecordObject;
 
 /* The record's fields, in the order of `RecordObject` (after `version`). */
-static char *record_fields[] = {
-    "version", "slots", "partial_args", "kw_names", "closure_reads", "closure_holders",
-    "lifted_slots", "jitted", "donated", "kept", "trace", NULL,
-};
-#define RECORD_OBJECTS 10
+static char *record_fields[] = {TM_RECORD_FIELD_NAMES, NULL};
+#define RECORD_OBJECTS (TM_RECORD_SIZE - 1)
 
 static PyTypeObject FastRecord_Type;
 
@@ -368,17 +363,17 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             return PyErr_Format(PyExc_TypeError, "FastRecord: missing field %s",
                                 record_fields[i + 1]);
     }
-    if (PyLong_AsLong(version) != RECORD_VERSION)
+    if (PyLong_AsLong(version) != TM_RECORD_VERSION_NUMBER)
         return PyErr_Format(PyExc_ValueError,
                             "FastRecord: a version %R record; this extension executes version %d",
-                            version, RECORD_VERSION);
+                            version, TM_RECORD_VERSION_NUMBER);
     PyObject *kw_names = f[2], *reads = f[3], *donated = f[7], *kept = f[8];
-    int ok = PyTuple_GET_SIZE(reads) == 7 && tuple_of(f[0], 0) && tuple_of(f[5], 0) &&
+    int ok = PyTuple_GET_SIZE(reads) == TM_READS_SIZE && tuple_of(f[0], 0) && tuple_of(f[5], 0) &&
              PyTuple_GET_SIZE(f[4]) == PyTuple_GET_SIZE(f[5]) && PyCallable_Check(f[6]) &&
              ((donated == Py_None && kept == Py_None) || (tuple_of(donated, 1) && tuple_of(kept, 1)));
     for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(kw_names); i++)
         ok = PyUnicode_CheckExact(PyTuple_GET_ITEM(kw_names, i));
-    for (Py_ssize_t i = 0; ok && i < 7; i++)
+    for (Py_ssize_t i = 0; ok && i < TM_READS_SIZE; i++)
         ok = PyTuple_Check(PyTuple_GET_ITEM(reads, i));
     if (!ok) {
         PyErr_SetString(PyExc_TypeError,
@@ -620,11 +615,11 @@ execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
         *error = tm_fetch_error();
         goto done;
     }
-    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 2) {
+    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != TM_ENTRY_SIZE) {
         PyErr_SetString(PyExc_SystemError, "treemode: a compiled entry returns (out, updates)");
         goto done;
     }
-    PyObject *updates = PyTuple_GET_ITEM(result, 1);
+    PyObject *updates = PyTuple_GET_ITEM(result, TM_ENTRY_UPDATES);
     if (updates != Py_None) { /* None: the trace updates nothing */
         if (!PyTuple_Check(updates) || PyTuple_GET_SIZE(updates) != PyList_GET_SIZE(variables)) {
             PyErr_SetString(PyExc_SystemError,
@@ -637,7 +632,7 @@ execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
             goto done;
         }
     }
-    out = Py_NewRef(PyTuple_GET_ITEM(result, 0));
+    out = Py_NewRef(PyTuple_GET_ITEM(result, TM_ENTRY_OUT));
 done:
     if (token != NULL && tm_release_signals(token) < 0) {
         Py_CLEAR(out); /* a held signal's exception, raised after the write */
@@ -758,7 +753,7 @@ tm_executor_exec(PyObject *module)
         tm_add_type(module, "Guarded", &Guarded_Type) < 0 ||
         tm_add_type(module, "FastRecord", &FastRecord_Type) < 0 ||
         tm_add_type(module, "FastCall", &FastCall_Type) < 0 ||
-        PyModule_AddIntConstant(module, "RECORD_VERSION", RECORD_VERSION) < 0 ||
+        PyModule_AddIntConstant(module, "RECORD_VERSION", TM_RECORD_VERSION_NUMBER) < 0 ||
         tm_add_names(module, "RECORD_FIELDS", record_fields) < 0)
         return -1;
     return 0;

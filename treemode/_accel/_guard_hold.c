@@ -15,9 +15,10 @@
 static PyObject *
 planned_swaps(void)
 {
-    if (PyList_GET_SIZE(tm_hold_plan) != 2)
+    if (PyList_GET_SIZE(tm_hold_plan) != TM_PLAN_SIZE)
         return NULL;
-    PyObject *handlers = PyList_GET_ITEM(tm_hold_plan, 0), *swaps = PyList_GET_ITEM(tm_hold_plan, 1);
+    PyObject *handlers = PyList_GET_ITEM(tm_hold_plan, TM_PLAN_HANDLERS);
+    PyObject *swaps = PyList_GET_ITEM(tm_hold_plan, TM_PLAN_SWAPS);
     Py_ssize_t n = PyTuple_GET_SIZE(tm_signals);
     if (!PyTuple_Check(handlers) || !PyTuple_Check(swaps) || PyTuple_GET_SIZE(handlers) != n)
         return NULL;
@@ -47,7 +48,8 @@ tm_hold_signals(PyObject *donated)
         return NULL;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(swaps); i++) {
         PyObject *swap = PyTuple_GET_ITEM(swaps, i); /* (signum, original, deferring) */
-        PyObject *args[2] = {PyTuple_GET_ITEM(swap, 0), PyTuple_GET_ITEM(swap, 2)};
+        PyObject *args[2] = {PyTuple_GET_ITEM(swap, TM_SWAP_SIGNUM),
+                             PyTuple_GET_ITEM(swap, TM_SWAP_DEFERRING)};
         PyObject *old = PyObject_Vectorcall(tm_setsignal, args, 2, NULL);
         if (old == NULL) {
             Py_DECREF(swaps);
@@ -127,7 +129,8 @@ tm_release_signals(PyObject *token)
         released = n > 0 ? PyList_SetSlice(tm_hold_open, n - 1, n, NULL) : -1; /* close */
         for (Py_ssize_t i = 0; released == 0 && i < PyTuple_GET_SIZE(token); i++) {
             PyObject *swap = PyTuple_GET_ITEM(token, i);
-            PyObject *args[2] = {PyTuple_GET_ITEM(swap, 0), PyTuple_GET_ITEM(swap, 1)};
+            PyObject *args[2] = {PyTuple_GET_ITEM(swap, TM_SWAP_SIGNUM),
+                                 PyTuple_GET_ITEM(swap, TM_SWAP_ORIGINAL)};
             PyObject *old = PyObject_Vectorcall(tm_setsignal, args, 2, NULL);
             released = old == NULL ? -1 : 0; /* a new signal's handler raised */
             Py_XDECREF(old);

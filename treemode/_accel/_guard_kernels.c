@@ -281,19 +281,13 @@ same_metadata(PyObject *var, PyObject *expected, PyObject *entries, const uint64
 
 /* The fields of a guard state (built by treemode._tree._flatten._Guard), then,
  * where the interpreter has dict version tags, three tags. */
-enum {
-    ST_SIZED, ST_LENS, ST_DICTS, ST_VALUES, ST_ORDERED, ST_ITEMS, ST_METADATA,
-    ST_METADATA_ENTRIES, ST_NODES, ST_NODE_TYPES, ST_OWNERS, ST_OWNER_DICTS,
-    ST_VARIABLE_TYPES, ST_TOP_TYPE, ST_TOP_DICT, ST_FIELDS,
-    ST_DICT_TAGS = ST_FIELDS, ST_ORDERED_TAGS, ST_METADATA_TAGS, ST_TAGGED_FIELDS
-};
-#define ST_TUPLES ST_TOP_TYPE /* the fields before it are tuples */
-/* Their names, in that order: treemode/_tree/_flatten.py builds a state by them. */
-static char *guard_state_fields[] = {
-    "sized", "lens", "dicts", "values", "ordered", "items", "metadata", "metadata_entries",
-    "nodes", "node_types", "owners", "owner_dicts", "variable_types", "top_type", "top_dict",
-    "dict_tags", "ordered_tags", "metadata_tags", NULL,
-};
+/* The fields of a guard state (named in treemode/_accel/_border.py, which
+ * treemode._tree._flatten._Guard builds a state by): the untagged ones, then,
+ * where the interpreter has dict version tags, the three tags. */
+#define ST_FIELDS (TM_STATE_SIZE - TM_STATE_TAGS)
+#define ST_TAGGED_FIELDS TM_STATE_SIZE
+#define ST_TUPLES TM_STATE_TOP_TYPE /* the fields before it are tuples */
+static char *guard_state_fields[] = {TM_STATE_FIELD_NAMES, NULL};
 
 /* Whether the snapshot `state` (see `holds` below) still describes its
  * containers, the Variables in `variables` (a list or tuple) and the top-level
@@ -311,36 +305,36 @@ tm_state_holds(PyObject *state, PyObject *variables, PyObject *top)
             return tm_malformed("the first 13 items of a guard state are tuples");
     }
 #define ST_LEN(i) PyTuple_GET_SIZE(PyTuple_GET_ITEM(state, (i)))
-    if (ST_LEN(ST_SIZED) != ST_LEN(ST_LENS) || ST_LEN(ST_METADATA) != ST_LEN(ST_METADATA_ENTRIES) ||
-        ST_LEN(ST_NODES) != ST_LEN(ST_NODE_TYPES) || ST_LEN(ST_OWNERS) != ST_LEN(ST_OWNER_DICTS) ||
-        ST_LEN(ST_VARIABLE_TYPES) != ST_LEN(ST_METADATA))
+    if (ST_LEN(TM_STATE_SIZED) != ST_LEN(TM_STATE_LENS) || ST_LEN(TM_STATE_METADATA) != ST_LEN(TM_STATE_METADATA_ENTRIES) ||
+        ST_LEN(TM_STATE_NODES) != ST_LEN(TM_STATE_NODE_TYPES) || ST_LEN(TM_STATE_OWNERS) != ST_LEN(TM_STATE_OWNER_DICTS) ||
+        ST_LEN(TM_STATE_VARIABLE_TYPES) != ST_LEN(TM_STATE_METADATA))
         return tm_malformed("a guard state has one length per sized container, one entries "
                          "tuple per metadata dict, one type per node and per Variable, and "
                          "one dict per owner");
 #undef ST_LEN
-    PyObject *sized = PyTuple_GET_ITEM(state, ST_SIZED);
-    PyObject *lens = PyTuple_GET_ITEM(state, ST_LENS);
-    PyObject *dicts = PyTuple_GET_ITEM(state, ST_DICTS);
-    PyObject *values = PyTuple_GET_ITEM(state, ST_VALUES);
-    PyObject *ordered = PyTuple_GET_ITEM(state, ST_ORDERED);
-    PyObject *items = PyTuple_GET_ITEM(state, ST_ITEMS);
-    PyObject *metadata = PyTuple_GET_ITEM(state, ST_METADATA);
-    PyObject *metadata_entries = PyTuple_GET_ITEM(state, ST_METADATA_ENTRIES);
-    PyObject *nodes = PyTuple_GET_ITEM(state, ST_NODES);
-    PyObject *node_types = PyTuple_GET_ITEM(state, ST_NODE_TYPES);
-    PyObject *owners = PyTuple_GET_ITEM(state, ST_OWNERS);
-    PyObject *owner_dicts = PyTuple_GET_ITEM(state, ST_OWNER_DICTS);
-    PyObject *variable_types = PyTuple_GET_ITEM(state, ST_VARIABLE_TYPES);
-    PyObject *top_type = PyTuple_GET_ITEM(state, ST_TOP_TYPE);
-    PyObject *top_dict = PyTuple_GET_ITEM(state, ST_TOP_DICT);
+    PyObject *sized = PyTuple_GET_ITEM(state, TM_STATE_SIZED);
+    PyObject *lens = PyTuple_GET_ITEM(state, TM_STATE_LENS);
+    PyObject *dicts = PyTuple_GET_ITEM(state, TM_STATE_DICTS);
+    PyObject *values = PyTuple_GET_ITEM(state, TM_STATE_VALUES);
+    PyObject *ordered = PyTuple_GET_ITEM(state, TM_STATE_ORDERED);
+    PyObject *items = PyTuple_GET_ITEM(state, TM_STATE_ITEMS);
+    PyObject *metadata = PyTuple_GET_ITEM(state, TM_STATE_METADATA);
+    PyObject *metadata_entries = PyTuple_GET_ITEM(state, TM_STATE_METADATA_ENTRIES);
+    PyObject *nodes = PyTuple_GET_ITEM(state, TM_STATE_NODES);
+    PyObject *node_types = PyTuple_GET_ITEM(state, TM_STATE_NODE_TYPES);
+    PyObject *owners = PyTuple_GET_ITEM(state, TM_STATE_OWNERS);
+    PyObject *owner_dicts = PyTuple_GET_ITEM(state, TM_STATE_OWNER_DICTS);
+    PyObject *variable_types = PyTuple_GET_ITEM(state, TM_STATE_VARIABLE_TYPES);
+    PyObject *top_type = PyTuple_GET_ITEM(state, TM_STATE_TOP_TYPE);
+    PyObject *top_dict = PyTuple_GET_ITEM(state, TM_STATE_TOP_DICT);
     int tagged = PyTuple_GET_SIZE(state) == ST_TAGGED_FIELDS;
     const uint64_t *dict_tags =
-        tagged ? saved_tags(PyTuple_GET_ITEM(state, ST_DICT_TAGS), PyTuple_GET_SIZE(dicts)) : NULL;
+        tagged ? saved_tags(PyTuple_GET_ITEM(state, TM_STATE_DICT_TAGS), PyTuple_GET_SIZE(dicts)) : NULL;
     const uint64_t *ordered_tags =
-        tagged ? saved_tags(PyTuple_GET_ITEM(state, ST_ORDERED_TAGS), PyTuple_GET_SIZE(ordered))
+        tagged ? saved_tags(PyTuple_GET_ITEM(state, TM_STATE_ORDERED_TAGS), PyTuple_GET_SIZE(ordered))
                : NULL;
     const uint64_t *metadata_tags =
-        tagged ? saved_tags(PyTuple_GET_ITEM(state, ST_METADATA_TAGS), PyTuple_GET_SIZE(metadata))
+        tagged ? saved_tags(PyTuple_GET_ITEM(state, TM_STATE_METADATA_TAGS), PyTuple_GET_SIZE(metadata))
                : NULL;
     Py_ssize_t k;
     int same;
@@ -459,8 +453,8 @@ tm_held(PyObject *holder)
 {
     if (PyWeakref_CheckRef(holder))
         return tm_referent(holder);
-    if (PyTuple_Check(holder) && PyTuple_GET_SIZE(holder) == 1)
-        return Py_NewRef(PyTuple_GET_ITEM(holder, 0));
+    if (PyTuple_Check(holder) && PyTuple_GET_SIZE(holder) == TM_HOLDER_SIZE)
+        return Py_NewRef(PyTuple_GET_ITEM(holder, TM_HOLDER_OBJ));
     return NULL;
 }
 
@@ -527,23 +521,23 @@ same_cells(PyObject *holder, PyObject *contents)
 int
 tm_closure_reads_hold(PyObject *reads)
 {
-    if (!PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) != 7) {
+    if (!PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) != TM_READS_SIZE) {
         PyErr_SetString(PyExc_TypeError, "reads_hold(reads): reads is a 7-tuple");
         return -1;
     }
-    for (Py_ssize_t i = 0; i < 7; i++) {
+    for (Py_ssize_t i = 0; i < TM_READS_SIZE; i++) {
         if (!PyTuple_Check(PyTuple_GET_ITEM(reads, i))) {
             PyErr_SetString(PyExc_TypeError, "reads_hold: every read group is a tuple");
             return -1;
         }
     }
-    PyObject *dicts = PyTuple_GET_ITEM(reads, 0);
-    PyObject *names = PyTuple_GET_ITEM(reads, 1);
-    PyObject *values = PyTuple_GET_ITEM(reads, 2);
-    PyObject *functions = PyTuple_GET_ITEM(reads, 3);
-    PyObject *codes = PyTuple_GET_ITEM(reads, 4);
-    PyObject *cells = PyTuple_GET_ITEM(reads, 5);
-    PyObject *attrs = PyTuple_GET_ITEM(reads, 6);
+    PyObject *dicts = PyTuple_GET_ITEM(reads, TM_READS_DICTS);
+    PyObject *names = PyTuple_GET_ITEM(reads, TM_READS_NAMES);
+    PyObject *values = PyTuple_GET_ITEM(reads, TM_READS_VALUES);
+    PyObject *functions = PyTuple_GET_ITEM(reads, TM_READS_FUNCTIONS);
+    PyObject *codes = PyTuple_GET_ITEM(reads, TM_READS_CODES);
+    PyObject *cells = PyTuple_GET_ITEM(reads, TM_READS_CELLS);
+    PyObject *attrs = PyTuple_GET_ITEM(reads, TM_READS_ATTRS);
     int ok = PyTuple_GET_SIZE(dicts) == PyTuple_GET_SIZE(names) &&
              PyTuple_GET_SIZE(names) == PyTuple_GET_SIZE(values) &&
              PyTuple_GET_SIZE(functions) == PyTuple_GET_SIZE(codes);
@@ -570,21 +564,23 @@ tm_closure_reads_hold(PyObject *reads)
     }
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(cells); i++) {
         PyObject *pair = PyTuple_GET_ITEM(cells, i);
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
-            !PyTuple_Check(PyTuple_GET_ITEM(pair, 1))) {
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != TM_CELL_READ_SIZE ||
+            !PyTuple_Check(PyTuple_GET_ITEM(pair, TM_CELL_READ_CONTENTS))) {
             PyErr_SetString(PyExc_TypeError, "reads_hold: a cell read is (holder, contents)");
             return -1;
         }
-        ok = same_cells(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1));
+        ok = same_cells(PyTuple_GET_ITEM(pair, TM_CELL_READ_HOLDER),
+                        PyTuple_GET_ITEM(pair, TM_CELL_READ_CONTENTS));
     }
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(attrs); i++) {
         PyObject *triple = PyTuple_GET_ITEM(attrs, i);
-        if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3) {
+        if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != TM_ATTRIBUTE_READ_SIZE) {
             PyErr_SetString(PyExc_TypeError, "reads_hold: an attribute read is (owner, name, value)");
             return -1;
         }
-        ok = attribute_is(PyTuple_GET_ITEM(triple, 0), PyTuple_GET_ITEM(triple, 1),
-                          PyTuple_GET_ITEM(triple, 2));
+        ok = attribute_is(PyTuple_GET_ITEM(triple, TM_ATTRIBUTE_READ_OWNER),
+                          PyTuple_GET_ITEM(triple, TM_ATTRIBUTE_READ_NAME),
+                          PyTuple_GET_ITEM(triple, TM_ATTRIBUTE_READ_VALUE));
     }
     return ok;
 }

@@ -54,6 +54,7 @@ from typing import Any
 from flax import nnx
 
 from .. import _caches
+from .._accel._border import attribute_read, cell_read, closure_reads
 from ._leaves import is_variable_or_graph_node
 
 
@@ -405,7 +406,7 @@ class _Walk:
             self.add(type(f).__name__, f)
             call = getattr(type(f), "__call__", None)  # noqa: B004 - the method itself
             if self.top_ref is not None:
-                self.attrs.append((type(f), "__call__", call))
+                self.attrs.append(attribute_read(type(f), "__call__", call))
             if call is not None:
                 self.visit(call, depth + 1)
             return
@@ -438,7 +439,7 @@ class _Walk:
                     contents.append(self.hold(obj))
                 self.consider(name, obj, kind, depth)
             if record:
-                self.cells.append((self.hold(f), tuple(contents)))
+                self.cells.append(cell_read(self.hold(f), tuple(contents)))
         defaults = getattr(f, "__defaults__", None)
         if defaults:
             names = plan.code.co_varnames[: plan.code.co_argcount][-len(defaults) :]
@@ -590,7 +591,7 @@ class _Snapshot:
     def __init__(self, ref: Any, walk: _Walk):
         self.ref = ref
         self.found = [(name, walk.hold(obj)) for name, obj in walk.found]
-        self.reads: _Reads = (
+        self.reads: _Reads = closure_reads(
             tuple(walk.dicts),
             tuple(walk.names),
             tuple(walk.values),
