@@ -45,7 +45,7 @@ def test_every_structure_has_distinct_named_fields():
     for prefix, fields in _border.STRUCTURES.items():
         assert fields and len(set(fields)) == len(fields), prefix
         assert all(name.isidentifier() for name in fields), prefix
-    assert _compiled.RECORD_VERSION == _border.RECORD_VERSION
+    assert not hasattr(_compiled, "RECORD_VERSION")  # one definition, in _border
 
 
 def test_the_builders_follow_the_field_order():

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from treemode import _compat
-from treemode._accel import _compiled
+from treemode._accel import _border
 
 ERRORS = (TypeError, ValueError)
 
@@ -190,7 +190,7 @@ def test_configure_checks_every_field(extension):
 
 def _record_fields(**changes: Any) -> dict[str, Any]:
     fields = {
-        "version": _compiled.RECORD_VERSION,
+        "version": _border.RECORD_VERSION,
         "slots": (None,),
         "partial_args": (),
         "kw_names": (),
@@ -209,7 +209,7 @@ def _record_fields(**changes: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "changes",
     [
-        {"version": _compiled.RECORD_VERSION + 1},
+        {"version": _border.RECORD_VERSION + 1},
         {"slots": [None]},
         {"slots": ("not a weak reference",)},
         {"partial_args": None},

@@ -4,8 +4,7 @@ The extension holds two kinds of code:
 
 - kernels that treemode's Python code also implements (each pair bound by a
   differential test, tests/test_twins.py): the flattening guard (``holds``,
-  ``version_tags``), the closure-read check (``reads_hold``) and the bulk
-  write (``write_back``);
+  ``version_tags``) and the bulk write (``write_back``);
 - the executor of the fast-path record: the Python pipeline decides how a
   repeated ``treemode.jit`` call runs and emits a ``FastRecord``
   (`treemode._pipeline._callsite.fast_record`); ``FastCall``, the base of
@@ -200,8 +199,6 @@ write_back: Callable[..., int] | None = guard.write_back if guard else None
 Guarded: type | None = guard.Guarded if guard else None
 FastRecord: type | None = guard.FastRecord if guard else None
 FastCall: type | None = guard.FastCall if guard else None
-# The record's version this Python code emits, defined once (the C code checks it).
-RECORD_VERSION = _border.RECORD_VERSION
 # The names of a compiled guard state's fields, in order (defined in _border.py).
 GUARD_STATE_FIELDS: tuple[str, ...] = _border.GUARD_STATE_FIELDS if guard else ()
 
@@ -209,7 +206,7 @@ GUARD_STATE_FIELDS: tuple[str, ...] = _border.GUARD_STATE_FIELDS if guard else (
 def configure(**fields: Any) -> None:
     """Hand the C code what it reads: called once, by ``treemode._pipeline._callsite``.
 
-    The fields (``_guard.CONFIGURE_FIELDS``, checked by keyword in C):
+    The fields (``_border.CONFIGURE_FIELDS``, checked by keyword in C):
     ``raw_value``, ``metadata`` (the Variable slots' member descriptors from
     `treemode._compat`), ``trace_state``, ``trace_attr`` (``getattr(trace_state,
     trace_attr)`` is the current trace's weak reference), ``array_types`` (the
@@ -230,7 +227,6 @@ __all__ = [
     "ExtensionStatus",
     "ExtensionWarning",
     "QUIET_ENV_VAR",
-    "RECORD_VERSION",
     "STATUS",
     "configure",
     "extension_status",
