@@ -133,7 +133,15 @@ def closure_reads(
     codes: tuple[Any, ...],
     cells: tuple[Any, ...],
     attrs: tuple[Any, ...],
-) -> tuple[tuple[Any, ...], ...]:
+) -> tuple[
+    tuple[Any, ...],
+    tuple[Any, ...],
+    tuple[Any, ...],
+    tuple[Any, ...],
+    tuple[Any, ...],
+    tuple[Any, ...],
+    tuple[Any, ...],
+]:
     """The closure reads, in the order of `CLOSURE_READS_FIELDS`."""
     return (dicts, names, values, functions, codes, cells, attrs)
 
