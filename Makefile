@@ -15,7 +15,10 @@ INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PIP) install --quiet 
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml setup.py treemode/_accel/_guard.c constraints.txt
+# The compiled extension's sources: every C file and header of treemode/_accel/.
+GUARD_SOURCES := $(wildcard treemode/_accel/*.c treemode/_accel/*.h)
+
+$(STAMP): $(PY) pyproject.toml setup.py $(GUARD_SOURCES) constraints.txt
 	$(INSTALL) --upgrade pip
 	$(INSTALL) $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP)

@@ -6,8 +6,10 @@ hands it, compiled and in Python, and the whole memo-matched call is timed
 against the pipeline's memo path:
 
 - ``holds``: the flattening guard (`treemode._tree._flatten._Guard.holds`);
-- ``reads_hold``: the closure-read check (`treemode._tree._closure._Snapshot`);
-- ``write_changed``: the all-or-nothing write of a train step's new values;
+- ``holds`` without version tags: the same guard state with its dict version
+  tags left out (every dict compared, as on Python 3.12+): what the tags save
+  (the row reads "n/a" where the interpreter has none);
+- ``write_back``: the all-or-nothing write of a train step's new values;
 - ``FastCall``: the whole call by the executor of the fast-path record,
   against the same call through the pipeline (``JitWrapped._call``: the memo's
   `CallSite.match` and `treemode._pipeline._core.run`) with the compiled kernels:
@@ -15,7 +17,12 @@ against the pipeline's memo path:
 
 Run: ``python benchmarks/c_pieces.py`` (needs the extension; prints a table).
 CPU time (``time.process_time``) per call, best of several rounds, so that a
-loaded machine changes the numbers less.
+loaded machine changes the numbers less. The last column is each saving's
+share of the whole memo-matched call (the ``FastCall`` row of the same model):
+docs/contributing.md's rule returns a piece saving under about 2% to Python.
+Two pieces went back to Python by it (docs/performance.md has their numbers,
+measured by this file at commit b2ebe9f): the exported closure-read kernel
+``reads_hold`` and the generic ``__dict__`` read of the guard.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from flax import nnx
 import treemode
 from treemode._accel import _compiled
 from treemode._pipeline import _writeback
-from treemode._tree import _closure, _flatten
+from treemode._tree import _flatten
 from treemode._tree._leaves import is_array
 
 
@@ -58,8 +65,7 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     f = treemode.jit(_fwd)
     for _ in range(3):
         jax.block_until_ready(f(m, x))
-    memo: Any = f._memo
-    site, entry = memo
+    assert f._memo is not None and f._record is not None
     rows = []
 
     flat = _flatten.flatten_arg(m, is_array)
@@ -74,20 +80,23 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
         )
     )
 
-    snap = site.snapshot
-    rows.append(
-        (
-            "reads_hold (closure reads)",
-            per_call_us(lambda: guard.reads_hold(snap.reads)),
-            _python(snap.still_valid, g)(),
+    n_untagged = len(guard.GUARD_STATE_FIELDS) - 3  # the fields before the three tags
+    if len(state) > n_untagged:
+        untagged = state[:n_untagged]
+        rows.append(
+            (
+                "holds with version tags (against without)",
+                per_call_us(lambda: guard.holds(state, variables, m)),
+                per_call_us(lambda: guard.holds(untagged, variables, m)),
+            )
         )
-    )
-
+    else:
+        rows.append(("holds with version tags (against without)", float("nan"), float("nan")))
     values = [v.get_raw_value() for v in variables]
     rows.append(
         (
-            "write_changed (train-step write)",
-            per_call_us(lambda: guard.write_changed(variables, values)),
+            "write_back (train-step write)",
+            per_call_us(lambda: guard.write_back(variables, values)),
             per_call_us(lambda: list(map(_writeback._setattr, variables, _repeat_raw, values))),
         )
     )
@@ -124,28 +133,19 @@ def _python_holds(g: Any, variables: list[Any], top: Any) -> bool:
         g.compiled_state = state
 
 
-def _python(fn: Callable[[], Any], g: Any) -> Callable[[], float]:
-    """``fn`` timed with the Python twins of the helpers it calls (``g``: the guard)."""
-
-    def timed() -> float:
-        saved = (_flatten._compiled_holds, _closure._reads_hold, g.compiled_state)
-        _flatten._compiled_holds = None
-        _closure._reads_hold = None
-        g.compiled_state = None
-        try:
-            return per_call_us(fn)
-        finally:
-            _flatten._compiled_holds, _closure._reads_hold, g.compiled_state = saved
-
-    return timed
-
-
 def main() -> None:
-    print("| piece | model | compiled µs | Python µs | saved µs per call |")
-    print("|---|---|---:|---:|---:|")
+    print("| piece | model | with it µs | without it µs | saved µs per call | share of the call |")
+    print("|---|---|---:|---:|---:|---:|")
     for depth in (2, 64):
-        for name, c, py in pieces(depth):
-            print(f"| {name} | {depth}-layer MLP | {c:.2f} | {py:.2f} | {py - c:.2f} |")
+        rows = pieces(depth)
+        forward = next(c for name, c, _ in rows if name == "FastCall (whole forward call)")
+        step = next(c for name, c, _ in rows if name == "FastCall (whole train step)")
+        for name, c, py in rows:
+            # Each saving against the memo-matched call that pays it: the train
+            # step's for its write, the forward call's for the others.
+            whole = step if name.startswith("write") else forward
+            share = "" if name.startswith("FastCall") else f"{(py - c) / whole:.1%}"
+            print(f"| {name} | {depth}-layer MLP | {c:.2f} | {py:.2f} | {py - c:.2f} | {share} |")
 
 
 if __name__ == "__main__":

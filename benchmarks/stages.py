@@ -5,7 +5,7 @@ splits treemode's share of it into the stages of the pipeline, each timed on its
 own (interleaved with the others, minimum of many samples, as every benchmark
 here), for the dispatch models' forward pass and train step. A call with the
 same objects as the previous one takes the compiled call path
-(``treemode/_accel/_guard.c``), whose stages are:
+(``treemode/_accel/_guard_executor.c``), whose stages are:
 
 - ``floor``: ``jax.jit`` on a flat tuple of the same arrays (the reference);
 - ``JAX dispatch``: the compiled entry treemode calls, given the prepared arrays

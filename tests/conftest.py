@@ -72,7 +72,7 @@ def _tracer_leak_mode(request):
 # it is off; tests of the C code alone take `extension`.
 from treemode._accel import _compiled  # noqa: E402
 from treemode._pipeline import _call, _callsite, _writeback  # noqa: E402
-from treemode._tree import _closure, _flatten  # noqa: E402
+from treemode._tree import _flatten  # noqa: E402
 
 IMPLEMENTATIONS = ["compiled", "python"] if _compiled.ENABLED else ["python"]
 
@@ -88,10 +88,10 @@ def implementation(request, monkeypatch):
     """``"compiled"`` or ``"python"``: which helpers the call path runs.
 
     In ``"python"`` every compiled helper that modules look up per call is
-    replaced by its Python twin (the flattening guard, the closure-read check,
-    the bulk write), and no fast-path record is emitted
-    (every call runs through the pipeline, as with the extension off). The
-    base class the extension provides (``FastCall``) is fixed at import:
+    replaced by its Python twin (the flattening guard, the bulk write), and no
+    fast-path record is emitted (every call runs through the pipeline, as with
+    the extension off). The base class the extension provides (``FastCall``) is
+    fixed at import:
     `make test-python` runs without it.
     The flattening cache starts empty (its entries carry the guard they were
     made with).
@@ -99,9 +99,8 @@ def implementation(request, monkeypatch):
     monkeypatch.setattr(_flatten, "_cache", {})
     if request.param == "python":
         monkeypatch.setattr(_flatten, "_compiled_holds", None)
-        monkeypatch.setattr(_closure, "_reads_hold", None)
         monkeypatch.setattr(_callsite, "fast_record", lambda *args: None)
-        monkeypatch.setattr(_writeback, "_write_changed", None)
+        monkeypatch.setattr(_writeback, "_write_back_compiled", None)
     return request.param
 
 

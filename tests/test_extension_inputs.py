@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from treemode import _compat
-from treemode._accel import _compiled
+from treemode._accel import _border
 
 ERRORS = (TypeError, ValueError)
 
@@ -119,35 +119,48 @@ class _Holder:
 
 
 @pytest.mark.parametrize(
-    "args",
+    "reads",
     [
-        (None,),
-        ((),) * 5,
-        (((),) * 6,),
-        (("x",) * 7,),
-        (((), (), (), (), (), ("pair",), ()),),
-        (((), (), (), (), (), (), ("triple",)),),
-        ((((),) * 7), None),
+        ((), (), (), (), (), ("pair",), ()),  # a cell read is (holder, contents)
+        ((), (), (), (), (), ((len, None),), ()),
+        ((), (), (), (), (), (), ("triple",)),  # an attribute read is (owner, name, value)
     ],
 )
-def test_reads_hold_arguments(extension, args):
-    with pytest.raises(ERRORS):
-        extension.reads_hold(*args)
+def test_an_executed_record_with_malformed_closure_reads_raises(extension, reads):
+    class Fn(extension.FastCall):
+        pass
+
+    f = Fn()
+    f._miss = lambda self, error, args, kwargs: "missed"
+    f._records = (
+        extension.FastRecord(
+            **_record_fields(closure_reads=reads, trace=_compat.current_trace_ref())
+        ),
+    )
+    with pytest.raises(TypeError):
+        f(1.0)
+    # The same record with well-formed reads runs its entry: ``(out, updates)``.
+    f._records = (
+        extension.FastRecord(
+            **_record_fields(jitted=lambda x: (x * 2, None), trace=_compat.current_trace_ref())
+        ),
+    )
+    assert f(1.0) == 2.0
 
 
 @pytest.mark.parametrize(
     "args", [(), (None, None), ([nnx.Param(1.0)], [1, 2]), (3, []), ([], 3), ([Plain()], [1])]
 )
-def test_write_changed_arguments(extension, args):
+def test_write_back_arguments(extension, args):
     with pytest.raises((*ERRORS, AttributeError)):
-        extension.write_changed(*args)
+        extension.write_back(*args)
 
 
-def test_write_changed_leaves_a_variable_alone_on_error(extension):
+def test_write_back_leaves_a_variable_alone_on_error(extension):
     v = nnx.Param(jnp.zeros(2))
     before = v.get_raw_value()
     with pytest.raises(AttributeError):
-        extension.write_changed([v, Plain()], [jnp.ones(2), 1])
+        extension.write_back([v, Plain()], [jnp.ones(2), 1])
     assert v.get_raw_value() is before
 
 
@@ -172,12 +185,12 @@ def test_configure_checks_every_field(extension):
     # The refused configurations left the configured one in place.
     v = nnx.Param(jnp.zeros(2))
     new = jnp.ones(2)
-    assert extension.write_changed([v], [new]) == 1 and v.get_raw_value() is new
+    assert extension.write_back([v], [new]) == 1 and v.get_raw_value() is new
 
 
 def _record_fields(**changes: Any) -> dict[str, Any]:
     fields = {
-        "version": _compiled.RECORD_VERSION,
+        "version": _border.RECORD_VERSION,
         "slots": (None,),
         "partial_args": (),
         "kw_names": (),
@@ -196,7 +209,7 @@ def _record_fields(**changes: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "changes",
     [
-        {"version": _compiled.RECORD_VERSION + 1},
+        {"version": _border.RECORD_VERSION + 1},
         {"slots": [None]},
         {"slots": ("not a weak reference",)},
         {"partial_args": None},

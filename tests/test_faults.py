@@ -567,14 +567,14 @@ def test_compiled_write_is_all_or_nothing(extension):
             self.value = value
 
     a, b, c = Refusing(1), Refusing(2), Refusing(3)
-    assert guard.write_changed([a, b, c], ["x", None, "y"]) == 2
+    assert guard.write_back([a, b, c], ["x", None, "y"]) == 2
     assert (a.value, b.value, c.value) == ("x", 2, "y")
     with pytest.raises(CheckFault, match="write"):
-        guard.write_changed([a, b, c], ["p", "q", "refused"])
+        guard.write_back([a, b, c], ["p", "q", "refused"])
     assert (a.value, b.value, c.value) == ("x", 2, "y")
     v = nnx.Param(jnp.zeros(2))
     new = jnp.ones(2)
-    assert guard.write_changed([v], [new]) == 1 and v.get_raw_value() is new
+    assert guard.write_back([v], [new]) == 1 and v.get_raw_value() is new
 
 
 def test_two_arguments_roll_back_together(hooks):

@@ -4,7 +4,7 @@ The cache (``treemode._tree._flatten``) revalidates a cached flattening with bul
 identity checks; each test below changes an argument in one way between two calls
 and asserts the second call sees the change (a new trace where the structure
 differs, the new Variable where one was replaced). Every test runs with the
-compiled guard (``treemode/_accel/_guard.c``, where the extension is on) and with the
+compiled guard (``treemode/_accel/_guard_kernels.c``, where the extension is on) and with the
 pure-Python one that replaces it where it is off.
 """
 
@@ -40,7 +40,7 @@ def test_the_compiled_guard_is_built():
     m.w = nnx.Param(jnp.ones(2))
     flat = _flatten.flatten_arg(m, treemode._tree._leaves.is_array)
     assert module.holds is not None
-    assert module.FastRecord is not None and module.reads_hold is not None
+    assert module.FastRecord is not None and module.FastCall is not None
     assert flat._guard is not None
     entry = flat.origin or flat
     if _flatten._compiled_holds is None:

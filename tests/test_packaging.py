@@ -282,7 +282,9 @@ _TEST_INPUTS = ("tests", "docs", "examples", "benchmarks", "tools")
 
 def _wanted_in_sdist() -> set[str]:
     wanted = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "mkdocs.yml"}
-    wanted |= {"constraints.txt", "treemode/_accel/_guard.c", "treemode/py.typed"}
+    wanted |= {"constraints.txt", "treemode/py.typed"}
+    # The compiled extension's every C file and header (setup.py builds from them).
+    wanted |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "treemode/_accel").glob("*.[ch]")}
     wanted.add("benchmarks/results/results.json")
     wanted |= {".ci/run", ".github/workflows/wheels.yml"}
     for folder in _TEST_INPUTS:

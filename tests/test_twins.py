@@ -1,10 +1,10 @@
 """Differential tests: each compiled kernel and its Python twin decide alike.
 
-The compiled extension (``treemode/_accel/_guard.c``) and the Python code implement the
-same kernels: the flattening guard (``holds``), the closure-read check
-(``reads_hold``) and the bulk write (``write_changed``); and the executor of
-the fast-path record matches what the pipeline's memo matches
-(``_callsite.match_into``). Here both are fed the same hypothesis-generated models,
+The compiled extension (``treemode/_accel/_guard*.c``) and the Python code implement the
+same kernels: the flattening guard (``holds``) and the bulk write
+(``write_back``); and the executor of the fast-path record matches what the
+pipeline's memo matches (``_callsite.match_into``), its closure-read check
+included (``_closure.reads_hold_python``). Here both are fed the same hypothesis-generated models,
 mutations and call sequences, and must give the same decisions: hit or miss,
 what is collected or written, the error raised. The compiled module is loaded
 directly, so these tests run in both CI modes (with ``TREEMODE_NO_EXTENSION=1``
@@ -265,29 +265,35 @@ def _snapshot_values(tree: Any) -> dict[int, np.ndarray]:
     return {id(v): np.asarray(v[...]).copy() for v in _leaf_vars(tree)}
 
 
-# -- reads_hold ----------------------------------------------------------------------
+# -- the closure reads, through the executor -------------------------------------
+#
+# The closure-read check has no exported compiled kernel (a copy for the pipeline
+# saved under 2% of a call: docs/performance.md); the executor makes it in C on
+# every call, bound here to the pipeline's memo match, which makes it with
+# `treemode._tree._closure.reads_hold_python`.
 
 
+@pytest.mark.skipif(not _compiled.ENABLED, reason="the executor's base class is fixed at import")
 @given(
     n_globals=st.integers(0, 3),
     n_cells=st.integers(0, 3),
     changes=st.lists(st.sampled_from(["global", "cell", "code", "new global", "none"])),
 )
-def test_reads_hold_decides_as_its_python_twin(n_globals, n_cells, changes):
+def test_the_executors_closure_reads_decide_as_reads_hold_python(n_globals, n_cells, changes):
+    import treemode
+
     namespace: dict[str, Any] = {"__builtins__": __builtins__}
     for i in range(n_globals):
         namespace[f"g{i}"] = nnx.Linear(1, 1, rngs=nnx.Rngs(i))
     cell_values = [nnx.Linear(1, 1, rngs=nnx.Rngs(10 + i)) for i in range(n_cells)]
     params = ", ".join(f"c{i}" for i in range(n_cells))
-    body = " + ".join([f"g{i}.bias[...].sum()" for i in range(n_globals)] + ["0.0"])
+    body = " + ".join([f"g{i}.bias[...].sum()" for i in range(n_globals)] + ["x"])
     body += "".join(f" + c{i}.bias[...].sum()" for i in range(n_cells))
-    exec(f"def outer({params}):\n    def f():\n        return {body}\n    return f\n", namespace)
+    exec(f"def outer({params}):\n    def f(x):\n        return {body}\n    return f\n", namespace)
     fn = namespace["outer"](*cell_values)
-    _closure._snapshots.pop(id(fn), None)
-    _closure.closure_objects(fn)
-    snapshot = _closure.closure_snapshot(fn)
-    if snapshot is None:
-        return
+    f = treemode.jit(fn)
+    x = jnp.ones(())
+    f(x)
     for change in changes:
         if change == "global" and n_globals:
             namespace["g0"] = nnx.Linear(1, 1, rngs=nnx.Rngs(99))
@@ -297,19 +303,35 @@ def test_reads_hold_decides_as_its_python_twin(n_globals, n_cells, changes):
             fn.__closure__[0].cell_contents = nnx.Linear(1, 1, rngs=nnx.Rngs(98))
         elif change == "code":
             fn.__code__ = fn.__code__.replace(co_name="f")  # another code object
-        compiled = COMPILED.reads_hold(snapshot.reads)
-        python = _closure.reads_hold_python(snapshot.reads)
-        assert compiled == python, change
+        memo, record = f._memo, f._record
+        snapshot = None if memo is None else memo[0].snapshot
+        reads_python = snapshot is not None and _closure.reads_hold_python(snapshot.reads)
+        python_hit = record is not None and memo is not None and memo[0].match((x,), {})
+        missed: list[Any] = []
+        real_miss = f._miss
+
+        def miss(wrapper: Any, error: Any, args: Any, kwargs: Any, seen: Any = missed) -> Any:
+            seen.append(error)
+            return wrapper._on_miss(error, args, kwargs)
+
+        f._miss = miss
+        out = f(x)
+        f._miss = real_miss
+        executor_hit = record is not None and not missed
+        assert executor_hit == (python_hit is not None and python_hit is not False), change
+        if record is not None and not reads_python:
+            assert not executor_hit, change  # a changed read is a miss in C too
+        np.testing.assert_allclose(out, fn(x), rtol=1e-6)
 
 
-# -- write_changed -------------------------------------------------------------------
+# -- write_back -------------------------------------------------------------------
 
 
 @given(
     tree=trees(),
     updates=st.lists(st.sampled_from(["none", "new", "new"]), min_size=1, max_size=12),
 )
-def test_write_changed_writes_as_its_python_twin(tree, updates):
+def test_write_back_writes_as_its_python_twin(tree, updates):
     twin = nnx.clone(tree) if isinstance(tree, nnx.Module) else None
     if twin is None:
         return
@@ -319,18 +341,18 @@ def test_write_changed_writes_as_its_python_twin(tree, updates):
         None if updates[i % len(updates)] == "none" else jnp.full_like(v[...], 7.0 + i)
         for i, v in enumerate(variables_c)
     ]
-    written = COMPILED.write_changed(variables_c, new)
+    written = COMPILED.write_back(variables_c, new)
     call = types.SimpleNamespace(variables=variables_p, sources=[], transform="jit")
-    before = _writeback._write_changed
-    _writeback._write_changed = None
+    before = _writeback._write_back_compiled
+    _writeback._write_back_compiled = None
     try:
         _writeback.write_back(call, new)  # type: ignore[arg-type]
     finally:
-        _writeback._write_changed = before
+        _writeback._write_back_compiled = before
     assert written == sum(u is not None for u in new)
     for a, b, u in zip(variables_c, variables_p, new, strict=True):
         np.testing.assert_array_equal(_compat.raw_value_of(a), _compat.raw_value_of(b))
         if u is not None:
             assert _compat.raw_value_of(a) is u and _compat.raw_value_of(b) is u
     with pytest.raises(ValueError, match="one update per Variable"):
-        COMPILED.write_changed(variables_c, new + [None])
+        COMPILED.write_back(variables_c, new + [None])

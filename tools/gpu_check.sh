@@ -16,7 +16,7 @@ if ! PIP_NO_INDEX=1 "$PY" -m pip install --no-build-isolation --no-deps -e . >"$
     echo "pip install failed (tail of install.log):"; tail -3 "$OUT/install.log"
     suffix=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
     include=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-    gcc -O2 -shared -fPIC -I"$include" treemode/_accel/_guard.c -o "treemode/_accel/_guard$suffix" \
+    gcc -O2 -shared -fPIC -I"$include" treemode/_accel/_guard*.c -o "treemode/_accel/_guard$suffix" \
         && echo "extension compiled by hand"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi

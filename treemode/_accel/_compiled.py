@@ -1,11 +1,10 @@
-"""The optional compiled extension (``treemode/_accel/_guard.c``), imported here and nowhere else.
+"""The optional compiled extension (``treemode/_accel/_guard*.c``), imported here and nowhere else.
 
 The extension holds two kinds of code:
 
 - kernels that treemode's Python code also implements (each pair bound by a
   differential test, tests/test_twins.py): the flattening guard (``holds``,
-  ``version_tags``), the closure-read check (``reads_hold``) and the bulk
-  write (``write_changed``);
+  ``version_tags``) and the bulk write (``write_back``);
 - the executor of the fast-path record: the Python pipeline decides how a
   repeated ``treemode.jit`` call runs and emits a ``FastRecord``
   (`treemode._pipeline._callsite.fast_record`); ``FastCall``, the base of
@@ -42,6 +41,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import _compat
+from . import _border
 
 ENV_VAR = "TREEMODE_NO_EXTENSION"
 QUIET_ENV_VAR = "TREEMODE_NO_EXTENSION_WARNING"
@@ -195,20 +195,18 @@ def extension_status() -> ExtensionStatus:
 
 holds: Callable[..., bool] | None = guard.holds if guard else None
 version_tags: Callable[..., bytes | None] | None = guard.version_tags if guard else None
-reads_hold: Callable[..., bool] | None = guard.reads_hold if guard else None
-write_changed: Callable[..., int] | None = guard.write_changed if guard else None
+write_back: Callable[..., int] | None = guard.write_back if guard else None
 Guarded: type | None = guard.Guarded if guard else None
 FastRecord: type | None = guard.FastRecord if guard else None
 FastCall: type | None = guard.FastCall if guard else None
-RECORD_VERSION = 1  # the record layout this Python code emits (the C code checks it)
-# The names of a compiled guard state's fields, in order (defined in the C code).
-GUARD_STATE_FIELDS: tuple[str, ...] = guard.GUARD_STATE_FIELDS if guard else ()
+# The names of a compiled guard state's fields, in order (defined in _border.py).
+GUARD_STATE_FIELDS: tuple[str, ...] = _border.GUARD_STATE_FIELDS if guard else ()
 
 
 def configure(**fields: Any) -> None:
     """Hand the C code what it reads: called once, by ``treemode._pipeline._callsite``.
 
-    The fields (``_guard.CONFIGURE_FIELDS``, checked by keyword in C):
+    The fields (``_border.CONFIGURE_FIELDS``, checked by keyword in C):
     ``raw_value``, ``metadata`` (the Variable slots' member descriptors from
     `treemode._compat`), ``trace_state``, ``trace_attr`` (``getattr(trace_state,
     trace_attr)`` is the current trace's weak reference), ``array_types`` (the
@@ -229,7 +227,6 @@ __all__ = [
     "ExtensionStatus",
     "ExtensionWarning",
     "QUIET_ENV_VAR",
-    "RECORD_VERSION",
     "STATUS",
     "configure",
     "extension_status",

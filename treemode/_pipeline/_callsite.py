@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from jax.core import Tracer
 
 from .. import _compat
-from .._accel import _compiled
+from .._accel import _border, _compiled
 from .._compat import raw_value_of as _raw_value_of
 from .._tree import _closure
 from .._tree._closure import closure_snapshot, unchanged_closure_objects
@@ -355,7 +355,7 @@ def fast_record(
             return None
     snapshot = site.snapshot
     return _compiled.FastRecord(
-        version=_compiled.RECORD_VERSION,
+        version=_border.RECORD_VERSION,
         slots=site.slots,
         partial_args=partial_args,
         kw_names=site.kw_names,

@@ -55,6 +55,8 @@ from typing import Any, TypeVar
 import jax
 from jax.core import Tracer
 
+from .._accel._border import hold_plan, signal_swap
+
 # The C functions behind `signal`, without its enum conversions (no stub: Any).
 _signal: Any = importlib.import_module("_signal")
 _MAIN_IDENT = threading.main_thread().ident
@@ -105,7 +107,7 @@ class _Deferring:
 
 # [the handler table, its swaps]: the table changes rarely, so does the plan.
 # A list changed in place: the compiled hold reads it (`hold_state`).
-_plan: list[Any] = [(), ()]
+_plan: list[Any] = hold_plan((), ())
 
 
 def _swaps(handlers: tuple[Any, ...]) -> tuple[tuple[int, Any, _Deferring], ...]:
@@ -116,8 +118,8 @@ def _swaps(handlers: tuple[Any, ...]) -> tuple[tuple[int, Any, _Deferring], ...]
         if type(handler) is _Deferring:
             handler = handler.original  # left installed by an interrupted restore
         if callable(handler):
-            swaps.append((signum, handler, _Deferring(handler)))
-    _plan[:] = [handlers, tuple(swaps)]
+            swaps.append(signal_swap(signum, handler, _Deferring(handler)))
+    _plan[:] = hold_plan(handlers, tuple(swaps))
     return _plan[1]
 
 

@@ -80,15 +80,15 @@ def write_back(
     metadata_updates: dict[int, dict[str, Any]] | None = None,
 ) -> None:
     """Store the changed values into the caller's Variables, all or nothing."""
-    if not metadata_updates and store is DEFAULT_STORE and _write_changed is not None:
+    if not metadata_updates and store is DEFAULT_STORE and _write_back_compiled is not None:
         # The common case, in one C pass: new values only, with the default hook.
         if any(map(operator.is_not, updates, repeat(None))):
             check_writable(call, updates)
             try:
-                _write_changed(call.variables, updates)
+                _write_back_compiled(call.variables, updates)
             except BaseException:  # undone: the old values are back, unless they are gone
                 if _any_deleted(list(map(_raw_value_of, call.variables))):
-                    _finish(call.variables, updates)
+                    finish_write(call.variables, updates)
                 raise
         return
     changed = list(map(operator.is_not, updates, repeat(None)))
@@ -117,7 +117,7 @@ def write_back(
         if _any_deleted(old_values):
             # The call donated the old buffers and they are gone: the only whole
             # state left to give is the new one, so the write is finished instead.
-            _finish(targets, values)
+            finish_write(targets, values)
             if metadata_updates:
                 for var, metadata in zip(meta_targets, metadata_updates.values(), strict=True):
                     _setattr(var, _compat.VAR_METADATA, dict(metadata))
@@ -132,7 +132,7 @@ def write_back(
 _setattr = object.__setattr__
 
 
-def _finish(variables: Sequence[Any], values: Sequence[Any]) -> None:
+def finish_write(variables: Sequence[Any], values: Sequence[Any]) -> None:
     """Store every new value (``None``: unchanged) after a donated call's write failed.
 
     Each goes into the Variable's value slot itself, so a Variable whose own
@@ -161,7 +161,7 @@ def _any_deleted(values: Sequence[Any]) -> bool:
     )
 
 
-_write_changed = _compiled.write_changed  # the compiled writes; None: the loop above
+_write_back_compiled = _compiled.write_back  # the compiled writes; None: the loop above
 
 current_trace_ref = _compat.current_trace_ref
 

@@ -54,11 +54,8 @@ from typing import Any
 from flax import nnx
 
 from .. import _caches
-from .._accel import _compiled
+from .._accel._border import attribute_read, cell_read, closure_reads
 from ._leaves import is_variable_or_graph_node
-
-# The compiled checks (treemode._accel._compiled); None where it is off: the same checks below.
-_reads_hold = _compiled.reads_hold
 
 
 class ClosureWarning(UserWarning):
@@ -272,7 +269,7 @@ def unchanged_closure_objects(fn: Callable[..., Any], snapshot: Any) -> list[Any
     again). The list returned for a function without closure objects is shared:
     do not modify it.
     """
-    if _snapshots.get(id(fn)) is not snapshot or not reads_hold(snapshot.reads):
+    if _snapshots.get(id(fn)) is not snapshot or not reads_hold_python(snapshot.reads):
         return None
     if not snapshot.found:
         return _EMPTY_ANSWER
@@ -409,7 +406,7 @@ class _Walk:
             self.add(type(f).__name__, f)
             call = getattr(type(f), "__call__", None)  # noqa: B004 - the method itself
             if self.top_ref is not None:
-                self.attrs.append((type(f), "__call__", call))
+                self.attrs.append(attribute_read(type(f), "__call__", call))
             if call is not None:
                 self.visit(call, depth + 1)
             return
@@ -442,7 +439,7 @@ class _Walk:
                     contents.append(self.hold(obj))
                 self.consider(name, obj, kind, depth)
             if record:
-                self.cells.append((self.hold(f), tuple(contents)))
+                self.cells.append(cell_read(self.hold(f), tuple(contents)))
         defaults = getattr(f, "__defaults__", None)
         if defaults:
             names = plan.code.co_varnames[: plan.code.co_argcount][-len(defaults) :]
@@ -583,11 +580,10 @@ _Reads = tuple[
 class _Snapshot:
     """One function's answer and every read it depends on, checked in bulk.
 
-    Where the extension is built, every read is checked in one call of the
-    compiled ``reads_hold`` over ``reads`` (the same groups, as tuples). In
-    Python, the global reads are checked in one C-level pass (``dict.get`` over
-    all the ``(globals, name)`` pairs, compared with ``is``); the functions'
-    code objects, closure cells and Module classes one by one.
+    `reads_hold_python` checks ``reads`` (the executor of the fast-path record
+    checks the same groups in C): the global reads in one C-level pass
+    (``dict.get`` over all the ``(globals, name)`` pairs, compared with ``is``);
+    the functions' code objects, closure cells and Module classes one by one.
     """
 
     __slots__ = ("ref", "found", "reads")
@@ -595,7 +591,7 @@ class _Snapshot:
     def __init__(self, ref: Any, walk: _Walk):
         self.ref = ref
         self.found = [(name, walk.hold(obj)) for name, obj in walk.found]
-        self.reads: _Reads = (
+        self.reads: _Reads = closure_reads(
             tuple(walk.dicts),
             tuple(walk.names),
             tuple(walk.values),
@@ -606,18 +602,17 @@ class _Snapshot:
         )
 
     def still_valid(self) -> bool:
-        return reads_hold(self.reads)
-
-
-def reads_hold(reads: tuple[tuple[Any, ...], ...]) -> bool:
-    """Whether every read of a closure search (a `_Snapshot`'s ``reads``) still holds."""
-    if _reads_hold is not None:
-        return _reads_hold(reads)
-    return reads_hold_python(reads)
+        return reads_hold_python(self.reads)
 
 
 def reads_hold_python(reads: tuple[tuple[Any, ...], ...]) -> bool:
-    """The Python twin of the compiled ``reads_hold`` (tests/test_twins.py binds them)."""
+    """Whether every read of a closure search (a `_Snapshot`'s ``reads``) still holds.
+
+    The twin of the closure-read check the executor of the fast-path record makes
+    in C (tests/test_twins.py binds them through the executor). The pipeline
+    calls this one in either mode: a compiled copy saved about 0.6 µs of a
+    25 µs pipeline call (docs/performance.md#what-each-compiled-piece-saves).
+    """
     dicts, names, values, functions, codes, cells, attrs = reads
     if names and not all(map(operator.is_, map(dict.get, dicts, names), values)):
         return False
@@ -645,12 +640,11 @@ def reads_hold_python(reads: tuple[tuple[Any, ...], ...]) -> bool:
     return True
 
 
-if _reads_hold is None:  # no extension: the twin itself, one call less per check
-    reads_hold = reads_hold_python  # noqa: F811
-
-
 def read_check_args() -> tuple[dict[type, int], int, object, object]:
-    """What ``reads_hold`` compares cells with: ``(kinds, ignore, empty, ignored)``."""
+    """What the executor's closure-read check compares cells with.
+
+    ``(kinds, ignore, empty, ignored)``.
+    """
     return _kinds, _IGNORE, _EMPTY, _IGNORED
 
 

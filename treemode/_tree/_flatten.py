@@ -163,7 +163,7 @@ class _Guard:
     The top-level argument is not held (the cached flattening holds it weakly): its
     type and ``__dict__`` are checked on the object passed to `holds`.
 
-    Where the compiled guard (``treemode/_accel/_guard.c``) is on, the same checks run
+    Where the compiled guard (``treemode/_accel/_guard_kernels.c``) is on, the same checks run
     there in one pass (`compiled_state`); it needs exact ``dict``/``list``
     containers, so that its iteration order is the snapshot's. The Python checks
     below decide exactly what it decides.

@@ -1,0 +1,760 @@
+/* The executor of the fast-path record (declarations: _guard.h).
+ *
+ * After a call, the Python pipeline (treemode._pipeline._callsite.fast_record)
+ * emits a `FastRecord`, or None where a fast path cannot be trusted; a
+ * `FastCall` (the base of treemode.jit's wrapper) executes it: match the
+ * arguments against the record's slots (the cached flattenings, `Guarded`)
+ * and the closure's objects, call the compiled entry, write the new values
+ * back. Every doubt is a miss, handed to the one Python callback. The bulk
+ * write is also exported (`write_back`) for the pipeline's write-back.
+ */
+#include "_guard.h"
+
+/* Appends `var`'s `_raw_value` to `out`: 1, 0 if it has none, -1 on error. */
+static int
+gather_raw_value(PyObject *out, PyObject *var)
+{
+    Py_ssize_t offset = tm_raw_value_offset(Py_TYPE(var));
+    if (offset >= 0) {
+        PyObject *value = *(PyObject **)((char *)var + offset); /* borrowed; NULL if unset */
+        return value == NULL ? 0 : (PyList_Append(out, value) < 0 ? -1 : 1);
+    }
+    PyObject *value = PyObject_GetAttr(var, tm_raw_value_name);
+    if (value == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int appended = PyList_Append(out, value);
+    Py_DECREF(value);
+    return appended < 0 ? -1 : 1;
+}
+
+/* ---- Guarded: a cached flattening, as the executor reads it ----
+ *
+ * treemode/_tree/_flatten.py makes one for each cache entry whose dynamic
+ * arrays are exactly its Variables' values and whose guard is compiled: the
+ * argument (a weak reference), the guard state (see `holds`), the Variables
+ * (a tuple) and the cache entry itself (a weak reference). The entry holds it;
+ * a call-site slot is a weak reference to it, so a slot dies with the entry. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *arg, *state, *variables, *flat;
+    PyObject *weakreflist;
+} GuardedObject;
+
+static PyTypeObject Guarded_Type;
+
+static PyObject *
+guarded_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {TM_GUARDED_FIELD_NAMES, NULL};
+    PyObject *arg, *state, *variables, *flat;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O:Guarded", names, &arg, &PyTuple_Type,
+                                     &state, &PyTuple_Type, &variables, &flat))
+        return NULL;
+    if (!PyWeakref_CheckRef(arg) || !PyWeakref_CheckRef(flat)) {
+        PyErr_SetString(PyExc_TypeError, "Guarded: arg and flat are weak references");
+        return NULL;
+    }
+    GuardedObject *self = (GuardedObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->arg = Py_NewRef(arg);
+    self->state = Py_NewRef(state);
+    self->variables = Py_NewRef(variables);
+    self->flat = Py_NewRef(flat);
+    return (PyObject *)self;
+}
+
+/* The C types here (`Guarded`, `FastRecord`, `FastCall`) keep their objects in
+ * consecutive fields: one traverse and one clear serve them all. */
+static int
+fields_traverse(PyObject **fields, int n, visitproc visit, void *arg)
+{
+    for (int i = 0; i < n; i++)
+        Py_VISIT(fields[i]);
+    return 0;
+}
+
+static int
+fields_clear(PyObject **fields, int n)
+{
+    for (int i = 0; i < n; i++)
+        Py_CLEAR(fields[i]);
+    return 0;
+}
+
+#define GUARDED_OBJECTS TM_GUARDED_SIZE /* arg, state, variables, flat, in this order */
+
+static int
+guarded_traverse(GuardedObject *self, visitproc visit, void *arg)
+{
+    return fields_traverse(&self->arg, GUARDED_OBJECTS, visit, arg);
+}
+
+static int
+guarded_clear(GuardedObject *self)
+{
+    return fields_clear(&self->arg, GUARDED_OBJECTS);
+}
+
+static void
+guarded_dealloc(GuardedObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    guarded_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef guarded_members[] = {
+    {"arg", T_OBJECT, offsetof(GuardedObject, arg), READONLY, "weak reference to the argument"},
+    {"state", T_OBJECT, offsetof(GuardedObject, state), READONLY, "the compiled guard state"},
+    {"variables", T_OBJECT, offsetof(GuardedObject, variables), READONLY, "the Variables"},
+    {"flat", T_OBJECT, offsetof(GuardedObject, flat), READONLY,
+     "weak reference to the cache entry"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject Guarded_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "treemode._accel._guard.Guarded",
+    .tp_doc = PyDoc_STR("Guarded(arg, state, variables, flat): a cached flattening as the "
+                        "executor reads it."),
+    .tp_basicsize = sizeof(GuardedObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = guarded_new,
+    .tp_traverse = (traverseproc)guarded_traverse,
+    .tp_clear = (inquiry)guarded_clear,
+    .tp_dealloc = (destructor)guarded_dealloc,
+    .tp_members = guarded_members,
+    .tp_weaklistoffset = offsetof(GuardedObject, weakreflist),
+};
+
+/* Whether `obj`, passed where the memo saw a bare array, is one (`jax.jit`'s
+ * rule: an array of a known type, or a Python number): 1, 0, or -1. */
+static int
+bare_array(PyObject *obj)
+{
+    if (PyFloat_CheckExact(obj) || PyLong_CheckExact(obj) || PyBool_Check(obj) ||
+        PyComplex_CheckExact(obj))
+        return 1;
+    return PySet_Contains(tm_array_types, (PyObject *)Py_TYPE(obj));
+}
+
+/* A Guarded against the object passed: 1 matched (its Variables' values
+ * appended to `dynamic`, the Variables to `variables`), 0 not (also where a
+ * value is no longer an array of a known type: a Python number, or a layout
+ * change), -1 error. */
+static int
+match_guarded(GuardedObject *g, PyObject *obj, PyObject *dynamic, PyObject *variables)
+{
+    PyObject *arg = tm_referent(g->arg);
+    Py_XDECREF(arg); /* only compared */
+    if (arg != obj)
+        return 0;
+    int result = tm_state_holds(g->state, g->variables, obj);
+    if (result != 1)
+        return result;
+    Py_ssize_t n = PyTuple_GET_SIZE(g->variables);
+    PyTypeObject *seen_type = NULL; /* the last type found in `cfg_array_types` */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        result = gather_raw_value(dynamic, PyTuple_GET_ITEM(g->variables, i));
+        if (result != 1)
+            return result;
+        PyTypeObject *type = Py_TYPE(PyList_GET_ITEM(dynamic, PyList_GET_SIZE(dynamic) - 1));
+        if (type == seen_type)
+            continue;
+        int known = PySet_Contains(tm_array_types, (PyObject *)type);
+        if (known != 1)
+            return known;
+        seen_type = type;
+    }
+    Py_ssize_t end = PyList_GET_SIZE(variables);
+    return PyList_SetSlice(variables, end, end, g->variables) < 0 ? -1 : 1;
+}
+
+/* One object against its record slot: 1 matched (its arrays appended to
+ * `dynamic`, its Variables to `variables`), 0 not (a miss), -1 error. A slot is
+ * None (a bare array) or a weak reference to a `Guarded`; a value that is no
+ * longer an array of a known type is a miss too. */
+static int
+match_one(PyObject *slot, PyObject *obj, PyObject *dynamic, PyObject *variables)
+{
+    if (slot == Py_None) {
+        int known = bare_array(obj);
+        return known != 1 ? known : (PyList_Append(dynamic, obj) < 0 ? -1 : 1);
+    }
+    PyObject *held_obj = tm_referent(slot); /* the record checked: a weak reference */
+    if (held_obj == NULL)
+        return 0; /* the flattening was dropped */
+    int result = Py_IS_TYPE(held_obj, &Guarded_Type)
+                     ? match_guarded((GuardedObject *)held_obj, obj, dynamic, variables)
+                     : 0;
+    Py_DECREF(held_obj);
+    return result;
+}
+
+/* Sets `var._raw_value` to `value` (a new reference is taken) and appends
+ * the previous value to `previous` (which keeps it alive until every write is
+ * done). -1 with an exception on failure, with nothing written. */
+static int
+set_raw_value(PyObject *var, PyObject *value, PyObject *previous)
+{
+    Py_ssize_t offset = tm_raw_value_offset(Py_TYPE(var));
+    if (offset >= 0) {
+        PyObject **slot = (PyObject **)((char *)var + offset);
+        if (*slot == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "_raw_value");
+            return -1;
+        }
+        if (PyList_Append(previous, *slot) < 0)
+            return -1;
+        PyObject *old = *slot;
+        Py_INCREF(value);
+        *slot = value;
+        Py_DECREF(old); /* `previous` holds it */
+        return 0;
+    }
+    PyObject *old = PyObject_GetAttr(var, tm_raw_value_name);
+    if (old == NULL)
+        return -1;
+    int appended = PyList_Append(previous, old);
+    Py_DECREF(old);
+    if (appended < 0)
+        return -1;
+    if (PyObject_GenericSetAttr(var, tm_raw_value_name, value) < 0) {
+        /* keep `previous` aligned with the writes made */
+        PyList_SetSlice(previous, PyList_GET_SIZE(previous) - 1, PyList_GET_SIZE(previous), NULL);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(write_back_doc,
+"write_back(variables, updates) -> int\n\n"
+"Sets `variables[i]._raw_value = updates[i]` (as object.__setattr__ does) for\n"
+"every update that is not None, all or nothing; returns how many were written.\n"
+"The replaced values are released only after the last write.");
+
+/* Writes every non-None `updates[i]` into `variables[i]` (both fast
+ * sequences of one length), all or nothing: the count written, or -1. */
+static Py_ssize_t
+write_back(PyObject *variables, PyObject *updates)
+{
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(variables);
+    PyObject *previous = PyList_New(0); /* the replaced values, released last */
+    if (previous == NULL)
+        return -1;
+    Py_ssize_t written = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *update = PySequence_Fast_GET_ITEM(updates, i);
+        if (update == Py_None)
+            continue;
+        if (set_raw_value(PySequence_Fast_GET_ITEM(variables, i), update, previous) < 0) {
+            /* Undo the writes made, newest first; the error stays the one raised. */
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            Py_ssize_t k = PyList_GET_SIZE(previous);
+            for (Py_ssize_t j = i - 1; j >= 0 && k > 0; j--) {
+                if (PySequence_Fast_GET_ITEM(updates, j) == Py_None)
+                    continue;
+                k--;
+                PyObject *var = PySequence_Fast_GET_ITEM(variables, j);
+                PyObject *scratch = PyList_New(0);
+                if (scratch == NULL || set_raw_value(var, PyList_GET_ITEM(previous, k), scratch) < 0)
+                    PyErr_Clear();
+                Py_XDECREF(scratch);
+            }
+            PyErr_Restore(type, value, traceback);
+            written = -1;
+            break;
+        }
+        written++;
+    }
+    Py_DECREF(previous);
+    return written;
+}
+
+static PyObject *
+write_back_kernel(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!tm_configured())
+        return NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "write_back(variables, updates) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *variables = PySequence_Fast(args[0], "variables must be a sequence");
+    if (variables == NULL)
+        return NULL;
+    PyObject *updates = PySequence_Fast(args[1], "updates must be a sequence");
+    if (updates == NULL) {
+        Py_DECREF(variables);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (PySequence_Fast_GET_SIZE(updates) != PySequence_Fast_GET_SIZE(variables)) {
+        PyErr_SetString(PyExc_ValueError, "write_back: one update per Variable");
+    }
+    else {
+        Py_ssize_t written = write_back(variables, updates);
+        if (written >= 0)
+            result = PyLong_FromSsize_t(written);
+    }
+    Py_DECREF(updates);
+    Py_DECREF(variables);
+    return result;
+}
+
+/* ---- The fast-path record and its executor ----
+ *
+ * After a call, the Python pipeline (treemode._pipeline._callsite.fast_record)
+ * emits a `FastRecord`, or None where a fast path cannot be trusted; a
+ * `FastCall` (the base of treemode.jit's wrapper) executes it: match the
+ * arguments and the closure's objects, call the compiled entry, write the new
+ * values. Every doubt (a mismatch, a shared donated buffer, a trace JAX must
+ * make, an unusual signal-hold state, other keyword names) is a miss, handed to
+ * the one Python callback, `miss(self, error, args, kwargs)`: `error` is None, or
+ * the exception the compiled entry raised. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *slots, *partial_args, *kw_names, *closure_reads, *closure_holders, *lifted_slots,
+        *jitted, *donated, *kept, *trace;
+} RecordObject;
+
+/* The record's fields, in the order of `RecordObject` (after `version`). */
+static char *record_fields[] = {TM_RECORD_FIELD_NAMES, NULL};
+#define RECORD_OBJECTS (TM_RECORD_SIZE - 1)
+
+static PyTypeObject FastRecord_Type;
+
+/* Whether `t` is a tuple whose items are None or weak references (or, with
+ * `indices`, non-negative ints). */
+static int
+tuple_of(PyObject *t, int indices)
+{
+    if (!PyTuple_Check(t))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
+        PyObject *item = PyTuple_GET_ITEM(t, i);
+        if (indices ? !PyLong_Check(item) || PyLong_AsSsize_t(item) < 0
+                    : item != Py_None && !PyWeakref_CheckRef(item)) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject *
+record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *version = NULL, *f[RECORD_OBJECTS] = {NULL};
+    PyTypeObject *t = &PyTuple_Type;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$O!O!O!O!O!O!O!OOOO:FastRecord", record_fields,
+                                     &PyLong_Type, &version, t, &f[0], t, &f[1], t, &f[2], t,
+                                     &f[3], t, &f[4], t, &f[5], &f[6], &f[7], &f[8], &f[9]))
+        return NULL;
+    for (int i = -1; i < RECORD_OBJECTS; i++) {
+        if ((i < 0 ? version : f[i]) == NULL)
+            return PyErr_Format(PyExc_TypeError, "FastRecord: missing field %s",
+                                record_fields[i + 1]);
+    }
+    if (PyLong_AsLong(version) != TM_RECORD_VERSION_NUMBER)
+        return PyErr_Format(PyExc_ValueError,
+                            "FastRecord: a version %R record; this extension executes version %d",
+                            version, TM_RECORD_VERSION_NUMBER);
+    PyObject *kw_names = f[2], *reads = f[3], *donated = f[7], *kept = f[8];
+    int ok = PyTuple_GET_SIZE(reads) == TM_READS_SIZE && tuple_of(f[0], 0) && tuple_of(f[5], 0) &&
+             PyTuple_GET_SIZE(f[4]) == PyTuple_GET_SIZE(f[5]) && PyCallable_Check(f[6]) &&
+             ((donated == Py_None && kept == Py_None) || (tuple_of(donated, 1) && tuple_of(kept, 1)));
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(kw_names); i++)
+        ok = PyUnicode_CheckExact(PyTuple_GET_ITEM(kw_names, i));
+    for (Py_ssize_t i = 0; ok && i < TM_READS_SIZE; i++)
+        ok = PyTuple_Check(PyTuple_GET_ITEM(reads, i));
+    if (!ok) {
+        PyErr_SetString(PyExc_TypeError,
+                        "FastRecord: slots are None or weak references, kw_names str, "
+                        "closure_reads 7 tuples, "
+                        "lifted_slots weak references (one per closure holder), jitted a "
+                        "callable, donated and kept both None or both tuples of indices");
+        return NULL;
+    }
+    RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    PyObject **fields = &self->slots;
+    for (int i = 0; i < RECORD_OBJECTS; i++)
+        fields[i] = Py_NewRef(f[i]);
+    return (PyObject *)self;
+}
+
+static int
+record_traverse(RecordObject *self, visitproc visit, void *arg)
+{
+    return fields_traverse(&self->slots, RECORD_OBJECTS, visit, arg);
+}
+
+static int
+record_clear(RecordObject *self)
+{
+    return fields_clear(&self->slots, RECORD_OBJECTS);
+}
+
+static void
+record_dealloc(RecordObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    record_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+#define RECORD_MEMBER(name, doc) \
+    {#name, T_OBJECT, offsetof(RecordObject, name), READONLY, doc}
+static PyMemberDef record_members[] = {
+    RECORD_MEMBER(slots, "per argument (bound ones first): None (an array) or a weak "
+                         "reference to its Guarded"),
+    RECORD_MEMBER(partial_args, "the arguments jit_partial bound"),
+    RECORD_MEMBER(kw_names, "the names of the keyword arguments, in the slots' order"),
+    RECORD_MEMBER(closure_reads, "the reads the closure search's answer depends on"),
+    RECORD_MEMBER(closure_holders, "holders of the closure objects the search lifted"),
+    RECORD_MEMBER(lifted_slots, "weak references to their Guarded"),
+    RECORD_MEMBER(jitted, "the compiled entry: takes the arrays, or (donated, kept)"),
+    RECORD_MEMBER(donated, "None, or the positions of the donated arrays"),
+    RECORD_MEMBER(kept, "None, or the positions of the other arrays"),
+    RECORD_MEMBER(trace, "the trace (its weak reference) the Variables may be written in"),
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject FastRecord_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "treemode._accel._guard.FastRecord",
+    .tp_doc = PyDoc_STR("FastRecord(*, version, slots, partial_args, kw_names, closure_reads, "
+                        "closure_holders, lifted_slots, jitted, donated, kept, trace): how a "
+                        "repeated treemode.jit call runs, as the Python pipeline decided it."),
+    .tp_basicsize = sizeof(RecordObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = record_new,
+    .tp_traverse = (traverseproc)record_traverse,
+    .tp_clear = (inquiry)record_clear,
+    .tp_dealloc = (destructor)record_dealloc,
+    .tp_members = record_members,
+};
+
+/* Donation: XLA cannot donate one buffer twice, nor a buffer also passed
+ * undonated; a call where two of the arrays are one object is a miss (the
+ * Python pipeline names the paths, or passes a shared Python number). */
+static int
+compare_pointers(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t)*(PyObject *const *)a, y = (uintptr_t)*(PyObject *const *)b;
+    return x < y ? -1 : x > y;
+}
+
+static PyObject *
+pick(PyObject *arrays, PyObject *indices)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(indices);
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t j = PyLong_AsSsize_t(PyTuple_GET_ITEM(indices, i));
+        if (j < 0 || j >= PyList_GET_SIZE(arrays)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "treemode: a donation index is out of range");
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, Py_NewRef(PyList_GET_ITEM(arrays, j)));
+    }
+    return out;
+}
+
+/* Whether an object of `donated` appears twice, or also in `kept`: 1, 0, or -1. */
+static int
+shares_an_object(PyObject *donated, PyObject *kept)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(donated);
+    PyObject **sorted = PyMem_New(PyObject *, n > 0 ? n : 1);
+    if (sorted == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(sorted, &PyTuple_GET_ITEM(donated, 0), n * sizeof(PyObject *));
+    qsort(sorted, n, sizeof(PyObject *), compare_pointers);
+    int shared = 0;
+    for (Py_ssize_t i = 1; !shared && i < n; i++)
+        shared = sorted[i] == sorted[i - 1];
+    for (Py_ssize_t i = 0; !shared && i < PyTuple_GET_SIZE(kept); i++) {
+        PyObject *item = PyTuple_GET_ITEM(kept, i);
+        shared = bsearch(&item, sorted, n, sizeof(PyObject *), compare_pointers) != NULL;
+    }
+    PyMem_Free(sorted);
+    return shared;
+}
+
+/* 1 while one of JAX's NaN/Inf checks (`debug_checks`) is on, 0 otherwise, -1 with
+ * an exception: under one, a donated call runs undonated in the pipeline (JAX's
+ * re-run that names the primitive needs the inputs alive). */
+static int
+debug_check_on(void)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tm_debug_checks); i++) {
+        PyObject *value = PyObject_GetAttr(PyTuple_GET_ITEM(tm_debug_checks, i), tm_value_name);
+        if (value == NULL)
+            return -1;
+        int on = PyObject_IsTrue(value);
+        Py_DECREF(value);
+        if (on != 0)
+            return on;
+    }
+    return 0;
+}
+
+/* After a donated call a failed write cannot be undone (the old buffers were
+ * consumed): it is finished instead, each new value stored in its Variable's
+ * value slot (a Variable whose own setter refused included); the exception
+ * raised stays the one raised. */
+static void
+finish_write(PyObject *variables, PyObject *updates)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    descrsetfunc set = Py_TYPE(tm_raw_value_member)->tp_descr_set;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(variables); i++) {
+        PyObject *update = PyTuple_GET_ITEM(updates, i);
+        if (update != Py_None && set(tm_raw_value_member, PyList_GET_ITEM(variables, i), update) < 0)
+            PyErr_Clear();
+    }
+    PyErr_Restore(type, value, traceback);
+}
+
+/* Executes `r` on `args`: the call's output; or NULL with `*error` set to the
+ * exception the compiled entry raised (the miss explains it); or NULL with an
+ * exception set (raised as it is: a failed write, undone, or finished after a
+ * donated call); or NULL without either: a miss. */
+static PyObject *
+execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
+{
+    PyObject *roots = NULL, *result = NULL, *out = NULL, *token = NULL, *split[2] = {NULL, NULL};
+    PyObject *dynamic = PyList_New(0), *variables = PyList_New(0);
+    int ok;
+    if (dynamic == NULL || variables == NULL)
+        goto done;
+    /* The roots: the bound arguments, the positional ones, the keyword ones by name. */
+    Py_ssize_t n_partial = PyTuple_GET_SIZE(r->partial_args), n_args = PyTuple_GET_SIZE(args);
+    Py_ssize_t n_kw = PyTuple_GET_SIZE(r->kw_names);
+    if ((kwargs == NULL ? 0 : PyDict_GET_SIZE(kwargs)) != n_kw ||
+        n_partial + n_args + n_kw != PyTuple_GET_SIZE(r->slots))
+        goto done;
+    if (n_partial == 0 && n_kw == 0) {
+        roots = Py_NewRef(args);
+    }
+    else {
+        roots = PyTuple_New(n_partial + n_args + n_kw);
+        if (roots == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < n_partial; i++)
+            PyTuple_SET_ITEM(roots, i, Py_NewRef(PyTuple_GET_ITEM(r->partial_args, i)));
+        for (Py_ssize_t i = 0; i < n_args; i++)
+            PyTuple_SET_ITEM(roots, n_partial + i, Py_NewRef(PyTuple_GET_ITEM(args, i)));
+        for (Py_ssize_t i = 0; i < n_kw; i++) {
+            PyObject *value = PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(r->kw_names, i));
+            if (value == NULL)
+                goto done; /* another name (a miss), or an error */
+            PyTuple_SET_ITEM(roots, n_partial + n_args + i, Py_NewRef(value));
+        }
+    }
+    /* The Variables may be written in the record's trace only. */
+    PyObject *trace = PyObject_GetAttr(tm_trace_state, tm_trace_attr);
+    if (trace == NULL)
+        goto done;
+    Py_DECREF(trace); /* only compared; the record holds its own */
+    if (trace != r->trace)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r->slots); i++) {
+        ok = match_one(PyTuple_GET_ITEM(r->slots, i), PyTuple_GET_ITEM(roots, i), dynamic,
+                       variables);
+        if (ok != 1)
+            goto done;
+    }
+    if (tm_closure_reads_hold(r->closure_reads) != 1)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r->closure_holders); i++) {
+        PyObject *obj = tm_held(PyTuple_GET_ITEM(r->closure_holders, i));
+        if (obj == NULL)
+            goto done; /* the object died */
+        ok = match_one(PyTuple_GET_ITEM(r->lifted_slots, i), obj, dynamic, variables);
+        Py_DECREF(obj);
+        if (ok != 1)
+            goto done;
+    }
+    if (r->donated == Py_None) {
+        result = PyObject_Vectorcall(r->jitted, PySequence_Fast_ITEMS(dynamic),
+                                     PyList_GET_SIZE(dynamic), NULL);
+    }
+    else {
+        split[0] = pick(dynamic, r->donated);
+        split[1] = split[0] == NULL ? NULL : pick(dynamic, r->kept);
+        if (split[1] == NULL || shares_an_object(split[0], split[1]) != 0)
+            goto done;
+        if (debug_check_on() != 0) {
+            PyErr_Clear(); /* a miss: the pipeline reads the flags again */
+            goto done;
+        }
+        token = tm_hold_signals(split[0]);
+        if (token == NULL)
+            goto done;
+        result = PyObject_Vectorcall(r->jitted, split, 2, NULL);
+    }
+    if (result == NULL) {
+        *error = tm_fetch_error();
+        goto done;
+    }
+    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != TM_ENTRY_SIZE) {
+        PyErr_SetString(PyExc_SystemError, "treemode: a compiled entry returns (out, updates)");
+        goto done;
+    }
+    PyObject *updates = PyTuple_GET_ITEM(result, TM_ENTRY_UPDATES);
+    if (updates != Py_None) { /* None: the trace updates nothing */
+        if (!PyTuple_Check(updates) || PyTuple_GET_SIZE(updates) != PyList_GET_SIZE(variables)) {
+            PyErr_SetString(PyExc_SystemError,
+                            "treemode: a compiled entry's updates differ from its record's Variables");
+            goto done;
+        }
+        if (write_back(variables, updates) < 0) {
+            if (r->donated != Py_None)
+                finish_write(variables, updates);
+            goto done;
+        }
+    }
+    out = Py_NewRef(PyTuple_GET_ITEM(result, TM_ENTRY_OUT));
+done:
+    if (token != NULL && tm_release_signals(token) < 0) {
+        Py_CLEAR(out); /* a held signal's exception, raised after the write */
+        if (*error != NULL) {
+            tm_chain(*error);
+            *error = NULL;
+        }
+    }
+    Py_XDECREF(result);
+    Py_XDECREF(split[0]);
+    Py_XDECREF(split[1]);
+    Py_XDECREF(variables);
+    Py_XDECREF(dynamic);
+    Py_XDECREF(roots);
+    return out;
+}
+
+/* FastCall: the base of a callable whose calls execute one of its `_records`
+ * (a tuple of FastRecords, the most recently made first; one per set of
+ * objects the callable was called with), and go to
+ * `_miss(self, error, args, kwargs)` otherwise (`_miss` is a function, not a
+ * bound method: no reference cycle). A record that does not match passes the
+ * call to the next one; a record that matched and whose compiled entry
+ * raised hands the error to the miss. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *records;
+    PyObject *miss;
+} FastCallObject;
+
+static PyObject *
+fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    FastCallObject *f = (FastCallObject *)self;
+    PyObject *error = NULL;
+    if (f->records != NULL && PyTuple_Check(f->records) && tm_is_configured) {
+        PyObject *records = Py_NewRef(f->records); /* another thread may replace them */
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(records) && error == NULL; i++) {
+            PyObject *record = PyTuple_GET_ITEM(records, i);
+            if (!Py_IS_TYPE(record, &FastRecord_Type))
+                continue;
+            PyObject *result = execute((RecordObject *)record, args, kwargs, &error);
+            if (result != NULL || (error == NULL && PyErr_Occurred())) {
+                Py_DECREF(records);
+                return result;
+            }
+        }
+        Py_DECREF(records);
+    }
+    if (f->miss == NULL || f->miss == Py_None) {
+        Py_XDECREF(error);
+        PyErr_SetString(PyExc_TypeError, "FastCall: no miss callback was set");
+        return NULL;
+    }
+    PyObject *call_args[4] = {self, error ? error : Py_None, args, kwargs ? kwargs : Py_None};
+    PyObject *result = PyObject_Vectorcall(f->miss, call_args, 4, NULL);
+    Py_XDECREF(error);
+    return result;
+}
+
+static int
+fast_call_traverse(FastCallObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    return fields_traverse(&self->records, 2, visit, arg); /* records, miss */
+}
+
+static int
+fast_call_clear(FastCallObject *self)
+{
+    return fields_clear(&self->records, 2);
+}
+
+static void
+fast_call_dealloc(FastCallObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    fast_call_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef fast_call_members[] = {
+    {"_records", T_OBJECT, offsetof(FastCallObject, records), 0,
+     "a tuple of the FastRecords a call may execute, tried in order (anything "
+     "else: every call misses)"},
+    {"_miss", T_OBJECT, offsetof(FastCallObject, miss), 0,
+     "miss(self, error, args, kwargs): runs a call the record does not"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject FastCall_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "treemode._accel._guard.FastCall",
+    .tp_doc = PyDoc_STR("Base of a callable whose calls execute its fast-path record, and "
+                        "call its `_miss` otherwise."),
+    .tp_basicsize = sizeof(FastCallObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_call = fast_call,
+    .tp_traverse = (traverseproc)fast_call_traverse,
+    .tp_clear = (inquiry)fast_call_clear,
+    .tp_dealloc = (destructor)fast_call_dealloc,
+    .tp_members = fast_call_members,
+};
+
+
+static PyMethodDef executor_methods[] = {
+    {"write_back", (PyCFunction)(void (*)(void))write_back_kernel, METH_FASTCALL,
+     write_back_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+/* Adds the executor's types, the bulk write and the record's version and fields. */
+int
+tm_executor_exec(PyObject *module)
+{
+    if (PyModule_AddFunctions(module, executor_methods) < 0 ||
+        tm_add_type(module, "Guarded", &Guarded_Type) < 0 ||
+        tm_add_type(module, "FastRecord", &FastRecord_Type) < 0 ||
+        tm_add_type(module, "FastCall", &FastCall_Type) < 0 ||
+        PyModule_AddIntConstant(module, "RECORD_VERSION", TM_RECORD_VERSION_NUMBER) < 0 ||
+        tm_add_names(module, "RECORD_FIELDS", record_fields) < 0)
+        return -1;
+    return 0;
+}
