@@ -32,6 +32,7 @@ RECORD_NAMES = {
     "_records",
     "RECORD_VERSION",
     "RECORD_FIELDS",
+    "RECORD",  # the prefix of the record's generated C names (_border.STRUCTURES)
 }
 
 

@@ -517,17 +517,18 @@ same_cells(PyObject *holder, PyObject *contents)
     return same;
 }
 
-/* What `reads_hold` answers: 1, 0, or -1 with an exception set. */
+/* Whether every closure read still gives the same object: 1, 0, or -1 with an exception set
+ * (its Python twin: treemode._tree._closure.reads_hold_python). */
 int
 tm_closure_reads_hold(PyObject *reads)
 {
     if (!PyTuple_Check(reads) || PyTuple_GET_SIZE(reads) != TM_READS_SIZE) {
-        PyErr_SetString(PyExc_TypeError, "reads_hold(reads): reads is a 7-tuple");
+        PyErr_SetString(PyExc_TypeError, "closure reads: not what _border.closure_reads builds");
         return -1;
     }
     for (Py_ssize_t i = 0; i < TM_READS_SIZE; i++) {
         if (!PyTuple_Check(PyTuple_GET_ITEM(reads, i))) {
-            PyErr_SetString(PyExc_TypeError, "reads_hold: every read group is a tuple");
+            PyErr_SetString(PyExc_TypeError, "closure reads: every read group is a tuple");
             return -1;
         }
     }
@@ -566,7 +567,7 @@ tm_closure_reads_hold(PyObject *reads)
         PyObject *pair = PyTuple_GET_ITEM(cells, i);
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != TM_CELL_READ_SIZE ||
             !PyTuple_Check(PyTuple_GET_ITEM(pair, TM_CELL_READ_CONTENTS))) {
-            PyErr_SetString(PyExc_TypeError, "reads_hold: a cell read is (holder, contents)");
+            PyErr_SetString(PyExc_TypeError, "closure reads: a cell read is (holder, contents)");
             return -1;
         }
         ok = same_cells(PyTuple_GET_ITEM(pair, TM_CELL_READ_HOLDER),
@@ -575,7 +576,7 @@ tm_closure_reads_hold(PyObject *reads)
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(attrs); i++) {
         PyObject *triple = PyTuple_GET_ITEM(attrs, i);
         if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != TM_ATTRIBUTE_READ_SIZE) {
-            PyErr_SetString(PyExc_TypeError, "reads_hold: an attribute read is (owner, name, value)");
+            PyErr_SetString(PyExc_TypeError, "closure reads: an attribute read is (owner, name, value)");
             return -1;
         }
         ok = attribute_is(PyTuple_GET_ITEM(triple, TM_ATTRIBUTE_READ_OWNER),

@@ -60,12 +60,12 @@ def check_writable(call: PreparedCall, updates: Sequence[Any]) -> None:
 
 def writable_in(ref: Any, flat: ArgFlat) -> bool:
     """Whether every Variable of ``flat`` was created in the trace behind ``ref``."""
-    entry = flat.origin or flat  # remembered on the cache entry
-    if entry.writable_in is ref:
+    cached = flat.origin or flat  # remembered on the cached flattening
+    if cached.writable_in is ref:
         return True
     writable = all(map(operator.is_, map(_trace_ref_of, flat.variables), repeat(ref)))
     if writable:
-        entry.writable_in = ref
+        cached.writable_in = ref
     return writable
 
 

@@ -22,6 +22,7 @@ from jax.core import Tracer
 
 from .. import _caches, _compat
 from .._accel import _compiled
+from .._accel._border import entry_result
 from .._errors import DonationError, StructureError
 from .._pipeline import _call, _callsite, _core, _explain, _interrupts, _pure, _retrace, _writeback
 from .._pipeline._callsite import CallSite
@@ -138,13 +139,13 @@ class _JitEntry:
 
     def _traced(self, dynamic: Sequence[Any]) -> tuple[Any, tuple[Any, ...] | None]:
         self._note_types(dynamic)
-        result = self.pure(*dynamic)
-        out, updates = result
+        out, updates = self.pure(*dynamic)
         metadata = self.pure.findings.metadata_updates
         self.findings.note(dynamic, metadata)
-        if not self._compact or any(u is not None for u in updates) or metadata:
-            return result
-        return out, None
+        if self._compact and not metadata and all(u is None for u in updates):
+            updates = None
+        # What the executable returns is what the executor reads (`_border`).
+        return entry_result(out, updates)
 
     def _note_types(self, dynamic: Sequence[Any]) -> None:
         """At trace time (JAX traces again for new shapes/dtypes): explain a retrace."""

@@ -417,8 +417,8 @@ class _Walk:
     def visit_function(self, f: Any, plan: _Plan, depth: int) -> None:
         """The closure cells and the globals of a function (anything with ``__code__``)."""
         kinds = _kinds
-        record = self.top_ref is not None
-        if record:
+        keep_reads = self.top_ref is not None
+        if keep_reads:
             self.functions.append(self.hold(f))
             self.codes.append(plan.code)
         cells = getattr(f, "__closure__", None)
@@ -435,10 +435,10 @@ class _Walk:
                 if kind == _IGNORE:
                     contents.append(_IGNORED)
                     continue
-                if record:
+                if keep_reads:
                     contents.append(self.hold(obj))
                 self.consider(name, obj, kind, depth)
-            if record:
+            if keep_reads:
                 self.cells.append(cell_read(self.hold(f), tuple(contents)))
         defaults = getattr(f, "__defaults__", None)
         if defaults:
@@ -453,7 +453,7 @@ class _Walk:
         if module_globals:
             names = plan.global_names
             values = global_values(plan, module_globals)
-            if record:
+            if keep_reads:
                 if plan.aliased:
                     self.dicts.extend(globals_read(plan, module_globals))
                 else:
