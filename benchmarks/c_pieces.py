@@ -9,7 +9,6 @@ against the pipeline's memo path:
 - ``holds`` without version tags: the same guard state with its dict version
   tags left out (every dict compared, as on Python 3.12+): what the tags save
   (the row reads "n/a" where the interpreter has none);
-- ``write_back``: the all-or-nothing write of a train step's new values;
 - ``FastCall``: the whole call by the executor of the fast-path record,
   against the same call through the pipeline (``JitWrapped._call``: the memo's
   `CallSite.match` and `treemode._pipeline._core.run`) with the compiled kernels:
@@ -20,9 +19,11 @@ CPU time (``time.process_time``) per call, best of several rounds, so that a
 loaded machine changes the numbers less. The last column is each saving's
 share of the whole memo-matched call (the ``FastCall`` row of the same model):
 docs/contributing.md's rule returns a piece saving under about 2% to Python.
-Two pieces went back to Python by it (docs/performance.md has their numbers,
+Three pieces went back to Python by it (docs/performance.md has their numbers,
 measured by this file at commit b2ebe9f): the exported closure-read kernel
-``reads_hold`` and the generic ``__dict__`` read of the guard.
+``reads_hold``, the generic ``__dict__`` read of the guard, and the exported
+bulk write ``write_back`` (the executor still checks the closure reads and
+writes in C).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from flax import nnx
 
 import treemode
 from treemode._accel import _compiled
-from treemode._pipeline import _writeback
 from treemode._tree import _flatten
 from treemode._tree._leaves import is_array
 
@@ -92,15 +92,6 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
         )
     else:
         rows.append(("holds with version tags (against without)", float("nan"), float("nan")))
-    values = [v.get_raw_value() for v in variables]
-    rows.append(
-        (
-            "write_back (train-step write)",
-            per_call_us(lambda: guard.write_back(variables, values)),
-            per_call_us(lambda: list(map(_writeback._setattr, variables, _repeat_raw, values))),
-        )
-    )
-
     whole_c = per_call_us(lambda: f(m, x), n=500)
     whole_py = per_call_us(lambda: f._call(m, x), n=500)
     rows.append(("FastCall (whole forward call)", whole_c, whole_py))
@@ -114,15 +105,6 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     whole_py = per_call_us(lambda: step._call(mt, opt, x), n=200)
     rows.append(("FastCall (whole train step)", whole_c, whole_py))
     return rows
-
-
-class _Repeat:
-    def __iter__(self):
-        while True:
-            yield "_raw_value"
-
-
-_repeat_raw = _Repeat()
 
 
 def _python_holds(g: Any, variables: list[Any], top: Any) -> bool:
@@ -139,12 +121,9 @@ def main() -> None:
     for depth in (2, 64):
         rows = pieces(depth)
         forward = next(c for name, c, _ in rows if name == "FastCall (whole forward call)")
-        step = next(c for name, c, _ in rows if name == "FastCall (whole train step)")
         for name, c, py in rows:
-            # Each saving against the memo-matched call that pays it: the train
-            # step's for its write, the forward call's for the others.
-            whole = step if name.startswith("write") else forward
-            share = "" if name.startswith("FastCall") else f"{(py - c) / whole:.1%}"
+            # Each saving against the memo-matched call that pays it (the forward call).
+            share = "" if name.startswith("FastCall") else f"{(py - c) / forward:.1%}"
             print(f"| {name} | {depth}-layer MLP | {c:.2f} | {py:.2f} | {py - c:.2f} | {share} |")
 
 

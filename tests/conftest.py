@@ -100,7 +100,6 @@ def implementation(request, monkeypatch):
     if request.param == "python":
         monkeypatch.setattr(_flatten, "_compiled_holds", None)
         monkeypatch.setattr(_callsite, "fast_record", lambda *args: None)
-        monkeypatch.setattr(_writeback, "_write_back_compiled", None)
     return request.param
 
 
@@ -119,7 +118,7 @@ class Hooks:
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
-        from treemode._pipeline import _core, _writeback
+        from treemode._pipeline import _core
 
         self._patch = monkeypatch
         self._core = _core

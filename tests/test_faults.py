@@ -546,37 +546,6 @@ def test_fault_in_check_writable_leaves_inputs(hooks):
     _every_transform_raises_and_leaves_inputs(CheckFault)
 
 
-def test_compiled_write_is_all_or_nothing(extension):
-    # `write_back`'s C pass writes a Variable's `_raw_value` slot directly; any other
-    # layout goes through object.__setattr__, which can fail midway: the writes
-    # already made are undone and the error is the one raised.
-    guard = extension
-
-    class Refusing:
-        def __init__(self, value: Any):
-            self.value = value
-
-        @property
-        def _raw_value(self) -> Any:
-            return self.value
-
-        @_raw_value.setter
-        def _raw_value(self, value: Any) -> None:
-            if value == "refused":
-                raise CheckFault("write")
-            self.value = value
-
-    a, b, c = Refusing(1), Refusing(2), Refusing(3)
-    assert guard.write_back([a, b, c], ["x", None, "y"]) == 2
-    assert (a.value, b.value, c.value) == ("x", 2, "y")
-    with pytest.raises(CheckFault, match="write"):
-        guard.write_back([a, b, c], ["p", "q", "refused"])
-    assert (a.value, b.value, c.value) == ("x", 2, "y")
-    v = nnx.Param(jnp.zeros(2))
-    new = jnp.ones(2)
-    assert guard.write_back([v], [new]) == 1 and v.get_raw_value() is new
-
-
 def test_two_arguments_roll_back_together(hooks):
     def both(a, b, x):
         step(a, x)

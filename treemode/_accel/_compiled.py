@@ -4,13 +4,14 @@ The extension holds two kinds of code:
 
 - kernels that treemode's Python code also implements (each pair bound by a
   differential test, tests/test_twins.py): the flattening guard (``holds``,
-  ``version_tags``) and the bulk write (``write_back``);
+  ``version_tags``);
 - the executor of the fast-path record: the Python pipeline decides how a
   repeated ``treemode.jit`` call runs and emits a ``FastRecord``
   (`treemode._pipeline._callsite.fast_record`); ``FastCall``, the base of
   ``treemode.jit``'s wrapper, executes it, and hands every doubt back to the
-  pipeline through one callback, the miss. The cached flattenings it matches
-  are ``Guarded`` objects (the pipeline's own match, its twin, is
+  pipeline through one callback, the miss; its write of the new values has
+  its twin in ``treemode._pipeline._writeback.write_back``. The cached
+  flattenings it matches are ``Guarded`` objects (the pipeline's own match, its twin, is
   `treemode._pipeline._callsite.match_into`).
 
 Every other module takes these from here: each is ``None`` where the
@@ -195,7 +196,6 @@ def extension_status() -> ExtensionStatus:
 
 holds: Callable[..., bool] | None = guard.holds if guard else None
 version_tags: Callable[..., bytes | None] | None = guard.version_tags if guard else None
-write_back: Callable[..., int] | None = guard.write_back if guard else None
 Guarded: type | None = guard.Guarded if guard else None
 FastRecord: type | None = guard.FastRecord if guard else None
 FastCall: type | None = guard.FastCall if guard else None

@@ -4,7 +4,7 @@
  * its configuration and `configure`.
  *
  * Kernels, each with a Python twin bound to it by tests/test_twins.py (the
- * guard `holds`/`version_tags`, the bulk write `write_back`), and the
+ * guard `holds`/`version_tags`), and the
  * executor of the fast-path record the Python pipeline emits (`FastRecord`,
  * run by `FastCall`; every doubt goes back to Python through one callback, the
  * miss). Nothing here reads a private Flax or JAX name, nor an attribute of

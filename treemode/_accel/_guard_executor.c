@@ -5,8 +5,9 @@
  * `FastCall` (the base of treemode.jit's wrapper) executes it: match the
  * arguments against the record's slots (the cached flattenings, `Guarded`)
  * and the closure's objects, call the compiled entry, write the new values
- * back. Every doubt is a miss, handed to the one Python callback. The bulk
- * write is also exported (`write_back`) for the pipeline's write-back.
+ * back. Every doubt is a miss, handed to the one Python callback. The write
+ * (`write_back`) has its Python twin in treemode._pipeline._writeback.write_back;
+ * tests/test_twins.py binds them through executed calls.
  */
 #include "_guard.h"
 
@@ -232,12 +233,6 @@ set_raw_value(PyObject *var, PyObject *value, PyObject *previous)
     return 0;
 }
 
-PyDoc_STRVAR(write_back_doc,
-"write_back(variables, updates) -> int\n\n"
-"Sets `variables[i]._raw_value = updates[i]` (as object.__setattr__ does) for\n"
-"every update that is not None, all or nothing; returns how many were written.\n"
-"The replaced values are released only after the last write.");
-
 /* Writes every non-None `updates[i]` into `variables[i]` (both fast
  * sequences of one length), all or nothing: the count written, or -1. */
 static Py_ssize_t
@@ -275,37 +270,6 @@ write_back(PyObject *variables, PyObject *updates)
     }
     Py_DECREF(previous);
     return written;
-}
-
-static PyObject *
-write_back_kernel(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (!tm_configured())
-        return NULL;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "write_back(variables, updates) takes 2 arguments");
-        return NULL;
-    }
-    PyObject *variables = PySequence_Fast(args[0], "variables must be a sequence");
-    if (variables == NULL)
-        return NULL;
-    PyObject *updates = PySequence_Fast(args[1], "updates must be a sequence");
-    if (updates == NULL) {
-        Py_DECREF(variables);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    if (PySequence_Fast_GET_SIZE(updates) != PySequence_Fast_GET_SIZE(variables)) {
-        PyErr_SetString(PyExc_ValueError, "write_back: one update per Variable");
-    }
-    else {
-        Py_ssize_t written = write_back(variables, updates);
-        if (written >= 0)
-            result = PyLong_FromSsize_t(written);
-    }
-    Py_DECREF(updates);
-    Py_DECREF(variables);
-    return result;
 }
 
 /* ---- The fast-path record and its executor ----
@@ -739,18 +703,11 @@ static PyTypeObject FastCall_Type = {
 };
 
 
-static PyMethodDef executor_methods[] = {
-    {"write_back", (PyCFunction)(void (*)(void))write_back_kernel, METH_FASTCALL,
-     write_back_doc},
-    {NULL, NULL, 0, NULL},
-};
-
-/* Adds the executor's types, the bulk write and the record's version and fields. */
+/* Adds the executor's types and the record's version and fields. */
 int
 tm_executor_exec(PyObject *module)
 {
-    if (PyModule_AddFunctions(module, executor_methods) < 0 ||
-        tm_add_type(module, "Guarded", &Guarded_Type) < 0 ||
+    if (tm_add_type(module, "Guarded", &Guarded_Type) < 0 ||
         tm_add_type(module, "FastRecord", &FastRecord_Type) < 0 ||
         tm_add_type(module, "FastCall", &FastCall_Type) < 0 ||
         PyModule_AddIntConstant(module, "RECORD_VERSION", TM_RECORD_VERSION_NUMBER) < 0 ||

@@ -7,10 +7,11 @@ several candidate write-backs at once (the branches of ``cond``/``switch``,
 whose closure Variables differ): all of them commit, or none.
 
 `store` is the one place the pipeline writes a Variable (tests inject faults
-there); while it is the default, the writes are made in bulk, in C where the
-extension is built. The extension's executor writes in bulk too, without this
-module: faults reach it at the Variable level (a Variable type whose value
-slot refuses a write).
+there); while it is the default, the writes are made in one C-level pass
+(``map`` over ``object.__setattr__``). The extension's executor writes in
+bulk too, in C, without this module (`write_back` is its twin, bound by
+tests/test_twins.py); faults reach it at the Variable level (a Variable type
+whose value slot refuses a write).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import jax
 from jax.core import Tracer
 
 from .. import _compat
-from .._accel import _compiled
 from .._errors import TraceContextError
 from .._tree._flatten import ArgFlat
 from ._call import PreparedCall
@@ -80,17 +80,6 @@ def write_back(
     metadata_updates: dict[int, dict[str, Any]] | None = None,
 ) -> None:
     """Store the changed values into the caller's Variables, all or nothing."""
-    if not metadata_updates and store is DEFAULT_STORE and _write_back_compiled is not None:
-        # The common case, in one C pass: new values only, with the default hook.
-        if any(map(operator.is_not, updates, repeat(None))):
-            check_writable(call, updates)
-            try:
-                _write_back_compiled(call.variables, updates)
-            except BaseException:  # undone: the old values are back, unless they are gone
-                if _any_deleted(list(map(_raw_value_of, call.variables))):
-                    finish_write(call.variables, updates)
-                raise
-        return
     changed = list(map(operator.is_not, updates, repeat(None)))
     if not metadata_updates and not any(changed):
         return  # the no-update path (a forward pass): nothing to check or write
@@ -160,8 +149,6 @@ def _any_deleted(values: Sequence[Any]) -> bool:
         for x in jax.tree_util.tree_leaves(list(values))
     )
 
-
-_write_back_compiled = _compiled.write_back  # the compiled writes; None: the loop above
 
 current_trace_ref = _compat.current_trace_ref
 
