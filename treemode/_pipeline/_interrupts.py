@@ -57,13 +57,14 @@ from jax.core import Tracer
 
 from .._accel._border import hold_plan, signal_swap
 
+T = TypeVar("T")
+
 # The C functions behind `signal`, without its enum conversions (no stub: Any).
 _signal: Any = importlib.import_module("_signal")
 _MAIN_IDENT = threading.main_thread().ident
 _get_ident = threading.get_ident
 _getsignal = _signal.getsignal
 _setsignal = _signal.signal
-T = TypeVar("T")
 _SIGNALS = tuple(
     int(s) for s in sorted(signal.valid_signals()) if s not in {signal.SIGKILL, signal.SIGSTOP}
 )
