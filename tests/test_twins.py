@@ -14,7 +14,9 @@ too) wherever the extension was built.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
@@ -216,6 +218,23 @@ def test_holds_decides_as_its_python_twin(tree, steps):
 # -- the executor against the pipeline's memo -------------------------------------
 
 
+@contextlib.contextmanager
+def _misses_of(f: Any) -> Iterator[list[Any]]:
+    """The misses of ``f``'s executor while the block runs (each goes on to the pipeline)."""
+    missed: list[Any] = []
+    real_miss = f._miss
+
+    def miss(wrapper: Any, error: Any, args: Any, kwargs: Any) -> Any:
+        missed.append(error)
+        return wrapper._on_miss(error, args, kwargs)
+
+    f._miss = miss
+    try:
+        yield missed
+    finally:
+        f._miss = real_miss
+
+
 def _add_one(tree: Any) -> None:
     for v in _leaf_vars(tree):
         v[...] = v[...] + 1
@@ -242,17 +261,9 @@ def test_the_executor_decides_as_the_pipelines_memo(tree, calls):
         python_hit = (
             memo is not None and record is not None and memo[0].match((tree,), {}) is not None
         )
-        missed: list[Any] = []
-        real_miss = f._miss
-
-        def miss(wrapper: Any, error: Any, args: Any, kwargs: Any, seen: Any = missed) -> Any:
-            seen.append(error)
-            return wrapper._on_miss(error, args, kwargs)
-
-        f._miss = miss
         before = _snapshot_values(tree)
-        f(tree)
-        f._miss = real_miss
+        with _misses_of(f) as missed:
+            f(tree)
         executor_hit = record is not None and not missed
         assert executor_hit == python_hit, (how, missed)
         after = _snapshot_values(tree)
@@ -307,16 +318,8 @@ def test_the_executors_closure_reads_decide_as_reads_hold_python(n_globals, n_ce
         snapshot = None if memo is None else memo[0].snapshot
         reads_python = snapshot is not None and _closure.reads_hold_python(snapshot.reads)
         python_hit = record is not None and memo is not None and memo[0].match((x,), {})
-        missed: list[Any] = []
-        real_miss = f._miss
-
-        def miss(wrapper: Any, error: Any, args: Any, kwargs: Any, seen: Any = missed) -> Any:
-            seen.append(error)
-            return wrapper._on_miss(error, args, kwargs)
-
-        f._miss = miss
-        out = f(x)
-        f._miss = real_miss
+        with _misses_of(f) as missed:
+            out = f(x)
         executor_hit = record is not None and not missed
         assert executor_hit == (python_hit is not None and python_hit is not False), change
         if record is not None and not reads_python:
@@ -360,9 +363,8 @@ def test_the_executors_write_writes_as_write_back(tree, updates):
         return  # no fast path for this tree (e.g. values that are not one array)
     before_c = [_compat.raw_value_of(v) for v in _leaf_vars(tree)]
     before_p = [_compat.raw_value_of(v) for v in _leaf_vars(twin)]
-    missed: list[Any] = []
-    by_executor._miss = lambda wrapper, error, args, kwargs: missed.append(error)
-    by_executor(tree)
+    with _misses_of(by_executor) as missed:
+        by_executor(tree)
     by_pipeline._call(twin)
     assert not missed  # the executor ran the call, and wrote
     pairs = zip(_leaf_vars(tree), _leaf_vars(twin), before_c, before_p, chosen, strict=True)
