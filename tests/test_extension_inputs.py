@@ -97,20 +97,25 @@ def test_guarded_arguments(extension, fields):
         extension.Guarded(*fields)
 
 
-def test_an_executed_record_with_a_malformed_guard_state_raises(extension):
-    holder = _Holder()
-    guarded = extension.Guarded(weakref.ref(Plain), ("a",) * 15, (), weakref.ref(holder))
+def _executing(extension: Any, **changes: Any) -> Any:
+    """A `FastCall` executing one record (the well-formed one with ``changes``,
+    writable in the current trace); a miss returns ``"missed"``."""
 
     class Fn(extension.FastCall):
         pass
 
     f = Fn()
     f._miss = lambda self, error, args, kwargs: "missed"
-    f._records = (
-        extension.FastRecord(
-            **_record_fields(slots=(weakref.ref(guarded),), trace=_compat.current_trace_ref())
-        ),
-    )
+    fields = _record_fields(trace=_compat.current_trace_ref(), **changes)
+    f._records = (extension.FastRecord(**fields),)
+    return f
+
+
+def test_an_executed_record_with_a_malformed_guard_state_raises(extension):
+    holder = _Holder()
+    guarded = extension.Guarded(weakref.ref(Plain), ("a",) * 15, (), weakref.ref(holder))
+
+    f = _executing(extension, slots=(weakref.ref(guarded),))
     with pytest.raises(ERRORS):
         f(Plain)
 
@@ -128,25 +133,10 @@ class _Holder:
     ],
 )
 def test_an_executed_record_with_malformed_closure_reads_raises(extension, reads):
-    class Fn(extension.FastCall):
-        pass
-
-    f = Fn()
-    f._miss = lambda self, error, args, kwargs: "missed"
-    f._records = (
-        extension.FastRecord(
-            **_record_fields(closure_reads=reads, trace=_compat.current_trace_ref())
-        ),
-    )
     with pytest.raises(TypeError):
-        f(1.0)
+        _executing(extension, closure_reads=reads)(1.0)
     # The same record with well-formed reads runs its entry: ``(out, updates)``.
-    f._records = (
-        extension.FastRecord(
-            **_record_fields(jitted=lambda x: (x * 2, None), trace=_compat.current_trace_ref())
-        ),
-    )
-    assert f(1.0) == 2.0
+    assert _executing(extension, jitted=lambda x: (x * 2, None))(1.0) == 2.0
 
 
 @pytest.mark.parametrize("args", [(), (None,), (None, None), (3, 3, 3, 3)])
