@@ -18,6 +18,13 @@
 
 #include "_border.h" /* the structures read from Python (generated) */
 
+/* The shared names are the module's own: hidden, so that calls between the files
+ * bind directly instead of through the dynamic symbol table (only PyInit__guard,
+ * declared with PyMODINIT_FUNC, is exported). */
+#if defined(__GNUC__) && !defined(_WIN32)
+#pragma GCC visibility push(hidden)
+#endif
+
 /* Interned attribute names (set by the module's init). */
 extern PyObject *tm_code_name;    /* "__code__" */
 extern PyObject *tm_closure_name; /* "__closure__" */
@@ -62,5 +69,9 @@ int tm_release_signals(PyObject *token);
 PyObject *tm_fetch_error(void);
 void tm_restore_error(PyObject *error);
 void tm_chain(PyObject *context);
+
+#if defined(__GNUC__) && !defined(_WIN32)
+#pragma GCC visibility pop
+#endif
 
 #endif /* TREEMODE_GUARD_H */
