@@ -112,7 +112,7 @@ def test_a_trace_that_writes_another_set_gets_its_own_donation(implementation):
             assert a.is_deleted() == (n == 2) and b.is_deleted() == (n == 3)
             assert (m.a.get_raw_value() is a) == (n == 3)
             assert (m.b.get_raw_value() is b) == (n == 2)
-    assert traces[0] == 2  # once per signature: the donated executables replay them
+    assert traces[0] == 2  # once per signature: the donated executables reuse JAX's traces
     np.testing.assert_allclose(small.a[...], [2.0, 2.0])
     np.testing.assert_allclose(large.b[...], [2.0, 2.0, 2.0])
     np.testing.assert_allclose(small.b[...], [0.0, 0.0])

@@ -377,6 +377,34 @@ def _jaxpr_as_fun() -> Any:
         return jax.core.jaxpr_as_fun  # type: ignore[attr-defined]
 
 
+def _trace_context() -> Callable[[], Any]:
+    """JAX's trace context: the configuration its trace caches are keyed on (x64,
+    default matmul precision, dtype and rank promotion, default device, mesh and
+    sharding modes, debug flags, ...), read from JAX so that no option is missed."""
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - every supported JAX has it
+        return lambda: ()
+    context = getattr(config, "trace_context", None)
+    if not callable(context):  # pragma: no cover - another version
+        raise ImportError(
+            "treemode: this JAX has no jax._src.config.trace_context, which treemode's "
+            f"caches are keyed on (supported: {SUPPORTED_VERSIONS})."
+        )
+    return context
+
+
+trace_context = _trace_context()
+
+
+def trace_key(avals: Any) -> tuple[Any, ...]:
+    """The key of a trace as ``jax.jit`` keys its own: the inputs' abstract values
+    (``jax.typeof``: shape, dtype, weak type and, with explicit sharding, sharding)
+    and the current trace context. A cache in front of ``jax.jit`` that is keyed on
+    this is reused exactly where ``jax.jit`` would reuse its trace."""
+    return (trace_context(), tuple(avals))
+
+
 # A closed jaxpr as a function of its inputs: how a donated `treemode.jit`
 # executable replays the trace that told it what the function writes.
 jaxpr_as_fun = _jaxpr_as_fun()

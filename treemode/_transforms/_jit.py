@@ -66,15 +66,16 @@ class _JitEntry:
     and the donated arrays that are not Variable values (as ``jax.jit`` does).
     Read-only Variables of a donated argument are passed undonated, are not
     outputs, and keep their buffers. What a trace writes is known only once it
-    is traced, so a call of a signature not seen yet first traces the user
-    function once, without donation (``probe``, a ``jax.jit`` that is never
-    compiled), and the donated executable of that write set (``jitted``,
-    ``split``) replays the probe's jaxpr (`_Replay`): the user function runs
-    once per signature, as under ``jax.jit``. A signature whose trace writes
-    another set gets its own executable; the one called last is the entry's
-    ``jitted``. The executable of one set raises `_Unprobed` when JAX traces it
-    for a signature it was not probed for (new shapes, or another set): nothing
-    has run, and the caller probes and calls again.
+    is traced. The first call of an entry traces the user function once,
+    without donation (``probe``, a ``jax.jit`` that is never compiled), and the
+    donated executable of that write set (``jitted``, ``split``) calls ``probe``
+    inside its own trace, where JAX's trace cache (keyed as JAX keys it: avals
+    with shardings and weak types, and the trace context) hands back the probe's
+    trace: the user function runs once per signature, as under ``jax.jit``. A new
+    signature is traced by the current executable itself; one whose trace writes
+    another set raises `_Unprobed` before anything runs or is donated, and the
+    call takes the executable of that set (`known_split`), probing it if needed.
+    Every set keeps its executable.
 
     Metadata updates are static, so each trace keeps its own in `findings`,
     under the abstract values of its inputs: ``jax.jit`` keeps one executable
@@ -95,7 +96,7 @@ class _JitEntry:
         "_owner",
         "_in_shardings",
         "_jit_kwargs",
-        "_replays",
+        "_splits",
         "_executables",
     )
 
@@ -127,7 +128,8 @@ class _JitEntry:
             self._candidates = tuple(donated)
             self._in_shardings = in_shardings
             self._jit_kwargs = jit_kwargs
-            self._replays: dict[tuple[Any, ...], _Replay] = {}
+            # The donation split of each signature traced (`_signature`).
+            self._splits: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
             self._executables: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
             self.probe = jax.jit(flat, **jit_kwargs)
             self.jitted: Any = None  # set by the first `probe_call`
@@ -157,40 +159,59 @@ class _JitEntry:
         self, dynamic: Sequence[Any]
     ) -> tuple[Any, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Trace the function for ``dynamic``'s signature (the pure function bound to
-        the call) and make the donated executable of what it writes the current one."""
+        the call) and make the donated executable of what it writes the current one.
+
+        The trace is ``probe``'s: JAX keeps it in its own trace cache, keyed as JAX
+        keys it (the abstract values with their shardings and weak types, and the
+        trace context), and the donated executable calls ``probe`` inside its own
+        trace, where JAX finds it again: the user function runs once per signature.
+        """
         traced = self.probe.trace(*dynamic)
-        out_info, updates_info = traced.out_info
-        n = len(dynamic)
+        _, updates_info = traced.out_info
+        split = self._split_of(updates_info, len(dynamic))
+        self._splits[_signature(dynamic)] = split
+        return self._use(split), split
+
+    def _split_of(self, updates: Any, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The donation split of a trace whose updates are ``updates``: the donated
+        candidates that are not Variable values or are values the trace writes."""
         written: set[int] = set()
-        if updates_info is not None:
-            written = {i for i, u in enumerate(updates_info) if u is not None}
+        if updates is not None:
+            written = {i for i, u in enumerate(updates) if u is not None}
         owner = self._owner
         donated = tuple(j for j in self._candidates if owner[j] < 0 or owner[j] in written)
-        split = _donation_split(donated, n) or ((), tuple(range(n)))
-        self._replays[_avals_key(traced.jaxpr.in_avals)] = _Replay(
-            traced.jaxpr, jax.tree_util.tree_structure(traced.out_info), split
-        )
+        return _donation_split(donated, n) or ((), tuple(range(n)))
+
+    def _use(self, split: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
+        """Make the donated executable of ``split`` the current one."""
         jitted = self._executables.get(split)
         if jitted is None:
             jitted = self._executables[split] = self._donating(split)
         self.jitted = jitted
         self.split = split
-        return jitted, split
+        return jitted
+
+    def known_split(self, dynamic: Sequence[Any]) -> Any:
+        """The executable and split of ``dynamic``'s signature if a trace of it is
+        known (``None``: probe it)."""
+        split = self._splits.get(_signature(dynamic))
+        return None if split is None else (self._use(split), split)
 
     def _donating(self, split: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
-        """The ``jax.jit`` of the replayed traces that donate ``split[0]``."""
+        """The ``jax.jit`` that donates ``split[0]`` and calls ``probe`` inside."""
         order = [0] * (len(split[0]) + len(split[1]))
         for position, i in enumerate(split[0] + split[1]):
             order[i] = position
-        replays = self._replays
+        probe = self.probe
+        n = len(order)
 
         def call_split(donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
             joined = donated + kept
-            dynamic = [joined[j] for j in order]
-            replay = replays.get(_signature(dynamic))
-            if replay is None or replay.split != split:
+            result = probe(*[joined[j] for j in order])
+            if self._split_of(result[1], n) != split:
+                # This signature writes another set: nothing has run or been donated.
                 raise _Unprobed(self.pure.transform)
-            return replay(dynamic)
+            return result
 
         kwargs = self._jit_kwargs
         if self._in_shardings is not None:
@@ -217,24 +238,10 @@ class _JitEntry:
             jitted.clear_cache()
         if self.probe is not None:
             self.probe.clear_cache()
-            self._replays.clear()
+            self._splits.clear()
             self._executables.clear()
             self.jitted = None
             self.split = None
-
-
-class _Replay:
-    """The jaxpr of one probed trace, replayed by the donated executable of its write set."""
-
-    __slots__ = ("run", "out_tree", "split")
-
-    def __init__(self, jaxpr: Any, out_tree: Any, split: tuple[tuple[int, ...], tuple[int, ...]]):
-        self.run = _compat.jaxpr_as_fun(jaxpr)
-        self.out_tree = out_tree
-        self.split = split
-
-    def __call__(self, dynamic: Sequence[Any]) -> Any:
-        return jax.tree_util.tree_unflatten(self.out_tree, self.run(*dynamic))
 
 
 class _Unprobed(_pure.UnboundTrace):
@@ -396,13 +403,9 @@ class _EntryFindings:
 
 
 def _signature(dynamic: Sequence[Any]) -> tuple[Any, ...]:
-    """What ``jax.jit`` tells traces apart by: each input's shape, dtype and weak type."""
-    return _avals_key(map(jax.typeof, dynamic))
-
-
-def _avals_key(avals: Iterable[Any]) -> tuple[Any, ...]:
-    """`_signature` of inputs given by their abstract values (a trace's ``in_avals``)."""
-    return tuple((a.shape, a.dtype, a.weak_type) for a in avals)
+    """What ``jax.jit`` tells traces apart by, read from JAX (`_compat.trace_key`): each
+    input's abstract value (shape, dtype, weak type, sharding) and the trace context."""
+    return _compat.trace_key(map(jax.typeof, dynamic))
 
 
 # Calls matching the fast-path record run in C, without a Python frame
@@ -781,10 +784,11 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         try:
             return self._execute(call, entry, jitted, split)
         except _Unprobed:
-            # JAX traced the executable for a signature it was not probed for;
-            # nothing ran: probe this one and call its executable.
+            # JAX traced the executable for a signature that writes another set;
+            # nothing ran: take that set's executable (probing it if unknown).
             _forget_failed_dispatch(jitted)
-            jitted, split = self._probe(call, entry)
+            known = entry.known_split(call.dynamic)
+            jitted, split = known if known is not None else self._probe(call, entry)
             return self._execute(call, entry, jitted, split)
 
     def _probe(self, call: _call.PreparedCall, entry: _JitEntry) -> tuple[Any, Any]:
