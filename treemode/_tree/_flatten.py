@@ -69,7 +69,8 @@ class ArgFlat:
         variables: the Variables, in leaf order.
         var_dynamic_counts: per Variable, how many dynamic leaves its value has.
         dynamic: the traced arrays, in leaf order (a Variable's value leaves in
-            place of the Variable).
+            place of the Variable); empty in a cached flattening, which keeps no
+            call's arrays (each call gets a copy, `_copy_for_call`).
         key: hashable structural key (treedef and specs).
     """
 
@@ -534,6 +535,11 @@ def flatten_arg(arg: Any, is_dynamic: Callable[[Any], bool]) -> ArgFlat:
         flat._ref = ref
         flat._fast = _fast_state(flat)
         _cache[key] = flat
+        # The call gets a copy: the cached flattening keeps no array of this call
+        # (a written Variable's first value would stay alive as long as the module).
+        fresh = _copy_for_call(flat, flat.dynamic)
+        flat.dynamic = []
+        return fresh
     return flat
 
 
@@ -580,6 +586,11 @@ def _refresh(cached: ArgFlat) -> ArgFlat | None:
     dynamic = current_dynamic(cached)
     if dynamic is None:
         return None
+    return _copy_for_call(cached, dynamic)
+
+
+def _copy_for_call(cached: ArgFlat, dynamic: list[Any]) -> ArgFlat:
+    """A call's flattening: ``cached``'s structure with this call's arrays."""
     fresh = ArgFlat.__new__(ArgFlat)
     fresh.treedef = cached.treedef
     fresh.specs = cached.specs
