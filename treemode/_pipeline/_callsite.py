@@ -67,7 +67,7 @@ class CallSite:
 
     __slots__ = (
         "transform",
-        "fn",
+        "fn_ref",
         "n_args",
         "kw_names",
         "slots",
@@ -77,7 +77,7 @@ class CallSite:
     )
 
     transform: str
-    fn: Callable[..., Any]
+    fn_ref: weakref.ref[Callable[..., Any]]  # weak: a memo never keeps the function alive
     n_args: int
     kw_names: tuple[str, ...]
     # per argument: a weak reference to its flattening's Guarded (or the flattening); None: an array
@@ -121,7 +121,7 @@ class CallSite:
             return None
         site = cls()
         site.transform = call.transform
-        site.fn = call.fn
+        site.fn_ref = snapshot.ref  # the closure cache's weak reference to the function
         site.n_args = len(call.args)
         site.kw_names = call.kw_names
         site.slots = tuple(slots)
@@ -156,7 +156,10 @@ class CallSite:
         sources: list[ArgFlat] = []
         if not match_into(self.slots, roots, dynamic, sources, _match_slow):
             return None
-        lifted = unchanged_closure_objects(self.fn, self.snapshot)
+        fn = self.fn_ref()
+        if fn is None:
+            return None
+        lifted = unchanged_closure_objects(fn, self.snapshot)
         if lifted is None:
             return None
         if (lifted or self.lifted_slots) and not match_into(
@@ -296,6 +299,13 @@ class SiteCall:
     @property
     def transform(self) -> str:
         return self.site.transform
+
+    @property
+    def fn(self) -> Callable[..., Any]:
+        """The function called (alive: the caller's wrapper holds it)."""
+        fn = self.site.fn_ref()
+        assert fn is not None, "a matched call outlived its function"
+        return fn
 
     @property
     def variables(self) -> list[Any]:

@@ -150,7 +150,9 @@ class PureFunction:
         force_updates: frozenset[int] = frozenset(),
         allow_output_variables: bool = False,
     ):
-        self.fn = call.fn
+        # The function traced; ``None``: the bound call's (an entry that may outlive
+        # the wrapper then keeps no reference to the user's function).
+        self.fn: Callable[..., Any] | None = call.fn
         self.transform = call.transform
         self.key = call.key
         self.graph = call.graph
@@ -234,7 +236,7 @@ class PureFunction:
         all_vars = inputs.variables + closure.variables
         # Writes from another trace: MutationError.
         mark_trace_time(self, all_vars, [root for root, *_ in closure.roots])
-        fn = self.fn
+        fn = call.fn if self.fn is None else self.fn
         substitution = None
         try:
             if closure.replacements:

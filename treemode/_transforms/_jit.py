@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
-from types import FunctionType
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -18,19 +17,24 @@ from typing import (
 )
 
 import jax
-from jax.core import Tracer
 
 from .. import _caches, _compat
 from .._accel import _compiled
-from .._accel._border import entry_result
-from .._errors import DonationError, StructureError
+from .._errors import DonationError
 from .._pipeline import _call, _callsite, _core, _explain, _interrupts, _pure, _retrace, _writeback
 from .._pipeline._callsite import CallSite
 from .._tree._flatten import ArgFlat, check_no_aliases
-from .._tree._leaves import is_variable
 from .._tree._specs import DYNAMIC, VarSpec
 from ._axes import graph_prefix_values
-from ._names import FLAT_ARGUMENTS, SPLIT_ARGUMENTS, named
+from ._jit_entry import (
+    _arrange,
+    _check_donation,
+    _forget_failed_dispatch,
+    _JitEntry,
+    _Unprobed,
+)
+from ._jit_stages import Compiled, Lowered, Traced
+from ._jit_table import SharedJit, shared_state
 from ._prefix import broadcast_to_dynamic, decode_flax_prefixes, graph_output_prefix
 from ._signature import UNSPECIFIED, as_tuple, resolve_argnums, suggests_keywords
 from ._wrapped import Wrapped, make_wrapper
@@ -45,249 +49,6 @@ def _resolve_argnums(
     fn: Callable[..., Any], argnums: tuple[int, ...], argnames: tuple[str, ...], what: str
 ) -> tuple[frozenset[int], frozenset[str]]:
     return resolve_argnums("jit", fn, argnums, argnames, what)
-
-
-class _JitEntry:
-    """The compiled form of one call structure.
-
-    The dynamic arrays reach ``jax.jit`` as positional arguments (JAX's C++
-    dispatch parses those with fewer steps than one tuple argument), or as two
-    tuples when some are donated: the donated ones, then the kept ones.
-
-    Which Variables a trace updates is fixed in its executable. A trace that
-    updates none (no changed value, no metadata update) returns ``(out,
-    None)`` instead of a tuple of ``None`` per Variable: its calls skip the
-    write-back without looking at their updates, and JAX rebuilds a smaller
-    output tree on every call. Not with explicit shardings, whose
-    ``out_shardings`` give one entry per Variable.
-
-    **Donation by effect.** An entry with donated arguments donates exactly the
-    buffers the function writes: the values of the Variables its trace updates,
-    and the donated arrays that are not Variable values (as ``jax.jit`` does).
-    Read-only Variables of a donated argument are passed undonated, are not
-    outputs, and keep their buffers. What a trace writes is known only once it
-    is traced. The first call of an entry traces the user function once,
-    without donation (``probe``, a ``jax.jit`` that is never compiled), and the
-    donated executable of that write set (``jitted``, ``split``) calls ``probe``
-    inside its own trace, where JAX's trace cache (keyed as JAX keys it: avals
-    with shardings and weak types, and the trace context) hands back the probe's
-    trace: the user function runs once per signature, as under ``jax.jit``. A new
-    signature is traced by the current executable itself; one whose trace writes
-    another set raises `_Unprobed` before anything runs or is donated, and the
-    call takes the executable of that set (`known_split`), probing it if needed.
-    Every set keeps its executable.
-
-    Metadata updates are static, so each trace keeps its own in `findings`,
-    under the abstract values of its inputs: ``jax.jit`` keeps one executable
-    per input shape under this one entry, and a call writes back the metadata
-    updates of the trace its executable came from.
-    """
-
-    __slots__ = (
-        "pure",
-        "jitted",
-        "split",
-        "findings",
-        "traced_types",
-        "probe",
-        "donates",
-        "_compact",
-        "_candidates",
-        "_owner",
-        "_in_shardings",
-        "_jit_kwargs",
-        "_splits",
-        "_executables",
-    )
-
-    def __init__(
-        self,
-        pure: _pure.PureFunction,
-        jit_kwargs: dict[str, Any],
-        donated: list[int],
-        n: int,
-        owner: Sequence[int] = (),
-        in_shardings: Sequence[Any] | None = None,
-    ):
-        self.pure = pure
-        self.findings = _EntryFindings()
-        self.traced_types: list[tuple[Any, ...]] = []  # per trace (see `_retrace`)
-        self._compact = "out_shardings" not in jit_kwargs
-        # Named like the user function: JAX's program (``jit_<name>``), its
-        # messages and profiles then read like the user's code (`_names`).
-        flat = named(self._call_flat, pure.fn, FLAT_ARGUMENTS)
-        if in_shardings is not None:
-            jit_kwargs = dict(jit_kwargs, in_shardings=tuple(in_shardings))
-        self.probe: Any = None
-        self.split: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        self.donates = bool(donated)  # whether the executable is `probe`'s donated one
-        if donated:
-            _explain.note_donation()
-            # Per dynamic array, the Variable whose value it is (-1: another leaf).
-            self._owner = owner
-            self._candidates = tuple(donated)
-            self._in_shardings = in_shardings
-            self._jit_kwargs = jit_kwargs
-            # The donation split of each signature traced (`_signature`).
-            self._splits: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
-            self._executables: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
-            self.probe = jax.jit(flat, **jit_kwargs)
-            self.jitted: Any = None  # set by the first `probe_call`
-        else:
-            self.jitted = jax.jit(flat, **jit_kwargs)
-
-    def _call_flat(self, *dynamic: Any) -> Any:
-        return self._traced(dynamic)
-
-    def _traced(self, dynamic: Sequence[Any]) -> tuple[Any, tuple[Any, ...] | None]:
-        self._note_types(dynamic)
-        out, updates = self.pure(*dynamic)
-        metadata = self.pure.findings.metadata_updates
-        self.findings.note(dynamic, metadata)
-        if self._compact and not metadata and all(u is None for u in updates):
-            updates = None
-        # What the executable returns is what the executor reads (`_border`).
-        return entry_result(out, updates)
-
-    def _note_types(self, dynamic: Sequence[Any]) -> None:
-        """At trace time (JAX traces again for new shapes/dtypes): explain a retrace."""
-        call = getattr(self.pure.binding, "call", None)
-        if call is not None:
-            _retrace.new_types("jit", self.pure.fn, call, self.traced_types, dynamic)
-
-    def probe_call(
-        self, dynamic: Sequence[Any]
-    ) -> tuple[Any, tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Trace the function for ``dynamic``'s signature (the pure function bound to
-        the call) and make the donated executable of what it writes the current one.
-
-        The trace is ``probe``'s: JAX keeps it in its own trace cache, keyed as JAX
-        keys it (the abstract values with their shardings and weak types, and the
-        trace context), and the donated executable calls ``probe`` inside its own
-        trace, where JAX finds it again: the user function runs once per signature.
-        """
-        traced = self.probe.trace(*dynamic)
-        _, updates_info = traced.out_info
-        split = self._split_of(updates_info, len(dynamic))
-        self._splits[_signature(dynamic)] = split
-        return self._use(split), split
-
-    def _split_of(self, updates: Any, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The donation split of a trace whose updates are ``updates``: the donated
-        candidates that are not Variable values or are values the trace writes."""
-        written: set[int] = set()
-        if updates is not None:
-            written = {i for i, u in enumerate(updates) if u is not None}
-        owner = self._owner
-        donated = tuple(j for j in self._candidates if owner[j] < 0 or owner[j] in written)
-        return _donation_split(donated, n) or ((), tuple(range(n)))
-
-    def _use(self, split: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
-        """Make the donated executable of ``split`` the current one."""
-        jitted = self._executables.get(split)
-        if jitted is None:
-            jitted = self._executables[split] = self._donating(split)
-        self.jitted = jitted
-        self.split = split
-        return jitted
-
-    def known_split(self, dynamic: Sequence[Any]) -> Any:
-        """The executable and split of ``dynamic``'s signature if a trace of it is
-        known (``None``: probe it)."""
-        split = self._splits.get(_signature(dynamic))
-        return None if split is None else (self._use(split), split)
-
-    def _donating(self, split: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
-        """The ``jax.jit`` that donates ``split[0]`` and calls ``probe`` inside."""
-        order = [0] * (len(split[0]) + len(split[1]))
-        for position, i in enumerate(split[0] + split[1]):
-            order[i] = position
-        probe = self.probe
-        n = len(order)
-
-        def call_split(donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
-            joined = donated + kept
-            result = probe(*[joined[j] for j in order])
-            if self._split_of(result[1], n) != split:
-                # This signature writes another set: nothing has run or been donated.
-                raise _Unprobed(self.pure.transform)
-            return result
-
-        kwargs = self._jit_kwargs
-        if self._in_shardings is not None:
-            kwargs = dict(kwargs, in_shardings=_arrange(self._in_shardings, split))
-        return jax.jit(named(call_split, self.pure.fn, SPLIT_ARGUMENTS), donate_argnums=0, **kwargs)
-
-    def metadata_for(self, dynamic: Sequence[Any]) -> dict[int, dict[str, Any]] | None:
-        """The metadata updates of the trace whose executable ran on ``dynamic``."""
-        if not self.findings.metadata_updates:
-            return None  # no trace of this entry recorded one
-        return self.findings.by_signature.get(_signature(dynamic))
-
-    def args(self, dynamic: Sequence[Any]) -> tuple[Any, ...]:
-        return _arrange(dynamic, self.split)
-
-    def executables(self) -> tuple[Any, ...]:
-        """Every ``jax.jit`` function of this entry that compiles."""
-        if self.probe is None:
-            return (self.jitted,)
-        return tuple(self._executables.values())
-
-    def clear(self) -> None:
-        for jitted in self.executables():
-            jitted.clear_cache()
-        if self.probe is not None:
-            self.probe.clear_cache()
-            self._splits.clear()
-            self._executables.clear()
-            self.jitted = None
-            self.split = None
-
-
-class _Unprobed(_pure.UnboundTrace):
-    """A donated executable was traced for a signature its write set was not probed for.
-
-    Raised while JAX traces, before anything runs or is donated: the caller probes
-    (`_JitEntry.probe_call`) and calls again. The compiled executor treats it as any
-    `UnboundTrace`: a miss.
-    """
-
-
-def _forget_failed_dispatch(jitted: Any) -> None:
-    """Drop the C++ dispatch entries of ``jitted`` after a trace raised inside it.
-
-    When a trace that JAX's C++ dispatch started raises (`UnboundTrace`,
-    `_Unprobed`: the call is retried through the pipeline), JAX keeps an entry
-    for that signature that sends every later call through its Python path
-    (measured: 5 of 5 calls, against 1 for a function whose first trace did not
-    raise), several times slower on a large program. Clearing the C++ entries
-    (not the traces or executables, which stay cached) lets the next call
-    rebuild them.
-    """
-    clear = getattr(jitted, "_clear_cache", None)
-    if clear is not None:
-        clear()
-
-
-def _donation_split(
-    donated: Sequence[int], n: int
-) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """``(donated, kept)`` indices of ``n`` dynamic arrays, or None when none is donated."""
-    if not donated:
-        return None
-    donated_set = set(donated)
-    return tuple(donated), tuple(i for i in range(n) if i not in donated_set)
-
-
-def _arrange(
-    per_dynamic: Sequence[Any], split: tuple[tuple[int, ...], tuple[int, ...]] | None
-) -> tuple[Any, ...]:
-    """One value per dynamic array (the arrays, or their shardings) as the entry's
-    executable takes them: positionally, or as the donated and the kept tuples."""
-    if split is None:
-        return tuple(per_dynamic)
-    donated, kept = split
-    return tuple(per_dynamic[i] for i in donated), tuple(per_dynamic[i] for i in kept)
 
 
 # How many sets of objects a wrapper keeps on its fast path (as JAX keeps one
@@ -308,104 +69,6 @@ class _Memo:
         self.entry = entry
         self.record: Any = None
         self.due = True
-
-
-class _SharedJit:
-    """What every `treemode.jit` wrapper of one function with the same options
-    shares, as ``jax.jit`` caches on the function: the resolved settings, the
-    compiled entries and the memos (with their fast-path records).
-
-    Kept in the function's ``__dict__`` (so it lives exactly as long as the
-    function, and keeps nothing else alive), by options.
-    """
-
-    __slots__ = ("fn", "settings", "entries", "memos", "records", "__weakref__")
-
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-        self.settings: dict[str, Any] | None = None  # set by the first wrapper
-        self.entries: dict[_call.CallKey, _JitEntry] = {}
-        self.memos: tuple[_Memo, ...] = ()
-        self.records: tuple[Any, ...] = ()
-
-    @staticmethod
-    def find(fn: FunctionType, options: tuple[Any, ...]) -> _SharedJit | None:
-        """The state shared by ``fn``'s wrappers with ``options`` (``None``: unhashable)."""
-        try:
-            hash(options)
-        except TypeError:
-            return None
-        table = fn.__dict__.get(_SHARED_ATTRIBUTE)
-        if type(table) is not _SharedTable or table.fn is not fn:
-            # None yet, or another function's, copied by functools.wraps.
-            table = fn.__dict__[_SHARED_ATTRIBUTE] = _SharedTable(fn)
-        shared = table.by_options.get(options)
-        if shared is None:
-            shared = table.by_options[options] = _SharedJit(fn)
-            _caches.track(shared)
-        return shared
-
-    def prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
-        """`prepare` of a call of these wrappers (they bind no arguments)."""
-        settings = self.settings
-        assert settings is not None
-        return _call.prepare(
-            "jit",
-            self.fn,
-            args,
-            kwargs,
-            graph=settings["graph"],
-            static_argnums=settings["static_argnums"],
-            static_argnames=settings["static_argnames"],
-            abstract=False,
-        )
-
-    def forget_memos(self) -> None:
-        self.memos = ()
-        self.records = ()
-
-    def clear_cache(self) -> None:
-        for entry in self.entries.values():
-            entry.clear()
-        self.entries.clear()
-        self.forget_memos()
-
-
-_SHARED_ATTRIBUTE = "__treemode_jit__"
-
-
-class _SharedTable:
-    """``fn.__dict__[_SHARED_ATTRIBUTE]``: the `_SharedJit` of each set of options."""
-
-    __slots__ = ("fn", "by_options")
-
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-        self.by_options: dict[tuple[Any, ...], _SharedJit] = {}
-
-
-class _EntryFindings:
-    """The metadata updates of every trace of one `_JitEntry`, by input signature.
-
-    ``metadata_updates`` is true once any trace recorded one (no fast-path
-    record is made for the entry from then on: `_callsite.fast_record`).
-    """
-
-    __slots__ = ("metadata_updates", "by_signature")
-
-    def __init__(self) -> None:
-        self.metadata_updates = False
-        self.by_signature: dict[tuple[Any, ...], dict[int, dict[str, Any]] | None] = {}
-
-    def note(self, dynamic: Sequence[Any], metadata: dict[int, dict[str, Any]]) -> None:
-        self.by_signature[_signature(dynamic)] = metadata or None
-        self.metadata_updates = self.metadata_updates or bool(metadata)
-
-
-def _signature(dynamic: Sequence[Any]) -> tuple[Any, ...]:
-    """What ``jax.jit`` tells traces apart by, read from JAX (`_compat.trace_key`): each
-    input's abstract value (shape, dtype, weak type, sharding) and the trace context."""
-    return _compat.trace_key(map(jax.typeof, dynamic))
 
 
 # Calls matching the fast-path record run in C, without a Python frame
@@ -446,7 +109,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         # A wrapper of a function already wrapped with the same options (one made
         # inline, in a loop) takes that one's settings, entries and memos.
         shared = None
-        if not partial_args and type(fn) is FunctionType:
+        if not partial_args:
             options = (
                 in_shardings,
                 out_shardings,
@@ -461,9 +124,12 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
                 None if compiler_options is None else tuple(sorted(compiler_options.items())),
                 graph,
             )
-            shared = _SharedJit.find(fn, options)
+            shared = shared_state(fn, options)
             if shared is not None and shared.settings is not None:
+                self._wrap(fn)
                 self.__dict__.update(shared.settings)
+                self._shared = shared
+                self._cache = shared.entries
                 self._memos = shared.memos
                 self._records = shared.records
                 if _compiled.FastCall is not None:
@@ -507,10 +173,10 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         self.donate_argnames = donate_names
         self._n_partial = n_partial
         self._cache: dict[_call.CallKey, _JitEntry] = {}
-        self._shared = shared
+        self._shared: SharedJit | None = shared
         if shared is not None:
             self._cache = shared.entries
-            shared.settings = dict(self.__dict__)
+            shared.keep_settings(self.__dict__)
         self._start_fast_path()
         _caches.track(self)  # treemode.clear_caches() calls clear_cache()
 
@@ -778,9 +444,8 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
             return self._execute(call, entry, entry.jitted, None)
         if _compat.debug_checks_on():  # JAX's re-run of a NaN/Inf needs the inputs alive:
             return self._execute(call, entry, entry.probe, None)  # the undonated probe
-        jitted, split = entry.jitted, entry.split
-        if jitted is None:
-            jitted, split = self._probe(call, entry)
+        chosen = entry.for_call(call.dynamic)
+        jitted, split = chosen if chosen is not None else self._probe(call, entry)
         try:
             return self._execute(call, entry, jitted, split)
         except _Unprobed:
@@ -934,108 +599,6 @@ def _whole(out: Any) -> Any:
 
 def _is_sharding(x: Any) -> bool:
     return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
-
-
-def _check_donation(call: _call.PreparedCall, donated: Sequence[int], kept: Sequence[int]) -> None:
-    """Two donated leaves sharing a buffer fail inside XLA: name them here.
-
-    A donated device buffer must appear once among the call's arrays; arrays
-    that are not donated may be shared freely. Python numbers and NumPy arrays
-    are copied to the device, and tracers are not donated, so only concrete
-    ``jax.Array`` leaves count (two Variables holding the int ``0`` share an
-    object, not a buffer).
-    """
-    dynamic = call.dynamic
-    donated_ids = {id(dynamic[i]) for i in donated}
-    if len(donated_ids) == len(donated) and donated_ids.isdisjoint(id(dynamic[i]) for i in kept):
-        return
-    seen: set[int] = set()
-    for i in donated:
-        if _is_buffer(dynamic[i]):
-            if id(dynamic[i]) in seen:
-                _raise_shared_buffer(call.full(), dynamic[i])
-            seen.add(id(dynamic[i]))
-    for i in kept:
-        if id(dynamic[i]) in seen:
-            _raise_shared_buffer(call.full(), dynamic[i])
-
-
-def _is_buffer(x: Any) -> bool:
-    return isinstance(x, jax.Array) and not isinstance(x, Tracer)
-
-
-def _raise_shared_buffer(call: _call.Call, array: Any) -> None:
-    paths = [
-        where
-        for where, leaf in call.paths_and_leaves()
-        if (leaf.get_raw_value() if is_variable(leaf) else leaf) is array
-    ]
-    raise DonationError(
-        "treemode.jit: the same buffer is reachable at "
-        + " and ".join(paths[:2])
-        + ", and at least one of them is donated. XLA cannot donate a buffer that is "
-        "used twice. If one argument is a copy of the other, make it with "
-        "treemode.clone(module, arrays=True) so it has buffers of its own."
-    )
-
-
-class _Stage:
-    """A stage of ahead-of-time compilation: wraps the JAX stage of the same name.
-
-    Every attribute of the JAX stage is available; treemode adds the argument
-    handling for calls and remembers the call structure it was made for.
-    """
-
-    def __init__(
-        self,
-        wrapped: JitWrapped[Any, Any],
-        key: _call.CallKey,
-        stage: Any,
-        split: tuple[tuple[int, ...], tuple[int, ...]] | None,
-    ):
-        self._wrapped = wrapped
-        self._key = key
-        self._stage = stage
-        self._split = split  # how the stage takes donated arrays (`_donation_split`)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stage, name)
-
-
-class Traced(_Stage):
-    """The result of `JitWrapped.trace` (a ``jax.stages.Traced``): ``.jaxpr``, ``.lower()``."""
-
-    def lower(self, **kwargs: Any) -> Lowered:
-        return Lowered(self._wrapped, self._key, self._stage.lower(**kwargs), self._split)
-
-
-class Lowered(_Stage):
-    """The result of `JitWrapped.lower` (a ``jax.stages.Lowered``): ``.compile()``."""
-
-    def compile(self, *args: Any, **kwargs: Any) -> Compiled:
-        stage = self._stage.compile(*args, **kwargs)
-        return Compiled(self._wrapped, self._key, stage, self._split)
-
-
-class Compiled(_Stage):
-    """A compiled call (a ``jax.stages.Compiled``); calling it runs like the jitted function.
-
-    Arguments are flattened, checked (donation, structure) and the changed
-    Variables written back exactly as a call of the `treemode.jit` function does.
-    """
-
-    @_compat.api_boundary
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        wrapped = self._wrapped
-        call = wrapped._prepare(args, kwargs, abstract=False)
-        if call.key != self._key:
-            raise StructureError(
-                "treemode.jit: this Compiled function was lowered for arguments of "
-                "another structure (modules, Variable types or metadata, static values "
-                "differ). Lower and compile again for these arguments, or call the "
-                "treemode.jit function itself, which compiles per structure."
-            )
-        return wrapped._run(call, wrapped._entry(call), self)
 
 
 # The options of `jit` and `jit_partial` that may not hold Flax lift objects.

@@ -1,0 +1,141 @@
+"""What every `treemode.jit` wrapper of one callable with the same options shares.
+
+``jax.jit`` keeps its traces and executables in caches keyed weakly on the
+function, so a wrapper made anew (inline, in a loop) for a function already
+seen reuses them. treemode does the same: `shared_state` finds the `SharedJit`
+of a callable and its options in a table of this module, keyed on the callable
+by identity and held weakly:
+
+- nothing is written on the user's callable (its ``__dict__`` stays as the user
+  left it, so it still pickles: ``cloudpickle``, multiprocessing, Ray);
+- nothing in the shared state refers back to the callable strongly (the
+  entries reach it only through the bound call, the memos and the rebuild
+  through weak references), so when the user drops the callable, its entry in
+  the table goes, and with it the executables and the constants their traces
+  closed over, by reference counting, with no cycle for the collector.
+
+Any callable that can be weakly referenced is shared: plain functions, the
+same ``functools.partial`` object, callable instances. A bound method made
+anew (``obj.method`` read again) is a new callable, as it is for ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .. import _caches
+from .._pipeline import _call
+
+if TYPE_CHECKING:
+    from ._jit import _Memo
+    from ._jit_entry import _JitEntry
+
+# The wrapper attributes `functools.update_wrapper` sets from the callable: a
+# wrapper made for a callable already seen sets them again, and the shared
+# settings never hold them (they would keep the callable alive).
+_FROM_CALLABLE = frozenset({"fn", "__wrapped__", *functools.WRAPPER_ASSIGNMENTS})
+# A wrapper's own state, set from the `SharedJit` itself (kept, it would be a cycle).
+_WRAPPER_STATE = frozenset({"_shared", "_cache", "_memos", "_records", "_miss"})
+
+
+class SharedJit:
+    """The settings, entries and memos (with their fast-path records) of the
+    wrappers of one callable with one set of options."""
+
+    __slots__ = ("fn_ref", "settings", "entries", "memos", "records", "__weakref__")
+
+    def __init__(self, fn_ref: weakref.ref[Callable[..., Any]]):
+        self.fn_ref = fn_ref
+        self.settings: dict[str, Any] | None = None  # set by the first wrapper
+        self.entries: dict[_call.CallKey, _JitEntry] = {}
+        self.memos: tuple[_Memo, ...] = ()
+        self.records: tuple[Any, ...] = ()
+
+    def keep_settings(self, wrapper_dict: dict[str, Any]) -> None:
+        """Keep a wrapper's resolved settings for the next wrapper of the callable."""
+        self.settings = {
+            k: v
+            for k, v in wrapper_dict.items()
+            if k not in _FROM_CALLABLE and k not in _WRAPPER_STATE
+        }
+
+    def prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
+        """`prepare` of a call of these wrappers (they bind no arguments)."""
+        settings = self.settings
+        fn = self.fn_ref()
+        assert settings is not None and fn is not None, "a call outlived its function"
+        return _call.prepare(
+            "jit",
+            fn,
+            args,
+            kwargs,
+            graph=settings["graph"],
+            static_argnums=settings["static_argnums"],
+            static_argnames=settings["static_argnames"],
+            abstract=False,
+        )
+
+    def forget_memos(self) -> None:
+        self.memos = ()
+        self.records = ()
+
+    def clear_cache(self) -> None:
+        for entry in self.entries.values():
+            entry.clear()
+        self.entries.clear()
+        self.forget_memos()
+
+
+class _CallableState:
+    """The table's value for one callable: its weak reference, and a `SharedJit` per
+    set of options."""
+
+    __slots__ = ("ref", "by_options")
+
+    def __init__(self, ref: weakref.ref[Any]):
+        self.ref = ref
+        self.by_options: dict[tuple[Any, ...], SharedJit] = {}
+
+
+# id(callable) -> its state; an entry is removed when its callable dies.
+_TABLE: dict[int, _CallableState] = {}
+
+
+def _forget(key: int, table: dict[int, _CallableState], ref: weakref.ref[Any]) -> None:
+    # ``table`` is bound at creation so the callback works during interpreter exit.
+    state = table.get(key)
+    if state is not None and state.ref is ref:
+        table.pop(key, None)  # another thread may have removed it meanwhile
+
+
+def shared_state(fn: Callable[..., Any], options: tuple[Any, ...]) -> SharedJit | None:
+    """The state the wrappers of ``fn`` with ``options`` share (``None``: the options
+    are unhashable, or ``fn`` cannot be weakly referenced)."""
+    try:
+        hash(options)
+    except TypeError:
+        return None
+    key = id(fn)
+    state = _TABLE.get(key)
+    if state is None or state.ref() is not fn:
+        try:
+            ref = weakref.ref(fn, functools.partial(_forget, key, _TABLE))
+        except TypeError:
+            return None
+        state = _TABLE[key] = _CallableState(ref)
+    shared = state.by_options.get(options)
+    if shared is None:
+        shared = state.by_options[options] = SharedJit(state.ref)
+        _caches.track(shared)
+    return shared
+
+
+def table_size() -> int:
+    """How many callables the table holds state for (what tests count)."""
+    return len(_TABLE)
+
+
+__all__ = ["SharedJit", "shared_state", "table_size"]
