@@ -235,6 +235,71 @@ def test_the_shared_state_lives_as_long_as_the_function():
     assert ref() is None
 
 
+def test_nothing_is_stored_on_the_function_and_it_still_pickles(implementation):
+    """The shared state lives in treemode, not in ``f.__dict__``: cloudpickle (which
+    serialises a function's ``__dict__``) still ships ``f`` after a call, as after
+    ``jax.jit``."""
+    cloudpickle = pytest.importorskip("cloudpickle")
+
+    def f(m, x):
+        return decode(m, x)
+
+    treemode.jit(f, donate_argnums=0)(Decoder(1), jnp.ones(4))
+    treemode.jit(f)(Decoder(1), jnp.ones(4))
+    assert vars(f) == {}
+    loaded = cloudpickle.loads(cloudpickle.dumps(f))
+    np.testing.assert_allclose(loaded(Decoder(1), jnp.ones(4)), decode(Decoder(1), jnp.ones(4)))
+
+
+def _closure_holding(array: jax.Array):
+    def f(m, x):
+        return decode(m, x) + array[0]
+
+    return f
+
+
+def test_dropped_closures_are_freed_with_the_collector_paused(implementation):
+    """A closure wrapped and called once, then dropped, frees its executables and the
+    constants it closed over by reference counting (no cycle), as ``jax.jit``'s do:
+    what a server that pauses the collector (``gc.disable``, ``gc.freeze``) relies on."""
+    model = Decoder(1)
+    gc.collect()
+    before = sum(a.nbytes for a in jax.live_arrays())
+    refs = []
+    gc.disable()
+    try:
+        for i in range(5):
+            f = _closure_holding(jnp.full((256, 256), float(i)))
+            refs.append(weakref.ref(f))
+            treemode.jit(f, donate_argnums=0 if i % 2 else None)(model, jnp.ones(4))
+            del f
+        assert [r() for r in refs] == [None] * 5
+        assert sum(a.nbytes for a in jax.live_arrays()) - before <= 0
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["partial", "instance"])
+def test_an_inline_wrapper_of_another_callable_traces_once(implementation, kind):
+    """The same ``functools.partial`` object or callable instance wrapped inline shares
+    its traces, as ``jax.jit`` does: one trace per callable and options."""
+    traces = [0]
+
+    def f(m, x, scale):
+        traces[0] += 1
+        return decode(m, x) * scale
+
+    class Step:
+        def __call__(self, m, x):
+            return f(m, x, 2.0)
+
+    fn = functools.partial(f, scale=2.0) if kind == "partial" else Step()
+    model = Decoder(1)
+    for _ in range(5):
+        treemode.jit(fn)(model, jnp.ones(4))
+    assert traces[0] == 1
+
+
 def test_a_function_wrapping_another_does_not_share_its_entries():
     """``functools.wraps`` copies the wrapped function's ``__dict__``: the copy of
     treemode's table must not make the wrapper run the wrapped function's program."""
