@@ -2,22 +2,22 @@
 
 For the 2-layer and the 64-layer MLP (a ``treemode.jit`` forward pass and an
 Adam train step), each piece is timed alone on the very inputs a repeated call
-hands it, compiled and in Python, and the whole memo-matched call is timed
-against the pipeline's memo path:
+hands it, compiled and in Python, and the whole call the record runs is timed
+against the Python executor:
 
 - ``holds``: the flattening guard (`treemode._tree._flatten._Guard.holds`);
 - ``holds`` without version tags: the same guard state with its dict version
   tags left out (every dict compared, as on Python 3.12+): what the tags save
   (the row reads "n/a" where the interpreter has none);
-- ``FastCall``: the whole call by the executor of the fast-path record,
-  against the same call through the pipeline (``JitWrapped._call``: the memo's
-  `CallSite.match` and `treemode._pipeline._core.run`) with the compiled kernels:
-  what executing the record in C saves on top of them.
+- ``FastCall``: the whole call by the compiled executor of the fast-path
+  record, against the same records run by its Python twin
+  (`treemode._pipeline._executor.PyFastCall`) with the compiled kernels: what
+  executing the record in C saves on top of them.
 
 Run: ``python benchmarks/c_pieces.py`` (needs the extension; prints a table).
 CPU time (``time.process_time``) per call, best of several rounds, so that a
 loaded machine changes the numbers less. The last column is each saving's
-share of the whole memo-matched call (the ``FastCall`` row of the same model):
+share of the whole call a record runs (the ``FastCall`` row of the same model):
 docs/contributing.md's rule returns a piece saving under about 2% to Python.
 Three pieces went back to Python by it (docs/performance.md has their numbers,
 measured by this file at commit b2ebe9f): the exported closure-read kernel
@@ -39,6 +39,7 @@ from flax import nnx
 
 import treemode
 from treemode._accel import _compiled
+from treemode._pipeline import _executor
 from treemode._tree import _flatten
 from treemode._tree._leaves import is_array
 
@@ -65,7 +66,7 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     f = treemode.jit(_fwd)
     for _ in range(3):
         jax.block_until_ready(f(m, x))
-    assert f._memo is not None and f._record is not None
+    assert f._records  # the executor's table holds the record of these calls
     rows = []
 
     flat = _flatten.flatten_arg(m, is_array)
@@ -93,16 +94,17 @@ def pieces(depth: int) -> list[tuple[str, float, float]]:
     else:
         rows.append(("holds with version tags (against without)", float("nan"), float("nan")))
     whole_c = per_call_us(lambda: f(m, x), n=500)
-    whole_py = per_call_us(lambda: f._call(m, x), n=500)
+    run_python = _executor.PyFastCall.__call__  # the Python executor, on the same records
+    whole_py = per_call_us(lambda: run_python(f, m, x), n=500)
     rows.append(("FastCall (whole forward call)", whole_c, whole_py))
 
     mt, opt = with_optimizer(MLP(depth, nnx.Rngs(0)))
     step = treemode.jit(train_step)
     for _ in range(3):
         jax.block_until_ready(step(mt, opt, x))
-    assert step._record is not None
+    assert step._records
     whole_c = per_call_us(lambda: step(mt, opt, x), n=200)
-    whole_py = per_call_us(lambda: step._call(mt, opt, x), n=200)
+    whole_py = per_call_us(lambda: run_python(step, mt, opt, x), n=200)
     rows.append(("FastCall (whole train step)", whole_c, whole_py))
     return rows
 
@@ -122,7 +124,7 @@ def main() -> None:
         rows = pieces(depth)
         forward = next(c for name, c, _ in rows if name == "FastCall (whole forward call)")
         for name, c, py in rows:
-            # Each saving against the memo-matched call that pays it (the forward call).
+            # Each saving against the call a record runs that pays it (the forward call).
             share = "" if name.startswith("FastCall") else f"{(py - c) / forward:.1%}"
             print(f"| {name} | {depth}-layer MLP | {c:.2f} | {py:.2f} | {py - c:.2f} | {share} |")
 

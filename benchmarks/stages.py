@@ -61,7 +61,7 @@ from _models import (
 from flax import nnx
 
 import treemode
-from treemode._pipeline import _callsite, _writeback
+from treemode._pipeline import _callsite, _executor, _writeback
 from treemode._tree import _closure
 
 STAGES = [
@@ -120,10 +120,10 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
     prepared = entry.args(call.dynamic)
     out, updates = entry.jitted(*prepared)
     jax.block_until_ready(out)
-    jitted(*args)  # records the call-site memo
-    assert jitted._memo is not None, "the call-site memo was not recorded"
-    site = jitted._memo[0]
-    assert site.match(args, {}) is not None
+    jitted(*args)  # the executor's table holds the record of these calls
+    assert jitted._records, "no fast-path record was made"
+    record = jitted._records[0]
+    assert _executor.match(record, args, None) is not None
 
     def dispatch() -> Any:
         entry.pure.bind(call)
@@ -138,10 +138,10 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
             _writeback.write_back(call, updates, entry.pure.findings.metadata_updates)
 
     def match_arguments() -> None:
-        assert _callsite.match_into(site.slots, args, [], [], _callsite._match_slow)
+        assert _callsite.match_into(record.slots, args, [], [])
 
     def closure() -> None:
-        assert _closure.unchanged_closure_objects(fn, site.snapshot) is not None
+        assert _closure.reads_hold_python(record.closure_reads)
 
     def prepare() -> None:
         jitted._prepare(args, {}, abstract=False)

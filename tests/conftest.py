@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 # 8 virtual CPU devices for sharding, pmap and shard_map tests; must be set
@@ -88,19 +89,40 @@ def implementation(request, monkeypatch):
     """``"compiled"`` or ``"python"``: which helpers the call path runs.
 
     In ``"python"`` every compiled helper that modules look up per call is
-    replaced by its Python twin (the flattening guard, the bulk write), and no
-    fast-path record is emitted (every call runs through the pipeline, as with
-    the extension off). The base class the extension provides (``FastCall``) is
-    fixed at import:
-    `make test-python` runs without it.
+    replaced by its Python twin (the flattening guard, the bulk write), and the
+    records run by the Python executor (`python_executor`), as with the extension
+    off; `make test-python` runs without the extension at all.
     The flattening cache starts empty (its entries carry the guard they were
     made with).
     """
     monkeypatch.setattr(_flatten, "_cache", {})
     if request.param == "python":
         monkeypatch.setattr(_flatten, "_compiled_holds", None)
-        monkeypatch.setattr(_callsite, "fast_record", lambda *args: None)
-    return request.param
+        with python_executor(monkeypatch):
+            yield request.param
+        return
+    yield request.param
+
+
+@contextlib.contextmanager
+def python_executor(monkeypatch):
+    """Within the block, `treemode.jit` wrappers run their records with the Python
+    executor (`treemode._pipeline._executor`), which makes Python records: the
+    twin of the compiled executor, as with the extension off."""
+    from treemode._pipeline import _executor
+    from treemode._transforms._jit import JitWrapped
+
+    if "__call__" in JitWrapped.__dict__:  # the extension is off: already so
+        yield
+        return
+    monkeypatch.setattr(_callsite, "_executor_record", lambda: _executor.Record)
+    from treemode import _compat
+
+    JitWrapped.__call__ = _compat.api_boundary(_executor.PyFastCall.__call__)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del JitWrapped.__call__
 
 
 @pytest.fixture

@@ -228,7 +228,7 @@ def test_every_module_level_cache_is_emptied():
     treemode.clear_caches()
     assert {name: len(t) for name, t in tables.items() if len(t)} == {}
     assert len(_call._overlap_memo) == 0
-    assert len(f._cache) == 0 and f._memo is None
+    assert len(f._cache) == 0 and f._records == []
 
 
 def test_a_registered_cache_and_a_tracked_owner_are_cleared():

@@ -105,9 +105,9 @@ def _executing(extension: Any, **changes: Any) -> Any:
         pass
 
     f = Fn()
-    f._miss = lambda self, error, args, kwargs: "missed"
+    f._miss = lambda self, error, args, kwargs: ("missed", None)
     fields = _record_fields(trace=_compat.current_trace_ref(), **changes)
-    f._records = (extension.FastRecord(**fields),)
+    f._records = [extension.FastRecord(**fields)]
     return f
 
 
@@ -167,6 +167,7 @@ def test_configure_checks_every_field(extension):
 def _record_fields(**changes: Any) -> dict[str, Any]:
     fields = {
         "version": _border.RECORD_VERSION,
+        "key": ("a key",),
         "slots": (None,),
         "partial_args": (),
         "kw_names": (),
@@ -177,6 +178,8 @@ def _record_fields(**changes: Any) -> dict[str, Any]:
         "donated": None,
         "kept": None,
         "trace": None,
+        "checked": (),
+        "avals": (),
     }
     fields.update(changes)
     return fields
@@ -197,6 +200,9 @@ def _record_fields(**changes: Any) -> dict[str, Any]:
         {"donated": (0,)},  # kept missing
         {"donated": (-1,), "kept": ()},
         {"donated": ("0",), "kept": ()},
+        {"checked": (0,)},  # no aval for it
+        {"checked": (-1,), "avals": (None,)},
+        {"avals": [None]},
     ],
 )
 def test_fast_record_refuses_malformed_fields(extension, changes):
@@ -229,19 +235,54 @@ def test_fast_call_misses_without_a_record_or_with_anything_else(extension):
     f._miss = 3
     with pytest.raises(TypeError):
         f(1)  # not callable
-    f._miss = lambda self, error, args, kwargs: seen.append((error, args, kwargs)) or "missed"
+    f._miss = lambda self, error, args, kwargs: (
+        seen.append((error, args, kwargs)) or ("missed", None)
+    )
     assert f._records is None and f(1, k=2) == "missed"
-    f._records = "not a tuple of records"
+    f._records = "not a list of records"
     assert f(2) == "missed"
     assert seen == [(None, (1,), {"k": 2}), (None, (2,), None)]
     # A record whose arguments do not match (two slots, one argument): a miss.
-    f._records = (extension.FastRecord(**_record_fields(slots=(None, None))),)
+    f._records = [extension.FastRecord(**_record_fields(slots=(None, None)))]
     assert f(1) == "missed" and seen[-1] == (None, (1,), None)
     # Several records, none matching (and a non-record among them): each is tried,
     # then the miss.
-    f._records = (
+    f._records = [
         extension.FastRecord(**_record_fields(slots=(None, None))),
         "not a record",
         extension.FastRecord(**_record_fields(slots=(None, None, None))),
-    )
+    ]
     assert f(1) == "missed" and seen[-1] == (None, (1,), None)
+    # A miss that does not return (out, record) is an error.
+    f._miss = lambda self, error, args, kwargs: "not a pair"
+    with pytest.raises(TypeError, match="returns"):
+        f(1)
+
+
+def test_the_miss_adds_its_record_to_the_table(extension):
+    """The executor keeps what its misses return: first, one per key, at most
+    RECORDS_BOUND; None adds nothing."""
+
+    class Fn(extension.FastCall):
+        pass
+
+    f = Fn()
+    f._records = []
+    made: list[Any] = []
+
+    def miss(self, error, args, kwargs):
+        key = args[0]
+        record = None if key is None else extension.FastRecord(**_record_fields(key=key))
+        made.append(record)
+        return ("out", record)
+
+    f._miss = miss
+    assert f(None) == "out" and f._records == []
+    for key in (1, 2, 1):
+        assert f(key) == "out"
+    assert [r.key for r in f._records] == [1, 2]  # the newest record of key 1 replaced it
+    assert f._records[0] is made[-1]
+    for key in range(3, 3 + extension.RECORDS_BOUND):
+        f(key)
+    assert len(f._records) == extension.RECORDS_BOUND
+    assert f._records[0].key == 2 + extension.RECORDS_BOUND

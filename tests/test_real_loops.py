@@ -154,8 +154,8 @@ def test_donated_plain_arrays_are_donated_as_jax_jit_does():
 
 def test_two_models_through_one_wrapper_stay_on_the_fast_path(implementation):
     """One wrapper called on two models in turn (a model and its EMA copy, a teacher
-    and a student): each set of objects keeps its memo, and with the extension its
-    record, so no call after the first of each goes back to the pipeline."""
+    and a student): each set of objects keeps its record in the executor's table,
+    so no call after the first of each goes back to the pipeline."""
 
     def f(m, x):
         return decode(m, x)
@@ -165,20 +165,15 @@ def test_two_models_through_one_wrapper_stay_on_the_fast_path(implementation):
     for m in models:
         step(m, jnp.ones(4))
         step(m, jnp.ones(4))
-    assert len(step._memos) == 2
+    assert len(step._records) == 2
     misses: list[object] = []
-    real: Any = step._miss if implementation == "compiled" else None
-    if real is not None:
-        wrapper: Any = step
-        wrapper._miss = lambda w, e, a, k: misses.append(e) or real(w, e, a, k)
-    prepared = []
-    original = step._prepare
-    step._prepare = lambda *args, **kwargs: prepared.append(1) or original(*args, **kwargs)
+    real: Any = step._miss
+    wrapper: Any = step
+    wrapper._miss = lambda w, e, a, k: misses.append(e) or real(w, e, a, k)
     for _ in range(5):
         for m in models:
             step(m, jnp.ones(4))
-    assert prepared == []  # every call matched its own memo
-    assert misses == []
+    assert misses == []  # every call ran by its own record
     expected = Decoder(2)
     for _ in range(7):
         decode(expected, jnp.ones(4))
@@ -186,13 +181,60 @@ def test_two_models_through_one_wrapper_stay_on_the_fast_path(implementation):
         np.testing.assert_allclose(m.cache[1][...], expected.cache[1][...], rtol=1e-6)
 
 
-def test_memos_are_bounded():
+def test_the_executors_table_is_bounded(implementation):
     step = treemode.jit(lambda m, x: decode(m, x))
     models = [Decoder(1) for _ in range(12)]
     for m in models:
         step(m, jnp.ones(4))
-    assert len(step._memos) == 8
-    assert step._memos[0].site.match((models[-1], jnp.ones(4)), {}) is not None
+    assert len(step._records) == 8
+    misses: list[object] = []
+    real: Any = step._miss
+    wrapper: Any = step
+    wrapper._miss = lambda w, e, a, k: misses.append(e) or real(w, e, a, k)
+    step(models[-1], jnp.ones(4))  # the most recent: in the table
+    assert misses == []
+    step(models[0], jnp.ones(4))  # the oldest: dropped
+    assert misses == [None]
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["undonated", "donated"])
+def test_two_write_sets_in_turn_stay_on_the_fast_path(implementation, donate):
+    """A function whose write set depends on the input's shape, called with the two
+    shapes in turn: each signature keeps its executable and its record (which
+    checks the arrays that tell the signatures apart), so after the first call of
+    each no call goes back to the pipeline or traces again."""
+    traces = [0]
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.a = nnx.BatchStat(jnp.zeros(2))
+            self.b = nnx.BatchStat(jnp.zeros(3))
+
+    def f(m, x):
+        traces[0] += 1
+        if x.shape[0] == 2:
+            m.a[...] += x
+        else:
+            m.b[...] += x
+        return x.sum()
+
+    step = treemode.jit(f, donate_argnums=0 if donate else None)
+    model = M()
+    xs = [jnp.ones(2), jnp.ones(3)]
+    for x in xs * 2:
+        step(model, x)
+    misses: list[object] = []
+    real: Any = step._miss
+    wrapper: Any = step
+    wrapper._miss = lambda w, e, a, k: misses.append(e) or real(w, e, a, k)
+    for x in xs * 3:
+        a, b = model.a.get_raw_value(), model.b.get_raw_value()
+        step(model, x)
+        if donate:  # the written Variable's buffer is donated, the other's kept
+            assert a.is_deleted() == (x.shape[0] == 2) and b.is_deleted() == (x.shape[0] == 3)
+    assert misses == [] and traces[0] == 2
+    np.testing.assert_allclose(model.a[...], np.full(2, 5.0))
+    np.testing.assert_allclose(model.b[...], np.full(3, 5.0))
 
 
 def test_a_wrapper_made_inline_traces_and_compiles_once(implementation):

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from treemode import _compat
 from treemode._accel import _compiled
-from treemode._pipeline import _callsite
+from treemode._pipeline import _callsite, _executor
 from treemode._tree import _closure, _flatten, _leaves
 
 try:
@@ -215,7 +215,7 @@ def test_holds_decides_as_its_python_twin(tree, steps):
             assert compiled, how
 
 
-# -- the executor against the pipeline's memo -------------------------------------
+# -- the compiled executor against its Python twin ---------------------------------
 
 
 @contextlib.contextmanager
@@ -245,10 +245,11 @@ def _add_one(tree: Any) -> None:
     tree=trees(),
     calls=st.lists(st.tuples(st.sampled_from(MUTATIONS), st.integers(0, 50)), max_size=4),
 )
-def test_the_executor_decides_as_the_pipelines_memo(tree, calls):
-    """A call sequence with mutations in between: before each call, the pipeline's
-    memo match (`CallSite.match`) says hit or miss; the executor of the record
-    must decide the same (a miss reaches `_miss`), and write what eager code does."""
+def test_the_executor_decides_as_its_python_twin(tree, calls):
+    """A call sequence with mutations in between: before each call, the Python
+    executor's match (`_executor.match`) says hit or miss for the record; the
+    compiled executor must decide the same (a miss reaches `_miss`), and write
+    what eager code does."""
     import treemode
 
     if not _leaf_vars(tree):
@@ -257,14 +258,12 @@ def test_the_executor_decides_as_the_pipelines_memo(tree, calls):
     f(tree)
     for how, pick in calls:
         _mutate(tree, how, pick)
-        memo, record = f._memo, f._record
-        python_hit = (
-            memo is not None and record is not None and memo[0].match((tree,), {}) is not None
-        )
+        records = list(f._records)
+        python_hit = any(_executor.match(r, (tree,), None) is not None for r in records)
         before = _snapshot_values(tree)
         with _misses_of(f) as missed:
             f(tree)
-        executor_hit = record is not None and not missed
+        executor_hit = bool(records) and not missed
         assert executor_hit == python_hit, (how, missed)
         after = _snapshot_values(tree)
         assert set(after) == set(before)
@@ -280,7 +279,7 @@ def _snapshot_values(tree: Any) -> dict[int, np.ndarray]:
 #
 # The closure-read check has no exported compiled kernel (a copy for the pipeline
 # saved under 2% of a call: docs/performance.md); the executor makes it in C on
-# every call, bound here to the pipeline's memo match, which makes it with
+# every call, bound here to the Python executor's match, which makes it with
 # `treemode._tree._closure.reads_hold_python`.
 
 
@@ -314,14 +313,14 @@ def test_the_executors_closure_reads_decide_as_reads_hold_python(n_globals, n_ce
             fn.__closure__[0].cell_contents = nnx.Linear(1, 1, rngs=nnx.Rngs(98))
         elif change == "code":
             fn.__code__ = fn.__code__.replace(co_name="f")  # another code object
-        memo, record = f._memo, f._record
-        snapshot = None if memo is None else memo[0].snapshot
-        reads_python = snapshot is not None and _closure.reads_hold_python(snapshot.reads)
-        python_hit = record is not None and memo is not None and memo[0].match((x,), {})
+        records = list(f._records)
+        record = records[0] if records else None
+        reads_python = record is not None and _closure.reads_hold_python(record.closure_reads)
+        python_hit = any(_executor.match(r, (x,), None) is not None for r in records)
         with _misses_of(f) as missed:
             out = f(x)
-        executor_hit = record is not None and not missed
-        assert executor_hit == (python_hit is not None and python_hit is not False), change
+        executor_hit = bool(records) and not missed
+        assert executor_hit == python_hit, change
         if record is not None and not reads_python:
             assert not executor_hit, change  # a changed read is a miss in C too
         np.testing.assert_allclose(out, fn(x), rtol=1e-6)
@@ -359,7 +358,7 @@ def test_the_executors_write_writes_as_write_back(tree, updates):
     by_executor, by_pipeline = treemode.jit(step), treemode.jit(step)
     by_executor(tree)
     by_pipeline._call(twin)
-    if by_executor._record is None:
+    if not by_executor._records:
         return  # no fast path for this tree (e.g. values that are not one array)
     before_c = [_compat.raw_value_of(v) for v in _leaf_vars(tree)]
     before_p = [_compat.raw_value_of(v) for v in _leaf_vars(twin)]

@@ -43,6 +43,7 @@ def header() -> str:
         "",
         f"#define TM_RECORD_VERSION_NUMBER {border.RECORD_VERSION}",
         f"#define TM_STATE_TAGS {border.GUARD_STATE_TAGS}",
+        f"#define TM_RECORDS_BOUND {border.RECORDS_BOUND}",
     ]
     for prefix, fields in border.STRUCTURES.items():
         lines.append("")
@@ -68,6 +69,7 @@ from collections.abc import Sequence
 from typing import Any
 
 RECORD_VERSION: int
+RECORDS_BOUND: int
 RECORD_FIELDS: tuple[str, ...]
 CONFIGURE_FIELDS: tuple[str, ...]
 GUARD_STATE_FIELDS: tuple[str, ...]
@@ -87,13 +89,14 @@ class FastRecord:
     def __init__(self, **fields: Any) -> None: ...
 
 class FastCall:
-    _records: tuple[FastRecord, ...] | None
+    _records: list[FastRecord] | None
     _miss: Any
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 """
 
 
 _RECORD_TYPES = {
+    "key": "Any",
     "slots": "tuple[Any, ...]",
     "partial_args": "tuple[Any, ...]",
     "kw_names": "tuple[str, ...]",
@@ -104,6 +107,8 @@ _RECORD_TYPES = {
     "donated": "tuple[int, ...] | None",
     "kept": "tuple[int, ...] | None",
     "trace": "Any",
+    "checked": "tuple[int, ...]",
+    "avals": "tuple[Any, ...]",
 }
 _GUARDED_TYPES = {
     "arg": "Any",

@@ -5,22 +5,26 @@
 #ifndef TREEMODE_BORDER_H
 #define TREEMODE_BORDER_H
 
-#define TM_RECORD_VERSION_NUMBER 1
+#define TM_RECORD_VERSION_NUMBER 2
 #define TM_STATE_TAGS 3
+#define TM_RECORDS_BOUND 8
 
-#define TM_RECORD_SIZE 11
+#define TM_RECORD_SIZE 14
 #define TM_RECORD_VERSION 0
-#define TM_RECORD_SLOTS 1
-#define TM_RECORD_PARTIAL_ARGS 2
-#define TM_RECORD_KW_NAMES 3
-#define TM_RECORD_CLOSURE_READS 4
-#define TM_RECORD_CLOSURE_HOLDERS 5
-#define TM_RECORD_LIFTED_SLOTS 6
-#define TM_RECORD_JITTED 7
-#define TM_RECORD_DONATED 8
-#define TM_RECORD_KEPT 9
-#define TM_RECORD_TRACE 10
-#define TM_RECORD_FIELD_NAMES "version", "slots", "partial_args", "kw_names", "closure_reads", "closure_holders", "lifted_slots", "jitted", "donated", "kept", "trace"
+#define TM_RECORD_KEY 1
+#define TM_RECORD_SLOTS 2
+#define TM_RECORD_PARTIAL_ARGS 3
+#define TM_RECORD_KW_NAMES 4
+#define TM_RECORD_CLOSURE_READS 5
+#define TM_RECORD_CLOSURE_HOLDERS 6
+#define TM_RECORD_LIFTED_SLOTS 7
+#define TM_RECORD_JITTED 8
+#define TM_RECORD_DONATED 9
+#define TM_RECORD_KEPT 10
+#define TM_RECORD_TRACE 11
+#define TM_RECORD_CHECKED 12
+#define TM_RECORD_AVALS 13
+#define TM_RECORD_FIELD_NAMES "version", "key", "slots", "partial_args", "kw_names", "closure_reads", "closure_holders", "lifted_slots", "jitted", "donated", "kept", "trace", "checked", "avals"
 
 #define TM_GUARDED_SIZE 4
 #define TM_GUARDED_ARG 0
@@ -29,7 +33,7 @@
 #define TM_GUARDED_FLAT 3
 #define TM_GUARDED_FIELD_NAMES "arg", "state", "variables", "flat"
 
-#define TM_CONFIGURE_SIZE 17
+#define TM_CONFIGURE_SIZE 18
 #define TM_CONFIGURE_RAW_VALUE 0
 #define TM_CONFIGURE_METADATA 1
 #define TM_CONFIGURE_TRACE_STATE 2
@@ -45,9 +49,10 @@
 #define TM_CONFIGURE_SIGNALS 12
 #define TM_CONFIGURE_GETSIGNAL 13
 #define TM_CONFIGURE_SETSIGNAL 14
-#define TM_CONFIGURE_MAIN_THREAD 15
-#define TM_CONFIGURE_DEBUG_CHECKS 16
-#define TM_CONFIGURE_FIELD_NAMES "raw_value", "metadata", "trace_state", "trace_attr", "array_types", "closure_kinds", "closure_ignore", "closure_empty", "closure_ignored", "hold_open", "hold_deferred", "hold_plan", "signals", "getsignal", "setsignal", "main_thread", "debug_checks"
+#define TM_CONFIGURE_TYPEOF 15
+#define TM_CONFIGURE_MAIN_THREAD 16
+#define TM_CONFIGURE_DEBUG_CHECKS 17
+#define TM_CONFIGURE_FIELD_NAMES "raw_value", "metadata", "trace_state", "trace_attr", "array_types", "closure_kinds", "closure_ignore", "closure_empty", "closure_ignored", "hold_open", "hold_deferred", "hold_plan", "signals", "getsignal", "setsignal", "typeof", "main_thread", "debug_checks"
 
 #define TM_STATE_SIZE 18
 #define TM_STATE_SIZED 0
@@ -110,5 +115,10 @@
 #define TM_ENTRY_OUT 0
 #define TM_ENTRY_UPDATES 1
 #define TM_ENTRY_FIELD_NAMES "out", "updates"
+
+#define TM_MISS_SIZE 2
+#define TM_MISS_OUT 0
+#define TM_MISS_RECORD 1
+#define TM_MISS_FIELD_NAMES "out", "record"
 
 #endif /* TREEMODE_BORDER_H */

@@ -19,11 +19,13 @@ from typing import Any
 
 # The version of the fast-path record this Python code emits; the C code executes
 # only this one (`FastRecord` checks it).
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
-# `_guard.FastRecord(**fields)`: made by treemode._pipeline._callsite.fast_record.
+# `_guard.FastRecord(**fields)` (its Python twin: treemode._pipeline._executor.Record):
+# made by treemode._pipeline._callsite.fast_record, returned by the miss.
 RECORD_FIELDS = (
     "version",
+    "key",
     "slots",
     "partial_args",
     "kw_names",
@@ -34,7 +36,14 @@ RECORD_FIELDS = (
     "donated",
     "kept",
     "trace",
+    "checked",
+    "avals",
 )
+
+# How many records an executor's table keeps (the most recent first): one per set
+# of objects a wrapper is called with (and per signature where an entry's
+# signatures write different sets), as JAX keeps one executable per signature.
+RECORDS_BOUND = 8
 
 # `_guard.Guarded(*fields)`: a cached flattening as the executor reads it
 # (treemode._tree._flatten._fast_state).
@@ -57,6 +66,7 @@ CONFIGURE_FIELDS = (
     "signals",
     "getsignal",
     "setsignal",
+    "typeof",
     "main_thread",
     "debug_checks",
 )
@@ -105,9 +115,13 @@ HOLDER_FIELDS = ("obj",)
 HOLD_PLAN_FIELDS = ("handlers", "swaps")
 SIGNAL_SWAP_FIELDS = ("signum", "original", "deferring")
 
-# What a compiled entry returns (treemode._transforms._jit): ``updates`` is None
-# when the trace updates no Variable.
+# What a compiled entry returns (treemode._transforms._jit_entry): ``updates`` is
+# None when the trace updates no Variable.
 ENTRY_RESULT_FIELDS = ("out", "updates")
+
+# What an executor's miss returns: the call's output and the record of how calls
+# like it run (None: none can be trusted), which the executor adds to its table.
+MISS_RESULT_FIELDS = ("out", "record")
 
 # Every structure, by the prefix of its generated C names.
 STRUCTURES: dict[str, tuple[str, ...]] = {
@@ -122,6 +136,7 @@ STRUCTURES: dict[str, tuple[str, ...]] = {
     "PLAN": HOLD_PLAN_FIELDS,
     "SWAP": SIGNAL_SWAP_FIELDS,
     "ENTRY": ENTRY_RESULT_FIELDS,
+    "MISS": MISS_RESULT_FIELDS,
 }
 
 
@@ -169,3 +184,8 @@ def signal_swap(signum: int, original: Any, deferring: Any) -> tuple[int, Any, A
 def entry_result(out: Any, updates: Any) -> tuple[Any, Any]:
     """What a compiled entry returns (`ENTRY_RESULT_FIELDS`)."""
     return (out, updates)
+
+
+def miss_result(out: Any, record: Any) -> tuple[Any, Any]:
+    """What an executor's miss returns (`MISS_RESULT_FIELDS`)."""
+    return (out, record)

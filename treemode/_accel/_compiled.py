@@ -213,7 +213,8 @@ def configure(**fields: Any) -> None:
     live set of types taken as arrays), the closure read check's ``closure_kinds``,
     ``closure_ignore``, ``closure_empty``, ``closure_ignored``, and the signal
     hold's ``hold_open``, ``hold_deferred``, ``hold_plan``, ``signals``,
-    ``getsignal``, ``setsignal``, ``main_thread``, and ``debug_checks`` (JAX's
+    ``getsignal``, ``setsignal``, ``main_thread``, ``typeof`` (``jax.typeof``: a
+    record's signature check compares what it gives), and ``debug_checks`` (JAX's
     ``jax_debug_nans``/``jax_debug_infs`` states from `treemode._compat`: a
     donated record misses while one is on). The C kernels refuse to run before it.
     """

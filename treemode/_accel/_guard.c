@@ -30,6 +30,7 @@ PyObject *tm_array_types;
 PyObject *tm_closure_kinds, *tm_closure_ignore, *tm_closure_empty, *tm_closure_ignored;
 PyObject *tm_hold_open, *tm_hold_deferred, *tm_hold_plan, *tm_signals, *tm_getsignal,
     *tm_setsignal;
+PyObject *tm_typeof; /* jax.typeof: a record's signature check compares what it gives */
 unsigned long tm_main_thread;
 PyObject *tm_debug_checks; /* JAX's jax_debug_nans/infs states: a donated call misses under one */
 PyObject *tm_value_name;   /* "value", the attribute of those states read */
@@ -76,7 +77,7 @@ configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
     PyTypeObject *list = &PyList_Type;
     /* In CONFIGURE_FIELDS' order (the format's); a type where one is checked. */
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "|$OOOO!O!O!OOOO!O!O!O!OOO!O!:configure", configure_fields,
+            args, kwds, "|$OOOO!O!O!OOOO!O!O!O!OOOO!O!:configure", configure_fields,
             &f[TM_CONFIGURE_RAW_VALUE], &f[TM_CONFIGURE_METADATA], &f[TM_CONFIGURE_TRACE_STATE],
             &PyUnicode_Type, &f[TM_CONFIGURE_TRACE_ATTR],
             &PySet_Type, &f[TM_CONFIGURE_ARRAY_TYPES],
@@ -85,7 +86,7 @@ configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
             &f[TM_CONFIGURE_CLOSURE_IGNORED],
             list, &f[TM_CONFIGURE_HOLD_OPEN], list, &f[TM_CONFIGURE_HOLD_DEFERRED],
             list, &f[TM_CONFIGURE_HOLD_PLAN], &PyTuple_Type, &f[TM_CONFIGURE_SIGNALS],
-            &f[TM_CONFIGURE_GETSIGNAL], &f[TM_CONFIGURE_SETSIGNAL],
+            &f[TM_CONFIGURE_GETSIGNAL], &f[TM_CONFIGURE_SETSIGNAL], &f[TM_CONFIGURE_TYPEOF],
             &PyLong_Type, &f[TM_CONFIGURE_MAIN_THREAD],
             &PyTuple_Type, &f[TM_CONFIGURE_DEBUG_CHECKS]))
         return NULL;
@@ -99,9 +100,10 @@ configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
     if (!object_slot_member(f[TM_CONFIGURE_RAW_VALUE]) ||
         !object_slot_member(f[TM_CONFIGURE_METADATA]) ||
         !PyCallable_Check(f[TM_CONFIGURE_GETSIGNAL]) ||
-        !PyCallable_Check(f[TM_CONFIGURE_SETSIGNAL])) {
+        !PyCallable_Check(f[TM_CONFIGURE_SETSIGNAL]) ||
+        !PyCallable_Check(f[TM_CONFIGURE_TYPEOF])) {
         tm_malformed("configure: raw_value, metadata: object-slot member descriptors; "
-                     "getsignal, setsignal: callables");
+                     "getsignal, setsignal, typeof: callables");
         return NULL;
     }
     /* The fields held as they are, in CONFIGURE_FIELDS' order (all but the last two). */
@@ -109,7 +111,7 @@ configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
         &tm_raw_value_member, &tm_metadata_member, &tm_trace_state, &tm_trace_attr,
         &tm_array_types, &tm_closure_kinds, &tm_closure_ignore, &tm_closure_empty,
         &tm_closure_ignored, &tm_hold_open, &tm_hold_deferred, &tm_hold_plan, &tm_signals,
-        &tm_getsignal, &tm_setsignal,
+        &tm_getsignal, &tm_setsignal, &tm_typeof,
     };
     for (int i = 0; i < CONFIGURE_OBJECTS - 2; i++)
         Py_XSETREF(*targets[i], Py_NewRef(f[i]));

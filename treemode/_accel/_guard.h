@@ -41,6 +41,7 @@ extern PyObject *tm_array_types;
 extern PyObject *tm_closure_kinds, *tm_closure_ignore, *tm_closure_empty, *tm_closure_ignored;
 extern PyObject *tm_hold_open, *tm_hold_deferred, *tm_hold_plan, *tm_signals, *tm_getsignal,
     *tm_setsignal;
+extern PyObject *tm_typeof; /* jax.typeof, for a record's signature check */
 extern unsigned long tm_main_thread;
 extern PyObject *tm_debug_checks; /* JAX's jax_debug_nans/infs states */
 extern PyObject *tm_value_name;   /* "value", the attribute of those states read */

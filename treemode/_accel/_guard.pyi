@@ -3,6 +3,7 @@ from collections.abc import Sequence
 from typing import Any
 
 RECORD_VERSION: int
+RECORDS_BOUND: int
 RECORD_FIELDS: tuple[str, ...]
 CONFIGURE_FIELDS: tuple[str, ...]
 GUARD_STATE_FIELDS: tuple[str, ...]
@@ -21,6 +22,7 @@ class Guarded:
     ) -> None: ...
 
 class FastRecord:
+    key: Any
     slots: tuple[Any, ...]
     partial_args: tuple[Any, ...]
     kw_names: tuple[str, ...]
@@ -31,9 +33,11 @@ class FastRecord:
     donated: tuple[int, ...] | None
     kept: tuple[int, ...] | None
     trace: Any
+    checked: tuple[int, ...]
+    avals: tuple[Any, ...]
     def __init__(self, **fields: Any) -> None: ...
 
 class FastCall:
-    _records: tuple[FastRecord, ...] | None
+    _records: list[FastRecord] | None
     _miss: Any
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

@@ -285,8 +285,8 @@ write_back(PyObject *variables, PyObject *updates)
 
 typedef struct {
     PyObject_HEAD
-    PyObject *slots, *partial_args, *kw_names, *closure_reads, *closure_holders, *lifted_slots,
-        *jitted, *donated, *kept, *trace;
+    PyObject *key, *slots, *partial_args, *kw_names, *closure_reads, *closure_holders,
+        *lifted_slots, *jitted, *donated, *kept, *trace, *checked, *avals;
 } RecordObject;
 
 /* The record's fields, in the order of `RecordObject` (after `version`). */
@@ -318,9 +318,10 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *version = NULL, *f[RECORD_OBJECTS] = {NULL};
     PyTypeObject *t = &PyTuple_Type;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$O!O!O!O!O!O!O!OOOO:FastRecord", record_fields,
-                                     &PyLong_Type, &version, t, &f[0], t, &f[1], t, &f[2], t,
-                                     &f[3], t, &f[4], t, &f[5], &f[6], &f[7], &f[8], &f[9]))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$O!OO!O!O!O!O!O!OOOOO!O!:FastRecord",
+                                     record_fields, &PyLong_Type, &version, &f[0], t, &f[1], t,
+                                     &f[2], t, &f[3], t, &f[4], t, &f[5], t, &f[6], &f[7], &f[8],
+                                     &f[9], &f[10], t, &f[11], t, &f[12]))
         return NULL;
     for (int i = -1; i < RECORD_OBJECTS; i++) {
         if ((i < 0 ? version : f[i]) == NULL)
@@ -331,10 +332,18 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return PyErr_Format(PyExc_ValueError,
                             "FastRecord: a version %R record; this extension executes version %d",
                             version, TM_RECORD_VERSION_NUMBER);
-    PyObject *kw_names = f[2], *reads = f[3], *donated = f[7], *kept = f[8];
-    int ok = PyTuple_GET_SIZE(reads) == TM_READS_SIZE && tuple_of(f[0], 0) && tuple_of(f[5], 0) &&
-             PyTuple_GET_SIZE(f[4]) == PyTuple_GET_SIZE(f[5]) && PyCallable_Check(f[6]) &&
-             ((donated == Py_None && kept == Py_None) || (tuple_of(donated, 1) && tuple_of(kept, 1)));
+    /* f[i] is the field TM_RECORD_<NAME> (version is field 0). */
+#define FIELD(name) f[TM_RECORD_##name - 1]
+    PyObject *kw_names = FIELD(KW_NAMES), *reads = FIELD(CLOSURE_READS);
+    PyObject *donated = FIELD(DONATED), *kept = FIELD(KEPT);
+    int ok = PyTuple_GET_SIZE(reads) == TM_READS_SIZE && tuple_of(FIELD(SLOTS), 0) &&
+             tuple_of(FIELD(LIFTED_SLOTS), 0) &&
+             PyTuple_GET_SIZE(FIELD(CLOSURE_HOLDERS)) == PyTuple_GET_SIZE(FIELD(LIFTED_SLOTS)) &&
+             PyCallable_Check(FIELD(JITTED)) &&
+             ((donated == Py_None && kept == Py_None) || (tuple_of(donated, 1) && tuple_of(kept, 1))) &&
+             tuple_of(FIELD(CHECKED), 1) &&
+             PyTuple_GET_SIZE(FIELD(CHECKED)) == PyTuple_GET_SIZE(FIELD(AVALS));
+#undef FIELD
     for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(kw_names); i++)
         ok = PyUnicode_CheckExact(PyTuple_GET_ITEM(kw_names, i));
     for (Py_ssize_t i = 0; ok && i < TM_READS_SIZE; i++)
@@ -344,13 +353,14 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                         "FastRecord: slots are None or weak references, kw_names str, "
                         "closure_reads 7 tuples, "
                         "lifted_slots weak references (one per closure holder), jitted a "
-                        "callable, donated and kept both None or both tuples of indices");
+                        "callable, donated and kept both None or both tuples of indices, "
+                        "checked a tuple of indices and avals a tuple of as many");
         return NULL;
     }
     RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
-    PyObject **fields = &self->slots;
+    PyObject **fields = &self->key;
     for (int i = 0; i < RECORD_OBJECTS; i++)
         fields[i] = Py_NewRef(f[i]);
     return (PyObject *)self;
@@ -359,13 +369,13 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static int
 record_traverse(RecordObject *self, visitproc visit, void *arg)
 {
-    return fields_traverse(&self->slots, RECORD_OBJECTS, visit, arg);
+    return fields_traverse(&self->key, RECORD_OBJECTS, visit, arg);
 }
 
 static int
 record_clear(RecordObject *self)
 {
-    return fields_clear(&self->slots, RECORD_OBJECTS);
+    return fields_clear(&self->key, RECORD_OBJECTS);
 }
 
 static void
@@ -379,6 +389,8 @@ record_dealloc(RecordObject *self)
 #define RECORD_MEMBER(name, doc) \
     {#name, T_OBJECT, offsetof(RecordObject, name), READONLY, doc}
 static PyMemberDef record_members[] = {
+    RECORD_MEMBER(key, "what tells this record from the others of its table (==): "
+                       "the objects and the signature it was made for"),
     RECORD_MEMBER(slots, "per argument (bound ones first): None (an array) or a weak "
                          "reference to its Guarded"),
     RECORD_MEMBER(partial_args, "the arguments jit_partial bound"),
@@ -390,15 +402,18 @@ static PyMemberDef record_members[] = {
     RECORD_MEMBER(donated, "None, or the positions of the donated arrays"),
     RECORD_MEMBER(kept, "None, or the positions of the other arrays"),
     RECORD_MEMBER(trace, "the trace (its weak reference) the Variables may be written in"),
+    RECORD_MEMBER(checked, "positions of the arrays whose abstract values are checked"),
+    RECORD_MEMBER(avals, "what typeof must give for each of them (==)"),
     {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject FastRecord_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "treemode._accel._guard.FastRecord",
-    .tp_doc = PyDoc_STR("FastRecord(*, version, slots, partial_args, kw_names, closure_reads, "
-                        "closure_holders, lifted_slots, jitted, donated, kept, trace): how a "
-                        "repeated treemode.jit call runs, as the Python pipeline decided it."),
+    .tp_doc = PyDoc_STR("FastRecord(*, version, key, slots, partial_args, kw_names, "
+                        "closure_reads, closure_holders, lifted_slots, jitted, donated, kept, "
+                        "trace, checked, avals): how a repeated treemode.jit call runs, as the "
+                        "Python pipeline decided it."),
     .tp_basicsize = sizeof(RecordObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = record_new,
@@ -557,6 +572,26 @@ execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
         if (ok != 1)
             goto done;
     }
+    /* The signature: where an entry's signatures write different sets, the arrays
+     * that tell them apart must have the record's abstract values. */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r->checked); i++) {
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(r->checked, i));
+        if (at < 0 || at >= PyList_GET_SIZE(dynamic)) {
+            PyErr_Clear();
+            goto done;
+        }
+        PyObject *aval = PyObject_CallOneArg(tm_typeof, PyList_GET_ITEM(dynamic, at));
+        if (aval == NULL) {
+            PyErr_Clear(); /* a miss: the pipeline decides */
+            goto done;
+        }
+        ok = PyObject_RichCompareBool(aval, PyTuple_GET_ITEM(r->avals, i), Py_EQ);
+        Py_DECREF(aval);
+        if (ok != 1) {
+            PyErr_Clear();
+            goto done;
+        }
+    }
     if (r->donated == Py_None) {
         result = PyObject_Vectorcall(r->jitted, PySequence_Fast_ITEMS(dynamic),
                                      PyList_GET_SIZE(dynamic), NULL);
@@ -615,30 +650,60 @@ done:
 }
 
 /* FastCall: the base of a callable whose calls execute one of its `_records`
- * (a tuple of FastRecords, the most recently made first; one per set of
- * objects the callable was called with), and go to
- * `_miss(self, error, args, kwargs)` otherwise (`_miss` is a function, not a
- * bound method: no reference cycle). A record that does not match passes the
- * call to the next one; a record that matched and whose compiled entry
- * raised hands the error to the miss. */
+ * (a list of FastRecords, the most recently made first, at most
+ * TM_RECORDS_BOUND; the executor's table, shared by the wrappers of one
+ * function), and go to `_miss(self, error, args, kwargs)` otherwise (`_miss` is a
+ * function, not a bound method: no reference cycle). A record that does not
+ * match passes the call to the next one; a record that matched and whose
+ * compiled entry raised hands the error to the miss. The miss returns `(out,
+ * record)`: the executor adds the record (unless None) to its table, first, in
+ * place of the one with an equal key, and returns `out`. */
 typedef struct {
     PyObject_HEAD
     PyObject *records;
     PyObject *miss;
 } FastCallObject;
 
+/* Adds `record` to the table `records` (a list): first, without the record of an
+ * equal key, at most TM_RECORDS_BOUND. */
+static int
+table_add(PyObject *records, PyObject *record)
+{
+    PyObject *key = ((RecordObject *)record)->key;
+    for (Py_ssize_t i = PyList_GET_SIZE(records) - 1; i >= 0; i--) {
+        if (i >= PyList_GET_SIZE(records))
+            continue; /* a comparison ran Python code that shortened the table */
+        PyObject *old = Py_NewRef(PyList_GET_ITEM(records, i));
+        int same = 0;
+        if (Py_IS_TYPE(old, &FastRecord_Type))
+            same = PyObject_RichCompareBool(((RecordObject *)old)->key, key, Py_EQ);
+        if (same > 0 && i < PyList_GET_SIZE(records) && PyList_GET_ITEM(records, i) == old)
+            same = PySequence_DelItem(records, i) < 0 ? -1 : 1;
+        Py_DECREF(old);
+        if (same < 0)
+            return -1;
+    }
+    if (PyList_Insert(records, 0, record) < 0)
+        return -1;
+    if (PyList_GET_SIZE(records) > TM_RECORDS_BOUND)
+        return PyList_SetSlice(records, TM_RECORDS_BOUND, PyList_GET_SIZE(records), NULL);
+    return 0;
+}
+
 static PyObject *
 fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     FastCallObject *f = (FastCallObject *)self;
     PyObject *error = NULL;
-    if (f->records != NULL && PyTuple_Check(f->records) && tm_is_configured) {
-        PyObject *records = Py_NewRef(f->records); /* another thread may replace them */
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(records) && error == NULL; i++) {
-            PyObject *record = PyTuple_GET_ITEM(records, i);
-            if (!Py_IS_TYPE(record, &FastRecord_Type))
-                continue;
-            PyObject *result = execute((RecordObject *)record, args, kwargs, &error);
+    if (f->records != NULL && PyList_Check(f->records) && tm_is_configured) {
+        PyObject *records = Py_NewRef(f->records);
+        /* Each record held while it runs: a call inside it may change the table. */
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records) && error == NULL; i++) {
+            PyObject *record = Py_NewRef(PyList_GET_ITEM(records, i));
+            PyObject *result = NULL;
+            if (Py_IS_TYPE(record, &FastRecord_Type))
+                result = execute((RecordObject *)record, args, kwargs, &error);
+            Py_DECREF(record);
             if (result != NULL || (error == NULL && PyErr_Occurred())) {
                 Py_DECREF(records);
                 return result;
@@ -654,7 +719,27 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
     PyObject *call_args[4] = {self, error ? error : Py_None, args, kwargs ? kwargs : Py_None};
     PyObject *result = PyObject_Vectorcall(f->miss, call_args, 4, NULL);
     Py_XDECREF(error);
-    return result;
+    if (result == NULL)
+        return NULL;
+    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != TM_MISS_SIZE) {
+        Py_DECREF(result);
+        PyErr_SetString(PyExc_TypeError, "FastCall: the miss returns (out, record)");
+        return NULL;
+    }
+    PyObject *out = Py_NewRef(PyTuple_GET_ITEM(result, TM_MISS_OUT));
+    PyObject *record = PyTuple_GET_ITEM(result, TM_MISS_RECORD);
+    if (Py_IS_TYPE(record, &FastRecord_Type) && f->records != NULL && PyList_Check(f->records)) {
+        PyObject *records = Py_NewRef(f->records);
+        int failed = table_add(records, record);
+        Py_DECREF(records);
+        if (failed < 0) {
+            Py_DECREF(result);
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    Py_DECREF(result);
+    return out;
 }
 
 static int
@@ -680,10 +765,10 @@ fast_call_dealloc(FastCallObject *self)
 
 static PyMemberDef fast_call_members[] = {
     {"_records", T_OBJECT, offsetof(FastCallObject, records), 0,
-     "a tuple of the FastRecords a call may execute, tried in order (anything "
-     "else: every call misses)"},
+     "the executor's table: a list of the FastRecords a call may execute, tried in "
+     "order (anything else: every call misses)"},
     {"_miss", T_OBJECT, offsetof(FastCallObject, miss), 0,
-     "miss(self, error, args, kwargs): runs a call the record does not"},
+     "miss(self, error, args, kwargs) -> (out, record): runs a call no record runs"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -711,6 +796,7 @@ tm_executor_exec(PyObject *module)
         tm_add_type(module, "FastRecord", &FastRecord_Type) < 0 ||
         tm_add_type(module, "FastCall", &FastCall_Type) < 0 ||
         PyModule_AddIntConstant(module, "RECORD_VERSION", TM_RECORD_VERSION_NUMBER) < 0 ||
+        PyModule_AddIntConstant(module, "RECORDS_BOUND", TM_RECORDS_BOUND) < 0 ||
         tm_add_names(module, "RECORD_FIELDS", record_fields) < 0)
         return -1;
     return 0;

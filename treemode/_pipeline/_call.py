@@ -4,9 +4,8 @@
 object; with ``graph=True`` the arguments first go through ``to_tree``), finds
 the Variables the function reaches through its closure and lifts them into
 extra inputs, rejects aliases (one Variable reachable twice) and builds the
-`CallKey` a trace is cached under. The result is a `Call`; a call matched to
-the call-site memo (``_callsite.SiteCall``) offers the same `PreparedCall`
-interface without preparing again.
+`CallKey` a trace is cached under. The result is a `Call`; other transforms'
+calls (a loop's, a branch's) offer the same `PreparedCall` interface.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from .._tree._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, variable_
 
 
 class PreparedCall(Protocol):
-    """What running and writing back need of a call: a `Call` or a matched ``SiteCall``.
+    """What running and writing back need of a call (a `Call`, or another transform's).
 
     ``variables`` are every input Variable in the order of the updates,
     ``sources`` the flattenings they come from, ``dynamic`` the arrays handed
@@ -135,7 +134,7 @@ class Call:
     key: CallKey
 
     def full(self) -> Call:
-        """This call (a `SiteCall` builds its `Call` here; see ``_callsite``)."""
+        """This call, whole (for a retrace or an error message)."""
         return self
 
     def arg_roots(self) -> list[tuple[str, Any]]:

@@ -20,9 +20,11 @@ import jax
 
 from .. import _caches, _compat
 from .._accel import _compiled
+from .._accel._border import miss_result
 from .._errors import DonationError
 from .._pipeline import _call, _callsite, _core, _explain, _interrupts, _pure, _retrace, _writeback
 from .._pipeline._callsite import CallSite
+from .._pipeline._executor import PyFastCall
 from .._tree._flatten import ArgFlat, check_no_aliases
 from .._tree._specs import DYNAMIC, VarSpec
 from ._axes import graph_prefix_values
@@ -51,39 +53,13 @@ def _resolve_argnums(
     return resolve_argnums("jit", fn, argnums, argnames, what)
 
 
-# How many sets of objects a wrapper keeps on its fast path (as JAX keeps one
-# executable per signature): a train step and an eval of its EMA copy, a teacher
-# and a student, the models of an ensemble.
-_MEMOS = 8
+# Calls that a record of the executor's table matches run without the pipeline:
+# in C where the extension is active (``_guard.FastCall``, without a Python
+# frame), else by its Python twin (`_executor.PyFastCall`).
+_Executor: Any = PyFastCall if _compiled.FastCall is None else _compiled.FastCall
 
 
-class _Memo:
-    """One set of objects a `JitWrapped` was called with: the call-site memo
-    (`CallSite`), the compiled entry, and the fast-path record emitted for them
-    (``None``: not yet, or not trustable; ``due``: to emit after the next run)."""
-
-    __slots__ = ("site", "entry", "record", "due")
-
-    def __init__(self, site: CallSite, entry: _JitEntry):
-        self.site = site
-        self.entry = entry
-        self.record: Any = None
-        self.due = True
-
-
-# Calls matching the fast-path record run in C, without a Python frame
-# (treemode._accel._compiled); where the extension is off, `JitWrapped.__call__`
-# is `JitWrapped._call`, the pipeline.
-class _NoExecutor:
-    """The base of `JitWrapped` where the extension is off."""
-
-    __slots__ = ()
-
-
-_FastCall: Any = _NoExecutor if TYPE_CHECKING or _compiled.FastCall is None else _compiled.FastCall
-
-
-class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Generic[P, R]):
+class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Generic[P, R]):
     """A function compiled with `treemode.jit`."""
 
     transform = "jit"
@@ -130,10 +106,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
                 self.__dict__.update(shared.settings)
                 self._shared = shared
                 self._cache = shared.entries
-                self._memos = shared.memos
-                self._records = shared.records
-                if _compiled.FastCall is not None:
-                    self._miss = type(self)._on_miss
+                self._start_fast_path(shared.records)
                 _caches.track(self)
                 return
         self._wrap(fn)
@@ -177,25 +150,22 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         if shared is not None:
             self._cache = shared.entries
             shared.keep_settings(self.__dict__)
-        self._start_fast_path()
+        self._start_fast_path(shared.records if shared is not None else [])
         _caches.track(self)  # treemode.clear_caches() calls clear_cache()
 
-    def _start_fast_path(self, memos: tuple[_Memo, ...] = ()) -> None:
-        # One memo per set of objects called with (see `_Memo`), the most recent
-        # first (a tuple replaced whole: threads never see one half-changed), and
-        # their fast-path records, which the extension's executor tries in order.
-        self._memos = tuple(_Memo(m.site, m.entry) for m in memos)
-        self._records: Any = ()
-        if _compiled.FastCall is not None:
-            # The executor's one callback, called with the wrapper first: a function,
-            # not a bound method, so the wrapper makes no reference cycle.
-            self._miss = type(self)._on_miss
+    def _start_fast_path(self, records: list[Any]) -> None:
+        # The executor's table: the records its misses returned, the most recent
+        # first (one list, shared by the wrappers of one function and options).
+        self._records = records
+        # The executor's one callback, called with the wrapper first: a function,
+        # not a bound method, so the wrapper makes no reference cycle.
+        self._miss = type(self)._on_miss
 
     def __copy__(self) -> JitWrapped[P, R]:
         """``copy.copy``: a wrapper of the same function sharing its compiled entries."""
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
-        copied._start_fast_path(self._memos)  # records emitted again (the miss is the copy's)
+        copied._start_fast_path(list(self._records))  # a table of its own
         copied._shared = None
         _caches.track(copied)
         return copied
@@ -210,7 +180,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         copied = self.__copy__()
         if self.partial_args:
             copied.partial_args = copy.deepcopy(self.partial_args, memo)
-            copied._start_fast_path()  # the memos matched the original's bound objects
+            copied._start_fast_path([])  # the records matched the original's bound objects
         return copied
 
     def __reduce__(self) -> Any:
@@ -339,38 +309,31 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
-        """A call through the pipeline: a memo's `CallSite.match`, else `prepare`."""
-        memos = self._memos
-        if memos:
-            roots = (*self.partial_args, *args) if self._n_partial else args
-            for memo in memos:
-                matched = memo.site.match(roots, kwargs)
-                if matched is not None:
-                    entry = memo.entry
-                    out = self._run(matched, entry)
-                    record = memo.record
-                    if memo.due or (
-                        record is not None
-                        and (entry.findings.metadata_updates or record.jitted is not entry.jitted)
-                    ):
-                        self._emit(memo, matched)
-                    return out
+        """A call through the pipeline (no record is added to the executor's table)."""
+        return self._pipeline(args, kwargs)[0]
+
+    def _on_miss(
+        self, error: BaseException | None, args: tuple[Any, ...], kwargs: Any
+    ) -> tuple[Any, Any]:
+        """The executor's miss: run the call through the pipeline and return its
+        output with the record of how calls like it run (`_border.miss_result`), or
+        explain the error a record's compiled entry raised (``error``)."""
+        kwargs = kwargs or {}
+        if error is not None and not isinstance(error, _pure.UnboundTrace):
+            call = self._prepare(args, kwargs, abstract=False)
+            entry = self._cache.get(call.key)
+            _explain.raise_explained(call, error, None if entry is None else entry.split)
+            raise error  # raise_explained raises; this line is never reached
+        if error is not None:  # `UnboundTrace` (`_Unprobed` too): JAX had to trace
+            for record in list(self._records or ()):
+                _forget_failed_dispatch(record.jitted)
+        return self._pipeline(args, kwargs)
+
+    def _pipeline(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """Prepare, run and write back ``args``; returns ``(out, record)``."""
         call = self._prepare(args, kwargs, abstract=False)
         new = call.key not in self._cache
         entry = self._entry(call)
-        # The memo rebuilds a full call through an object that lives as long as the
-        # memo may be used: the wrapper, or the state its function's wrappers share.
-        rebuild = self._prepare_in_full if self._shared is None else self._shared.prepare_in_full
-        site = CallSite.from_call(call, rebuild)
-        memo = None
-        if site is not None:
-            # Emitted once this call ran (its trace may change the entry); the memo
-            # of the same objects, if any, is replaced, and the oldest dropped.
-            memo = _Memo(site, entry)
-            kept = [m for m in memos if m.site.alive() and not site.same_objects(m.site)]
-            kept = kept[: _MEMOS - 1]
-            self._memos = (memo, *kept)
-            self._publish()
         if new and _retrace.enabled():
             # treemode says what changed in the arguments; JAX, which sees a new
             # flat function, would only say that it was never seen.
@@ -379,60 +342,25 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
                 out = self._run(call, entry)
         else:
             out = self._run(call, entry)
-        if memo is not None:
-            self._emit(memo, call)
-        return out
+        return miss_result(out, self._record_of(call, entry))
 
-    def _emit(self, memo: _Memo, call: _call.PreparedCall) -> None:
-        """Emit the fast-path record of ``memo`` (`_callsite.fast_record`) after ``call`` ran."""
-        entry = memo.entry
-        memo.due = False
-        memo.record = _callsite.fast_record(
-            memo.site,
+    def _record_of(self, call: _call.Call, entry: _JitEntry) -> Any:
+        """The fast-path record of calls like ``call``, which just ran (``None``: none
+        can be trusted, `_callsite.fast_record`)."""
+        if entry.jitted is None:
+            return None
+        site = CallSite.from_call(call)
+        if site is None:
+            return None
+        return _callsite.fast_record(
+            site,
             call,
             self.partial_args,
             entry.jitted,
             entry.split,
             entry.findings.metadata_updates,
+            entry.telling_apart(call.dynamic),
         )
-        self._publish()
-
-    def _publish(self) -> None:
-        """Hand the executor the records of the current memos, in their order."""
-        self._records = tuple(m.record for m in self._memos if m.record is not None)
-        shared = self._shared
-        if shared is not None:  # the next wrapper of the function starts with them
-            shared.memos = self._memos
-            shared.records = self._records
-
-    @property
-    def _memo(self) -> tuple[CallSite, _JitEntry] | None:
-        """The most recent memo's site and entry (``None``: no memo)."""
-        return (self._memos[0].site, self._memos[0].entry) if self._memos else None
-
-    @property
-    def _record(self) -> Any:
-        """The most recent memo's fast-path record (``None``: none)."""
-        return self._memos[0].record if self._memos else None
-
-    def _on_miss(self, error: BaseException | None, args: tuple[Any, ...], kwargs: Any) -> Any:
-        """The executor's miss: run the call through the pipeline, or explain the
-        error its compiled entry raised (``error``)."""
-        if error is None:
-            return self._call(*args, **(kwargs or {}))
-        if isinstance(error, _pure.UnboundTrace):  # `_Unprobed` too: JAX had to trace
-            for memo in self._memos:
-                if memo.record is not None:
-                    _forget_failed_dispatch(memo.record.jitted)
-            return self._call(*args, **(kwargs or {}))
-        call = self._prepare(args, kwargs or {}, abstract=False)
-        entry = self._cache.get(call.key)
-        _explain.raise_explained(call, error, None if entry is None else entry.split)
-        raise error  # raise_explained raises; this line is never reached
-
-    def _prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
-        """`prepare` for arguments that already include the bound ones (a `SiteCall`'s)."""
-        return self._prepare(args[self._n_partial :], kwargs, abstract=False)
 
     def _run(
         self, call: _call.PreparedCall, entry: _JitEntry, compiled: Compiled | None = None
@@ -521,9 +449,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         for entry in self._cache.values():
             entry.clear()
         self._cache.clear()
-        self._start_fast_path()
-        if self._shared is not None:
-            self._shared.forget_memos()
+        self._records.clear()  # in place: every wrapper sharing the table sees it
 
     # -- what Flax's and JAX's wrappers offer --------------------------------------
 
@@ -556,8 +482,8 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
 for _entry_point in ("_call", "_on_miss", "trace", "lower", "eval_shape"):
     setattr(JitWrapped, _entry_point, _compat.api_boundary(getattr(JitWrapped, _entry_point)))
 
-if _compiled.FastCall is None:
-    JitWrapped.__call__ = JitWrapped._call  # type: ignore[method-assign]
+if _compiled.FastCall is None:  # the Python executor's call, a boundary as `_call` is
+    JitWrapped.__call__ = _compat.api_boundary(PyFastCall.__call__)  # type: ignore[method-assign]
 
 
 class JittedFunctions:

@@ -165,6 +165,23 @@ class _JitEntry:
                 return known
         return self.jitted, self.split
 
+    def telling_apart(self, dynamic: Sequence[Any]) -> tuple[tuple[int, Any], ...]:
+        """What a record of ``dynamic``'s signature checks so that the executor runs
+        it on that signature's write set only: ``(position, abstract value)`` for
+        each array whose abstract value differs from a known signature of another
+        set (none where every signature writes one set)."""
+        if self.probe is None or len(self._executables) < 2:
+            return ()
+        context, avals = _signature(dynamic)
+        split = self._splits.get((context, avals))
+        positions: set[int] = set()
+        for (other_context, other), other_split in self._splits.items():
+            if other_split != split and other_context == context and len(other) == len(avals):
+                positions.update(
+                    i for i, (a, b) in enumerate(zip(avals, other, strict=True)) if a != b
+                )
+        return tuple((i, avals[i]) for i in sorted(positions))
+
     def metadata_for(self, dynamic: Sequence[Any]) -> dict[int, dict[str, Any]] | None:
         """The metadata updates of the trace whose executable ran on ``dynamic``."""
         if not self.findings.metadata_updates:

@@ -30,7 +30,6 @@ from .. import _caches
 from .._pipeline import _call
 
 if TYPE_CHECKING:
-    from ._jit import _Memo
     from ._jit_entry import _JitEntry
 
 # The wrapper attributes `functools.update_wrapper` sets from the callable: a
@@ -38,21 +37,20 @@ if TYPE_CHECKING:
 # settings never hold them (they would keep the callable alive).
 _FROM_CALLABLE = frozenset({"fn", "__wrapped__", *functools.WRAPPER_ASSIGNMENTS})
 # A wrapper's own state, set from the `SharedJit` itself (kept, it would be a cycle).
-_WRAPPER_STATE = frozenset({"_shared", "_cache", "_memos", "_records", "_miss"})
+_WRAPPER_STATE = frozenset({"_shared", "_cache", "_records", "_miss"})
 
 
 class SharedJit:
-    """The settings, entries and memos (with their fast-path records) of the
+    """The settings, entries and executor's table of fast-path records of the
     wrappers of one callable with one set of options."""
 
-    __slots__ = ("fn_ref", "settings", "entries", "memos", "records", "__weakref__")
+    __slots__ = ("fn_ref", "settings", "entries", "records", "__weakref__")
 
     def __init__(self, fn_ref: weakref.ref[Callable[..., Any]]):
         self.fn_ref = fn_ref
         self.settings: dict[str, Any] | None = None  # set by the first wrapper
         self.entries: dict[_call.CallKey, _JitEntry] = {}
-        self.memos: tuple[_Memo, ...] = ()
-        self.records: tuple[Any, ...] = ()
+        self.records: list[Any] = []  # the executor's table, one list for every wrapper
 
     def keep_settings(self, wrapper_dict: dict[str, Any]) -> None:
         """Keep a wrapper's resolved settings for the next wrapper of the callable."""
@@ -62,31 +60,11 @@ class SharedJit:
             if k not in _FROM_CALLABLE and k not in _WRAPPER_STATE
         }
 
-    def prepare_in_full(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _call.Call:
-        """`prepare` of a call of these wrappers (they bind no arguments)."""
-        settings = self.settings
-        fn = self.fn_ref()
-        assert settings is not None and fn is not None, "a call outlived its function"
-        return _call.prepare(
-            "jit",
-            fn,
-            args,
-            kwargs,
-            graph=settings["graph"],
-            static_argnums=settings["static_argnums"],
-            static_argnames=settings["static_argnames"],
-            abstract=False,
-        )
-
-    def forget_memos(self) -> None:
-        self.memos = ()
-        self.records = ()
-
     def clear_cache(self) -> None:
         for entry in self.entries.values():
             entry.clear()
         self.entries.clear()
-        self.forget_memos()
+        self.records.clear()
 
 
 class _CallableState:
