@@ -61,7 +61,7 @@ from _models import (
 from flax import nnx
 
 import treemode
-from treemode._pipeline import _callsite, _executor, _writeback
+from treemode._pipeline import _executor, _writeback
 from treemode._tree import _closure
 
 STAGES = [
@@ -138,7 +138,7 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
             _writeback.write_back(call, updates, entry.pure.findings.metadata_updates)
 
     def match_arguments() -> None:
-        assert _callsite.match_into(record.slots, args, [], [])
+        assert _executor.match_into(record.slots, args, [], [])
 
     def closure() -> None:
         assert _closure.reads_hold_python(record.closure_reads)

@@ -25,6 +25,10 @@ C_FILES = sorted([*PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")])
 # module-level names and the attributes that hold records.
 RECORD_NAMES = {
     "FastRecord",
+    "Record",  # its Python twin (_pipeline/_executor.py)
+    "RECORDS_BOUND",
+    "_record_of",
+    "_executor_record",
     "fast_record",
     "record",
     "records",

@@ -2,8 +2,8 @@
 
 The compiled extension (``treemode/_accel/_guard*.c``) and the Python code implement the
 same kernels: the flattening guard (``holds``); and the executor of the
-fast-path record matches what the pipeline's memo matches
-(``_callsite.match_into``), its closure-read check included
+fast-path record matches what its Python twin matches
+(``_executor.match_into``), its closure-read check included
 (``_closure.reads_hold_python``), and writes what the pipeline writes
 (``_writeback.write_back``). Here both are fed the same hypothesis-generated models,
 mutations and call sequences, and must give the same decisions: hit or miss,

@@ -12,7 +12,7 @@ The extension holds two kinds of code:
   pipeline through one callback, the miss; its write of the new values has
   its twin in ``treemode._pipeline._writeback.write_back``. The cached
   flattenings it matches are ``Guarded`` objects (the pipeline's own match, its twin, is
-  `treemode._pipeline._callsite.match_into`).
+  `treemode._pipeline._executor.match_into`).
 
 Every other module takes these from here: each is ``None`` where the
 extension is off, and the caller uses its Python twin (or, for the executor,

@@ -25,7 +25,7 @@ pipeline (the transform's miss), which decides again.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -33,7 +33,6 @@ from jax.core import Tracer
 
 from .. import _compat
 from .._accel import _border, _compiled
-from .._compat import raw_value_of as _raw_value_of
 from .._tree import _closure
 from .._tree._closure import closure_snapshot
 from .._tree._flatten import (
@@ -41,7 +40,7 @@ from .._tree._flatten import (
     ArgFlat,
 )
 from .._tree._leaves import CONCRETE_ARRAY_TYPES
-from . import _interrupts
+from . import _executor, _interrupts
 from ._writeback import writable_in
 
 if TYPE_CHECKING:
@@ -105,56 +104,6 @@ def _slot(flat: ArgFlat) -> weakref.ref[Any]:
     """A memo slot: a weak reference to the cached flattening's ``Guarded`` (what the
     compiled match reads), or to the flattening itself where it has none."""
     return weakref.ref(flat if flat._fast is None else flat._fast)
-
-
-_PYTHON_NUMBERS = frozenset({bool, int, float, complex})
-
-
-def match_into(
-    slots: tuple[weakref.ref[Any] | None, ...],
-    objs: Sequence[Any],
-    dynamic: list[Any],
-    sources: list[ArgFlat],
-) -> bool:
-    """Whether every object of ``objs`` still matches its record slot; if so, their
-    arrays are appended to ``dynamic`` and their cached flattenings to ``sources``.
-
-    A slot is ``None`` (a bare array: an array of a known type or a Python
-    number) or a weak reference to a cached flattening's ``Guarded`` (or to the
-    flattening itself, where the extension is off). The compiled executor
-    matches the same slots in C and decides alike (tests/test_twins.py): an
-    argument that is another object, a flattening whose guard no longer holds,
-    a Variable value that is not an array of a known type, are misses.
-    """
-    if len(objs) != len(slots):
-        return False
-    for slot, obj in zip(slots, objs, strict=True):
-        if slot is None:
-            if type(obj) in CONCRETE_ARRAY_TYPES or type(obj) in _PYTHON_NUMBERS:
-                dynamic.append(obj)
-                continue
-            return False
-        held = slot()
-        cached = held.flat() if held is not None and type(held) is _GUARDED else held
-        if cached is None or not cached.values_only:
-            return False
-        ref = cached._ref
-        guard = cached._guard
-        if (
-            ref is None
-            or ref() is not obj
-            or guard is None
-            or not guard.holds(cached.variables, obj)
-        ):
-            return False
-        values = list(map(_raw_value_of, cached.variables))
-        if not CONCRETE_ARRAY_TYPES.issuperset(map(type, values)):
-            # Not an array of a known type (a Python number, a value that changed
-            # structure): the compiled match misses there too.
-            return False
-        sources.append(cached)
-        dynamic += values
-    return True
 
 
 _GUARDED = _compiled.Guarded
@@ -249,11 +198,7 @@ def fast_record(
 
 def _executor_record() -> Callable[..., Any]:
     """The record type of the executor in use: the compiled one, or its Python twin."""
-    if _compiled.FastRecord is not None:
-        return _compiled.FastRecord
-    from ._executor import Record  # the executor imports this module
-
-    return Record
+    return _executor.Record if _compiled.FastRecord is None else _compiled.FastRecord
 
 
 def configure_fields() -> dict[str, Any]:
@@ -279,4 +224,4 @@ def configure_fields() -> dict[str, Any]:
 _compiled.configure(**configure_fields())  # once, at import
 
 
-__all__ = ["CallSite", "configure_fields", "fast_record", "match_into"]
+__all__ = ["CallSite", "configure_fields", "fast_record"]

@@ -23,17 +23,19 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from .. import _compat
-from .._accel import _border
+from .._accel import _border, _compiled
+from .._compat import raw_value_of as _raw_value_of
 from .._tree._closure import reads_hold_python
 from .._tree._flatten import ArgFlat, variables_of
+from .._tree._leaves import CONCRETE_ARRAY_TYPES
 from . import _interrupts
-from ._callsite import match_into
 from ._writeback import write_back
 
 # A record's fields after ``version`` (`_border.RECORD_FIELDS`).
@@ -76,18 +78,73 @@ class Record:
 
 
 class _Matched:
-    """What `write_back` reads of a call a record matched."""
+    """A call a record matched, as `write_back` reads it (a `PreparedCall`)."""
 
-    __slots__ = ("variables", "sources")
+    __slots__ = ("variables", "sources", "dynamic")
 
     transform = "jit"
+    graph = False
 
-    def __init__(self, variables: list[Any], sources: list[ArgFlat]):
+    def __init__(self, variables: list[Any], sources: list[ArgFlat], dynamic: list[Any]):
         self.variables = variables
         self.sources = sources
+        self.dynamic = dynamic
 
     def full(self) -> Any:  # pragma: no cover - the record's trace was checked
         raise RuntimeError("treemode: a record's call has no full form")
+
+
+_PYTHON_NUMBERS = frozenset({bool, int, float, complex})
+
+
+def match_into(
+    slots: tuple[weakref.ref[Any] | None, ...],
+    objs: Sequence[Any],
+    dynamic: list[Any],
+    sources: list[ArgFlat],
+) -> bool:
+    """Whether every object of ``objs`` still matches its record slot; if so, their
+    arrays are appended to ``dynamic`` and their cached flattenings to ``sources``.
+
+    A slot is ``None`` (a bare array: an array of a known type or a Python
+    number) or a weak reference to a cached flattening's ``Guarded`` (or to the
+    flattening itself, where the extension is off). The compiled executor
+    matches the same slots in C and decides alike (tests/test_twins.py): an
+    argument that is another object, a flattening whose guard no longer holds,
+    a Variable value that is not an array of a known type, are misses.
+    """
+    if len(objs) != len(slots):
+        return False
+    for slot, obj in zip(slots, objs, strict=True):
+        if slot is None:
+            if type(obj) in CONCRETE_ARRAY_TYPES or type(obj) in _PYTHON_NUMBERS:
+                dynamic.append(obj)
+                continue
+            return False
+        held = slot()
+        cached = held.flat() if held is not None and type(held) is _GUARDED else held
+        if cached is None or not cached.values_only:
+            return False
+        ref = cached._ref
+        guard = cached._guard
+        if (
+            ref is None
+            or ref() is not obj
+            or guard is None
+            or not guard.holds(cached.variables, obj)
+        ):
+            return False
+        values = list(map(_raw_value_of, cached.variables))
+        if not CONCRETE_ARRAY_TYPES.issuperset(map(type, values)):
+            # Not an array of a known type (a Python number, a value that changed
+            # structure): the compiled match misses there too.
+            return False
+        sources.append(cached)
+        dynamic += values
+    return True
+
+
+_GUARDED = _compiled.Guarded
 
 
 # `execute`'s answer for a call the record does not run.
@@ -165,7 +222,7 @@ def _run(
     if updates is not None:  # None: the trace updates nothing
         if type(updates) is not tuple or len(updates) != len(variables):
             raise SystemError("treemode: a compiled entry's updates differ from its record's")
-        write_back(_Matched(variables, sources), updates)
+        write_back(_Matched(variables, sources, arrays), updates)
     return out, None
 
 
@@ -201,4 +258,4 @@ class PyFastCall:
         return out
 
 
-__all__ = ["MISS", "PyFastCall", "Record", "execute", "match", "table_add"]
+__all__ = ["MISS", "PyFastCall", "Record", "execute", "match", "match_into", "table_add"]

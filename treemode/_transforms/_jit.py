@@ -10,7 +10,6 @@ from typing import (
     Concatenate,
     Generic,
     ParamSpec,
-    TypedDict,
     TypeVar,
     Unpack,
     overload,
@@ -21,13 +20,10 @@ import jax
 from .. import _caches, _compat
 from .._accel import _compiled
 from .._accel._border import miss_result
-from .._errors import DonationError
 from .._pipeline import _call, _callsite, _core, _explain, _interrupts, _pure, _retrace, _writeback
 from .._pipeline._callsite import CallSite
 from .._pipeline._executor import PyFastCall
-from .._tree._flatten import ArgFlat, check_no_aliases
-from .._tree._specs import DYNAMIC, VarSpec
-from ._axes import graph_prefix_values
+from .._tree._flatten import check_no_aliases
 from ._jit_entry import (
     _arrange,
     _check_donation,
@@ -35,22 +31,14 @@ from ._jit_entry import (
     _JitEntry,
     _Unprobed,
 )
+from ._jit_options import JitOptions, JitOptionsDict, is_sharding, options_key
 from ._jit_stages import Compiled, Lowered, Traced
 from ._jit_table import SharedJit, shared_state
-from ._prefix import broadcast_to_dynamic, decode_flax_prefixes, graph_output_prefix
-from ._signature import UNSPECIFIED, as_tuple, resolve_argnums, suggests_keywords
+from ._signature import UNSPECIFIED, suggests_keywords
 from ._wrapped import Wrapped, make_wrapper
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-_UNSET: Any = UNSPECIFIED
-
-
-def _resolve_argnums(
-    fn: Callable[..., Any], argnums: tuple[int, ...], argnames: tuple[str, ...], what: str
-) -> tuple[frozenset[int], frozenset[str]]:
-    return resolve_argnums("jit", fn, argnums, argnames, what)
 
 
 # Calls that a record of the executor's table matches run without the pipeline:
@@ -63,94 +51,31 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
     """A function compiled with `treemode.jit`."""
 
     transform = "jit"
+    _records: list[Any]  # the executor's table (`_start_fast_path`)
+    options: JitOptions
 
     def __init__(
         self,
         fn: Callable[P, R],
         *,
-        in_shardings: Any = UNSPECIFIED,
-        out_shardings: Any = UNSPECIFIED,
-        static_argnums: int | Sequence[int] | None = None,
-        static_argnames: str | Iterable[str] | None = None,
-        donate_argnums: int | Sequence[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None,
-        keep_unused: bool = False,
-        device: Any = None,
-        backend: str | None = None,
-        inline: bool = False,
-        compiler_options: dict[str, Any] | None = None,
-        graph: bool = False,
         partial_args: tuple[Any, ...] = (),
+        **options: Unpack[JitOptionsDict],
     ):
         # A wrapper of a function already wrapped with the same options (one made
-        # inline, in a loop) takes that one's settings, entries and memos.
-        shared = None
-        if not partial_args:
-            options = (
-                in_shardings,
-                out_shardings,
-                static_argnums,
-                static_argnames,
-                donate_argnums,
-                donate_argnames,
-                keep_unused,
-                device,
-                backend,
-                inline,
-                None if compiler_options is None else tuple(sorted(compiler_options.items())),
-                graph,
-            )
-            shared = shared_state(fn, options)
-            if shared is not None and shared.settings is not None:
-                self._wrap(fn)
-                self.__dict__.update(shared.settings)
-                self._shared = shared
-                self._cache = shared.entries
-                self._start_fast_path(shared.records)
-                _caches.track(self)
-                return
+        # inline, in a loop) takes that one's resolved options, entries and records.
+        shared = None if partial_args else shared_state(fn, options_key(dict(options)))
         self._wrap(fn)
-        self.graph = graph
-        # Flax's graph-mode prefixes (nnx.prefix(..., graph=True)) made module-shaped.
-        self.in_shardings = decode_flax_prefixes(in_shardings, transform="jit", what="in_shardings")
-        self.out_shardings = decode_flax_prefixes(
-            out_shardings, transform="jit", what="out_shardings"
-        )
-        # What JAX matches against the outputs: with graph=True they are `to_tree`'s form.
-        self._jax_out_shardings = (
-            graph_output_prefix(self.out_shardings) if graph else self.out_shardings
-        )
-        self.keep_unused = keep_unused
-        self.device = device
-        self.backend = backend
-        self.inline = inline
-        self.compiler_options = compiler_options
         self.partial_args = partial_args
-        n_partial = len(partial_args)
-        static_nums, static_names = _resolve_argnums(
-            fn, as_tuple(static_argnums), as_tuple(static_argnames), "static"
-        )
-        donate_nums, donate_names = _resolve_argnums(
-            fn, as_tuple(donate_argnums), as_tuple(donate_argnames), "donate"
-        )
-        clash = (static_nums & donate_nums) or (static_names & donate_names)
-        if clash:
-            raise DonationError(
-                f"treemode.jit: argument(s) {sorted(clash)} are both static and donated. "
-                "A static argument has no buffers to donate; remove it from "
-                "donate_argnums/donate_argnames."
-            )
-        self.static_argnums = static_nums
-        self.static_argnames = static_names
-        self.donate_argnums = donate_nums
-        self.donate_argnames = donate_names
-        self._n_partial = n_partial
-        self._cache: dict[_call.CallKey, _JitEntry] = {}
+        self._n_partial = len(partial_args)
         self._shared: SharedJit | None = shared
-        if shared is not None:
-            self._cache = shared.entries
-            shared.keep_settings(self.__dict__)
-        self._start_fast_path(shared.records if shared is not None else [])
+        if shared is not None and shared.options is not None:
+            self.options = shared.options
+        else:
+            self.options = JitOptions.resolve(fn, **options)
+            if shared is not None:
+                shared.options = self.options
+        self._cache: dict[_call.CallKey, _JitEntry] = {} if shared is None else shared.entries
+        self._start_fast_path([] if shared is None else shared.records)
         _caches.track(self)  # treemode.clear_caches() calls clear_cache()
 
     def _start_fast_path(self, records: list[Any]) -> None:
@@ -193,14 +118,15 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
     # -- calling -----------------------------------------------------------------
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], abstract: bool):
+        options = self.options
         return _call.prepare(
             "jit",
             self.fn,
             (*self.partial_args, *args),
             kwargs,
-            graph=self.graph,
-            static_argnums=self.static_argnums,
-            static_argnames=self.static_argnames,
+            graph=options.graph,
+            static_argnums=options.static_argnums,
+            static_argnames=options.static_argnames,
             abstract=abstract,
         )
 
@@ -210,12 +136,9 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
             entry = self._cache[call.key] = self._build(call)
         return entry
 
-    def _donated_roots(self, call: _call.Call) -> list[int]:
-        """Indices into ``call.arg_flats`` of the donated arguments."""
-        return call.traced_roots(self.donate_argnums, self.donate_argnames)
-
     def _build(self, call: _call.Call) -> _JitEntry:
-        donated = self._donated_roots(call)
+        options = self.options
+        donated = call.traced_roots(options.donate_argnums, options.donate_argnames)
         donate_flat: list[int] = []
         dyn_offset = 0
         for k, flat in enumerate(call.arg_flats):
@@ -228,81 +151,11 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
                 for j in indices:
                     owner[j] = i
         pure = _pure.PureFunction(call)
-        if self.graph and self.out_shardings is not _UNSET:  # one per shared Variable
-            pure.output_spec = ("out_shardings", self.out_shardings, _whole, _is_sharding, "output")
-        jit_kwargs: dict[str, Any] = dict(keep_unused=self.keep_unused, inline=self.inline)
-        if self.device is not None:
-            jit_kwargs["device"] = self.device
-        if self.backend is not None:
-            jit_kwargs["backend"] = self.backend
-        if self.compiler_options is not None:
-            jit_kwargs["compiler_options"] = self.compiler_options
-        in_shardings = None
-        if self.in_shardings is not _UNSET:
-            in_shardings = self._flat_in_shardings(call)
-        if self.out_shardings is not _UNSET or self.in_shardings is not _UNSET:
-            var_shardings = self._variable_shardings(call)
-            out = None if self.out_shardings is _UNSET else self._jax_out_shardings
-            jit_kwargs["out_shardings"] = (out, tuple(var_shardings))
+        if options.graph and options.out_shardings is not UNSPECIFIED:  # one per shared Variable
+            spec = options.out_shardings
+            pure.output_spec = ("out_shardings", spec, _whole, is_sharding, "output")
+        jit_kwargs, in_shardings = options.jit_kwargs(call)
         return _JitEntry(pure, jit_kwargs, donate_flat, len(call.dynamic), owner, in_shardings)
-
-    def _positional_roots(self, call: _call.Call) -> list[tuple[ArgFlat, Any]]:
-        trees = [t for _, t in call.arg_roots()]
-        return list(zip(call.arg_flats, trees, strict=True))
-
-    def _flat_in_shardings(self, call: _call.Call) -> list[Any]:
-        n_traced_pos = len(call.args) - len(call.static_positional)
-        spec = self.in_shardings
-        if not isinstance(spec, (tuple, list)):
-            spec = (spec,) * n_traced_pos
-        elif len(spec) != n_traced_pos:
-            raise ValueError(
-                f"treemode.jit: in_shardings has {len(spec)} entries but the function "
-                f"is called with {n_traced_pos} traced positional argument(s). Give one "
-                "entry per positional argument (static arguments excluded), or a single "
-                "sharding for all."
-            )
-        if call.graph:
-            # Broadcast over the objects as passed (a module-shaped prefix matches
-            # them, not their to_tree form); one sharding per shared Variable.
-            flat_shardings = graph_prefix_values(
-                call, list(spec), _is_sharding, None, "in_shardings"
-            )
-            return flat_shardings + [None] * (len(call.dynamic) - len(flat_shardings))
-        flat_shardings: list[Any] = []
-        roots = self._positional_roots(call)
-        for k, (flat, tree) in enumerate(roots):
-            if k < n_traced_pos:
-                flat_shardings += broadcast_to_dynamic(
-                    spec[k],
-                    flat,
-                    tree,
-                    is_prefix_leaf=_is_sharding,
-                    where=f"args[{k}]",
-                    what="treemode.jit: in_shardings",
-                )
-            else:
-                flat_shardings += [None] * len(flat.dynamic)
-        flat_shardings += [None] * (len(call.dynamic) - len(flat_shardings))
-        return flat_shardings
-
-    def _variable_shardings(self, call: _call.Call) -> list[Any]:
-        """Updates come back with the sharding their Variable went in with."""
-        if self.in_shardings is _UNSET:
-            return [None] * len(call.variables)
-        per_dyn = self._flat_in_shardings(call)
-        out: list[Any] = []
-        k = 0
-        for flat in call.arg_flats:
-            for spec in flat.specs:
-                if type(spec) is VarSpec:
-                    n = spec.num_dynamic
-                    out.append(per_dyn[k] if n == 1 else None)
-                    k += n
-                elif spec is DYNAMIC:
-                    k += 1
-        out += [None] * (len(call.variables) - len(out))
-        return out
 
     if TYPE_CHECKING:  # at run time, the executor's call (or `_call`, see below)
 
@@ -468,6 +321,35 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
         """
         return JittedFunctions(self)
 
+    # The options as Flax's and JAX's wrappers expose them (read from `options`).
+    @property
+    def in_shardings(self) -> Any:
+        return self.options.in_shardings
+
+    @property
+    def out_shardings(self) -> Any:
+        return self.options.out_shardings
+
+    @property
+    def static_argnums(self) -> frozenset[int]:
+        return self.options.static_argnums
+
+    @property
+    def static_argnames(self) -> frozenset[str]:
+        return self.options.static_argnames
+
+    @property
+    def donate_argnums(self) -> frozenset[int]:
+        return self.options.donate_argnums
+
+    @property
+    def donate_argnames(self) -> frozenset[str]:
+        return self.options.donate_argnames
+
+    @property
+    def graph(self) -> bool:
+        return self.options.graph
+
     def _cache_size(self) -> int:
         """How many executables the calls so far compiled (as on a ``jax.jit`` function)."""
         return self.jitted_fn._cache_size()
@@ -521,10 +403,6 @@ class JittedFunctions:
 
 def _whole(out: Any) -> Any:
     return out
-
-
-def _is_sharding(x: Any) -> bool:
-    return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
 
 
 # The options of `jit` and `jit_partial` that may not hold Flax lift objects.
@@ -648,38 +526,8 @@ def jit(
     assert counter.count[...] == 1
     ```
     """
-    options: dict[str, Any] = dict(
-        in_shardings=in_shardings,
-        out_shardings=out_shardings,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        donate_argnums=donate_argnums,
-        donate_argnames=donate_argnames,
-        keep_unused=keep_unused,
-        device=device,
-        backend=backend,
-        inline=inline,
-        compiler_options=compiler_options,
-        graph=graph,
-    )
+    options: dict[str, Any] = {k: v for k, v in locals().items() if k != "fun"}  # as given
     return make_wrapper(JitWrapped, fun, options, transform="jit", specs=_SHARDINGS, shardings=True)
-
-
-class _JitOptions(TypedDict, total=False):
-    """The keyword options of `jit_partial`, for its overloads."""
-
-    in_shardings: Any
-    out_shardings: Any
-    static_argnums: int | Sequence[int] | None
-    static_argnames: str | Iterable[str] | None
-    donate_argnums: int | Sequence[int] | None
-    donate_argnames: str | Iterable[str] | None
-    keep_unused: bool
-    device: Any
-    backend: str | None
-    inline: bool
-    compiler_options: dict[str, Any] | None
-    graph: bool
 
 
 # The bound arguments' types, for the overloads of `jit_partial`.
@@ -691,12 +539,12 @@ _A3 = TypeVar("_A3")
 # For type checkers the wrapper takes the parameters after the bound ones (up to
 # three bound arguments: a model, an optimizer, metrics); with more, any.
 @overload
-def jit_partial(fun: Callable[P, R], /, **options: Unpack[_JitOptions]) -> JitWrapped[P, R]: ...
+def jit_partial(fun: Callable[P, R], /, **options: Unpack[JitOptionsDict]) -> JitWrapped[P, R]: ...
 
 
 @overload
 def jit_partial(
-    fun: Callable[Concatenate[_A1, P], R], a1: _A1, /, **options: Unpack[_JitOptions]
+    fun: Callable[Concatenate[_A1, P], R], a1: _A1, /, **options: Unpack[JitOptionsDict]
 ) -> JitWrapped[P, R]: ...
 
 
@@ -706,7 +554,7 @@ def jit_partial(
     a1: _A1,
     a2: _A2,
     /,
-    **options: Unpack[_JitOptions],
+    **options: Unpack[JitOptionsDict],
 ) -> JitWrapped[P, R]: ...
 
 
@@ -717,13 +565,13 @@ def jit_partial(
     a2: _A2,
     a3: _A3,
     /,
-    **options: Unpack[_JitOptions],
+    **options: Unpack[JitOptionsDict],
 ) -> JitWrapped[P, R]: ...
 
 
 @overload
 def jit_partial(
-    fun: Callable[..., R], /, *partial_args: Any, **options: Unpack[_JitOptions]
+    fun: Callable[..., R], /, *partial_args: Any, **options: Unpack[JitOptionsDict]
 ) -> JitWrapped[..., R]: ...
 
 
@@ -776,21 +624,8 @@ def jit_partial(
     assert forward(jnp.ones((1, 2))).shape == (1, 2)
     ```
     """
-    options: dict[str, Any] = dict(
-        in_shardings=in_shardings,
-        out_shardings=out_shardings,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        donate_argnums=donate_argnums,
-        donate_argnames=donate_argnames,
-        keep_unused=keep_unused,
-        device=device,
-        backend=backend,
-        inline=inline,
-        compiler_options=compiler_options,
-        graph=graph,
-        partial_args=tuple(partial_args),
-    )
+    options: dict[str, Any] = {k: v for k, v in locals().items() if k != "fun"}  # as given
+    options["partial_args"] = tuple(partial_args)
     # The shardings are checked first, then the bound arguments, then it is made.
     make = make_wrapper(
         JitWrapped, None, options, transform="jit_partial", specs=_SHARDINGS, shardings=True

@@ -157,7 +157,7 @@ class _JitEntry:
     def for_call(self, dynamic: Sequence[Any]) -> tuple[Any, Split] | None:
         """The executable and split to call ``dynamic`` with: the current one, or
         where several write sets were seen, the one of ``dynamic``'s signature."""
-        if self.jitted is None:
+        if self.jitted is None or self.split is None:
             return None
         if len(self._executables) > 1:
             known = self.known_split(dynamic)

@@ -8,14 +8,11 @@ wrapper is.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import _compat
 from .._errors import StructureError
 from .._pipeline import _call
-
-if TYPE_CHECKING:
-    from ._jit import JitWrapped
 
 
 class _Stage:
@@ -27,7 +24,7 @@ class _Stage:
 
     def __init__(
         self,
-        wrapped: JitWrapped[Any, Any],
+        wrapped: Any,  # the treemode.jit wrapper (`_jit.JitWrapped`)
         key: _call.CallKey,
         stage: Any,
         split: tuple[tuple[int, ...], tuple[int, ...]] | None,

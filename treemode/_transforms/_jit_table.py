@@ -31,34 +31,20 @@ from .._pipeline import _call
 
 if TYPE_CHECKING:
     from ._jit_entry import _JitEntry
-
-# The wrapper attributes `functools.update_wrapper` sets from the callable: a
-# wrapper made for a callable already seen sets them again, and the shared
-# settings never hold them (they would keep the callable alive).
-_FROM_CALLABLE = frozenset({"fn", "__wrapped__", *functools.WRAPPER_ASSIGNMENTS})
-# A wrapper's own state, set from the `SharedJit` itself (kept, it would be a cycle).
-_WRAPPER_STATE = frozenset({"_shared", "_cache", "_records", "_miss"})
+    from ._jit_options import JitOptions
 
 
 class SharedJit:
-    """The settings, entries and executor's table of fast-path records of the
-    wrappers of one callable with one set of options."""
+    """The resolved options, entries and executor's table of fast-path records of
+    the wrappers of one callable with one set of options."""
 
-    __slots__ = ("fn_ref", "settings", "entries", "records", "__weakref__")
+    __slots__ = ("fn_ref", "options", "entries", "records", "__weakref__")
 
     def __init__(self, fn_ref: weakref.ref[Callable[..., Any]]):
         self.fn_ref = fn_ref
-        self.settings: dict[str, Any] | None = None  # set by the first wrapper
+        self.options: JitOptions | None = None  # set by the first wrapper
         self.entries: dict[_call.CallKey, _JitEntry] = {}
         self.records: list[Any] = []  # the executor's table, one list for every wrapper
-
-    def keep_settings(self, wrapper_dict: dict[str, Any]) -> None:
-        """Keep a wrapper's resolved settings for the next wrapper of the callable."""
-        self.settings = {
-            k: v
-            for k, v in wrapper_dict.items()
-            if k not in _FROM_CALLABLE and k not in _WRAPPER_STATE
-        }
 
     def clear_cache(self) -> None:
         for entry in self.entries.values():
