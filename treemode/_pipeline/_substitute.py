@@ -8,7 +8,9 @@ each of them from its structure key, with new Variables holding the traced
 values. `Substitution.callable` then makes a version of the function that reaches the
 rebuilt objects instead of the originals, by the same routes: a new function
 object with new closure cells and new defaults; a new bound method or
-``functools.partial``; copies of the holders on the way. Only what leads to a
+``functools.partial``; copies of the holders on the way; for one of treemode's
+own wrappers (``treemode.jit(f)`` held in a global, say), the same wrapper of
+the copy of its function, made for this trace as if the function made it inline. Only what leads to a
 rebuilt object is copied; everything else is shared.
 
 A copied function keeps its module's real globals dict, so globals behave as
@@ -45,6 +47,7 @@ from .._tree._closure import (
     MAX_DEPTH,
     MAX_HOLDER_ITEMS,
     cell_value,
+    wrapper_reads,
     global_values,
     holder_kind,
     holder_values,
@@ -52,7 +55,7 @@ from .._tree._closure import (
     user_function_kinds,
 )
 
-_FUNCTION, _WRAPPER, _HOLDER = user_function_kinds()
+_FUNCTION, _WRAPPER, _HOLDER, _TREEMODE = user_function_kinds()
 _MISSING = object()
 _BUILTINS = builtins.__dict__
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"})
@@ -121,12 +124,20 @@ class Substitution:
             if kind is None or depth > MAX_DEPTH + 1:
                 continue
             self._keep.append(obj)
-            if kind == _FUNCTION and not (direct or plan_of(obj).user_code):
-                continue
+            # treemode's wrappers are no hop of their own, as for the search
+            hop = 1
+            if kind == _FUNCTION:
+                plan = plan_of(obj)
+                if plan.see_through:
+                    hop = 0
+                elif not (direct or plan.user_code):
+                    continue
+            elif kind == _TREEMODE:
+                hop = 0
             self._followed.add(key)
             for child in self._children(obj, kind):
                 parents.setdefault(id(child), []).append(key)
-                stack.append((child, depth + 1, kind == _WRAPPER))
+                stack.append((child, depth + hop, kind in (_WRAPPER, _TREEMODE)))
         frontier = [k for k in self.replacements if k in parents]
         while frontier:
             key = frontier.pop()
@@ -153,6 +164,9 @@ class Substitution:
             if isinstance(obj, functools.partial):
                 return [obj.func, *obj.args, *obj.keywords.values()]
             return [obj.__func__, obj.__self__]
+        if kind == _TREEMODE:
+            reads = wrapper_reads(obj)
+            return [] if reads is None else list(reads.values())
         values = holder_values(obj)
         return [] if values is None or len(values) > MAX_HOLDER_ITEMS else list(values)
 
@@ -197,6 +211,14 @@ class Substitution:
                 )
             else:
                 new = types.MethodType(self.value(obj.__func__), self.value(obj.__self__))
+            self._built[key] = new
+            return new
+        if kind == _TREEMODE:
+            # The same treemode wrapper of the copies: made per trace, as one made
+            # inline in the function would be (`Wrapped._closure_remake`).
+            reads = wrapper_reads(obj)
+            assert reads is not None  # `analyze` found a route through it
+            new = obj._closure_remake({k: self.value(v) for k, v in reads.items()})
             self._built[key] = new
             return new
         return self._holder(obj)
