@@ -98,6 +98,9 @@ class Substitution:
         # (alias, globals, name) still to define; the aliases defined in builtins
         self._pending: list[tuple[str, dict[str, Any], str]] = []
         self._defined: list[str] = []
+        # the rebuilt modules given copies of their wrappers: (attributes, name, original)
+        self._patched: set[int] = set()
+        self._restore: list[tuple[dict[str, Any], str, Any]] = []
         # (original dict, copy, the names whose value was substituted, the original's
         # items when the copy was made): what the function assigns goes back.
         self._dicts: list[
@@ -170,6 +173,25 @@ class Substitution:
         values = holder_values(obj)
         return [] if values is None or len(values) > MAX_HOLDER_ITEMS else list(values)
 
+    def _module_wrappers(self, original: Any, rebuilt: Any) -> None:
+        """Give a rebuilt module the copies of the treemode wrappers the original keeps
+        in its attributes that reach a rebuilt object (the search sees through them:
+        `_closure._Walk.module_wrappers`); `finish` puts the originals back, before
+        the module's structure is checked."""
+        if id(rebuilt) in self._patched:
+            return
+        self._patched.add(id(rebuilt))
+        attrs = getattr(original, "__dict__", None)
+        rebuilt_attrs = getattr(rebuilt, "__dict__", None)
+        if not isinstance(attrs, dict) or not isinstance(rebuilt_attrs, dict):
+            return
+        for name, value in list(attrs.items()):
+            if holder_kind(value) != _TREEMODE or rebuilt_attrs.get(name) is not value:
+                continue
+            if self.analyze(value):
+                rebuilt_attrs[name] = self.value(value)
+                self._restore.append((rebuilt_attrs, name, value))
+
     # -- copies -------------------------------------------------------------------
 
     def callable(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -179,6 +201,7 @@ class Substitution:
         if id(fn) in self.replacements:  # a module called as the function
             module = self.replacements[id(fn)]
             self.used.add(id(fn))
+            self._module_wrappers(fn, module)
             call = type(fn).__call__
             if self.analyze(call):
                 return functools.partial(self.value(call), module)
@@ -193,6 +216,7 @@ class Substitution:
         replacement = self.replacements.get(key)
         if replacement is not None:
             self.used.add(key)
+            self._module_wrappers(obj, replacement)
             return replacement
         built = self._built.get(key, _MISSING)
         if built is not _MISSING:
@@ -358,6 +382,9 @@ class Substitution:
         for alias in self._defined:
             namespace.pop(alias, None)
         self._defined.clear()
+        for attrs, name, value in self._restore:
+            attrs[name] = value
+        self._restore.clear()
         for original, copied, substituted, before in self._dicts:
             for name, value in list(copied.items()):
                 if name not in substituted and before.get(name, _MISSING) is not value:

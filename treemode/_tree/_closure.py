@@ -430,10 +430,31 @@ class _Walk:
     def hold(self, obj: Any) -> Any:
         return self.top_ref if obj is self.top else _hold(obj)
 
-    def add(self, name: str, obj: Any) -> None:
+    def add(self, name: str, obj: Any, depth: int = 0) -> None:
         if id(obj) not in self.seen:
             self.seen.add(id(obj))
             self.found.append((name, obj))
+            self.module_wrappers(name, obj, depth)
+
+    def module_wrappers(self, name: str, module: Any, depth: int) -> None:
+        """The treemode wrappers a module found keeps in its own attributes
+        (``self.step = treemode.jit(...)``): seen through, as the function may call
+        them. Each attribute read is recorded (a module's attributes can be set)."""
+        if isinstance(module, nnx.Variable) or depth >= MAX_DEPTH:
+            return
+        attrs = getattr(module, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return
+        for key, value in list(attrs.items()):
+            kind = _kinds.get(type(value))
+            if kind is None:
+                kind = _classify(type(value))
+            if kind != _TREEMODE or id(value) in self.seen:
+                continue
+            if self.top_ref is not None:
+                self.attrs.append(attribute_read(module, key, value))
+            self.seen.add(id(value))
+            self.visit_wrapper(value, depth + 1, f"{name}.{key}")
 
     def visit(self, f: Any, depth: int, name: str = "") -> None:
         if depth > MAX_DEPTH:
@@ -449,13 +470,13 @@ class _Walk:
             return
         if isinstance(f, types.MethodType):
             if is_variable_or_graph_node(f.__self__):
-                self.add("self", f.__self__)
+                self.add("self", f.__self__, depth)
             else:
                 self.search("self", f.__self__, depth + 1)
             self.visit(f.__func__, depth + 1)
             return
         if is_variable_or_graph_node(f):
-            self.add(type(f).__name__, f)
+            self.add(type(f).__name__, f, depth)
             call = getattr(type(f), "__call__", None)  # noqa: B004 - the method itself
             if self.top_ref is not None:
                 self.attrs.append(attribute_read(type(f), "__call__", call))
@@ -550,7 +571,7 @@ class _Walk:
     def consider(self, name: str, obj: Any, kind: int, depth: int) -> None:
         """A value in a cell or a global: an NNX object to lift, or a helper to follow."""
         if kind == _STATE:
-            self.add(name, obj)
+            self.add(name, obj, depth)
             return
         if depth >= MAX_DEPTH or id(obj) in self.seen:
             return
@@ -580,7 +601,7 @@ class _Walk:
             kind = _classify(type(obj))
         if kind == _STATE:
             self.volatile = True
-            self.add(name, obj)
+            self.add(name, obj, depth)
             return
         if kind == _FUNCTION or kind == _WRAPPER or kind == _TREEMODE:
             if not default:
