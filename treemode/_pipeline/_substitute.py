@@ -10,8 +10,9 @@ rebuilt objects instead of the originals, by the same routes: a new function
 object with new closure cells and new defaults; a new bound method or
 ``functools.partial``; copies of the holders on the way; for one of treemode's
 own wrappers (``treemode.jit(f)`` held in a global, say), the same wrapper of
-the copy of its function, made for this trace as if the function made it inline. Only what leads to a
-rebuilt object is copied; everything else is shared.
+the copy of its function, made for this trace as if the function made it
+inline. Only what leads to a rebuilt object is copied; everything else is
+shared.
 
 A copied function keeps its module's real globals dict, so globals behave as
 under eager execution: what a helper sets the function reads, what the
@@ -47,12 +48,12 @@ from .._tree._closure import (
     MAX_DEPTH,
     MAX_HOLDER_ITEMS,
     cell_value,
-    wrapper_reads,
     global_values,
     holder_kind,
     holder_values,
     plan_of,
     user_function_kinds,
+    wrapper_reads,
 )
 
 _FUNCTION, _WRAPPER, _HOLDER, _TREEMODE = user_function_kinds()

@@ -259,7 +259,9 @@ def _library_inner(f: types.FunctionType) -> Any:
     return inner
 
 
-def _children(route: str, obj: Any, direct: bool, path: _Path) -> list[tuple[str, Any, bool, _Path]]:
+def _children(
+    route: str, obj: Any, direct: bool, path: _Path
+) -> list[tuple[str, Any, bool, _Path]]:
     """What the walk enters from ``obj``: ``(route, child, direct, path)``."""
     if isinstance(obj, types.FunctionType):
         plan = plan_of(obj)
