@@ -268,7 +268,7 @@ def test_a_treemode_wrapper_it_cannot_remake_is_named():
     direct = type(treemode.jit(_base_loss))(_base_loss)  # not made by treemode.jit
     message = _warning(lambda w: direct(w))
     assert "BASE (Linear), read through <lambda>.<closure direct>, a treemode wrapper" in message
-    assert "make it with treemode.jit(...)" in message
+    assert "make it with treemode's function" in message
 
 
 def _deep_cell():
@@ -300,3 +300,18 @@ def test_a_cell_beyond_the_depth_gets_cell_advice():
     message = _warning(lambda w: DEEP_CELL(w))
     assert "<closure model> (Linear), a closure cell that h5 reads, 5 helpers deep" in message
     assert "read it in a function nearer the transformed one" in message
+
+
+@treemode.custom_vjp
+def _custom(w):
+    return jnp.sum(BASE(w))
+
+
+_custom.defvjp(lambda w: (_custom(w), w), lambda w, g: (g * w,))
+
+
+@pytest.mark.filterwarnings("default::treemode.ClosureWarning")
+def test_a_custom_vjp_function_is_not_seen_through_and_says_why():
+    message = _warning(lambda w: _custom(w))
+    assert "BASE (Linear), read through _custom, a custom_vjp function" in message
+    assert "pass the module as an argument of the custom_vjp function" in message

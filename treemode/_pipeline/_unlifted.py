@@ -328,11 +328,7 @@ def _children(
     if _is_treemode_wrapper(obj):
         reads = wrapper_reads(obj)
         if reads is None:
-            why = (
-                f"read through {route}, a treemode wrapper that treemode's own functions "
-                "did not make (the search cannot make it again for the trace): make it "
-                f"with treemode.{getattr(obj, 'transform', '') or 'jit'}(...)"
-            )
+            why = f"read through {route}, {type(obj)._closure_refusal}"
             return [(f"{route}.fn", obj.fn, True, path.step(why=why))]
         children: list[tuple[str, Any, bool, _Path]] = []
         for what, value in reads.items():  # the function, at the wrapper's place

@@ -126,24 +126,18 @@ class CustomVjp(Wrapped[P, R]):
         self.bwd = bwd
         self.bwd_takes_updates = _takes_updates_g(bwd)
 
-    # -- the closure search sees through it (treemode._transforms._wrapped) -----------
+    # -- the closure search does not see through it (treemode._transforms._wrapped) ----
+
+    # JAX keeps the rules with the jaxpr it caches, past the trace: copies of them
+    # reaching an outer trace's modules would keep its tracers alive.
+    _closure_refusal = (
+        "a custom_vjp function, whose rules JAX keeps past the trace (treemode cannot "
+        "hand them an outer trace's copy): pass the module as an argument of the "
+        "custom_vjp function"
+    )
 
     def _closure_reads(self) -> dict[str, Any] | None:
-        """The function and its rules: what a call reads besides its arguments."""
-        reads: dict[str, Any] = {"fn": self.fn}
-        if self.fwd is not None and self.bwd is not None:
-            reads["fwd"] = self.fwd
-            reads["bwd"] = self.bwd
-        return reads
-
-    def _closure_remake(self, reads: dict[str, Any]) -> CustomVjp[Any, Any]:
-        """The same custom_vjp function of the copies in ``reads`` (a trace's)."""
-        made: CustomVjp[Any, Any] = CustomVjp(reads["fn"], self.nondiff_argnums, self.graph)
-        if "fwd" in reads:
-            made.fwd = reads["fwd"]
-            made.bwd = reads["bwd"]
-            made.bwd_takes_updates = self.bwd_takes_updates
-        return made
+        return None
 
     @_compat.api_boundary
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:

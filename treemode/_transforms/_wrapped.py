@@ -53,6 +53,12 @@ class Wrapped(Generic[P, R]):
     # How `make_wrapper` made this wrapper: the class with its options, to call
     # with another function (`_closure_remake`).
     _made_by: functools.partial[Any] | None = None
+    # Why the search does not see through a wrapper whose `_closure_reads` is None:
+    # the report of what it does not lift says it (``_pipeline._unlifted``).
+    _closure_refusal = (
+        "a treemode wrapper that treemode's own functions did not make (the search "
+        "cannot make it again for the trace): make it with treemode's function"
+    )
 
     def _wrap(self, fn: Callable[P, R]) -> None:
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
