@@ -315,3 +315,16 @@ def test_a_custom_vjp_function_is_not_seen_through_and_says_why():
     message = _warning(lambda w: _custom(w))
     assert "BASE (Linear), read through _custom, a custom_vjp function" in message
     assert "pass the module as an argument of the custom_vjp function" in message
+
+
+@pytest.mark.usefixtures("fresh_model")
+def test_a_wrapper_attribute_set_again_is_searched_again():
+    """A module's attribute is a read the cached search depends on: setting it to
+    another wrapper (of a function reading another module) is seen on the next call."""
+    holder = Holder()
+    other = Model(4)
+    step = treemode.jit(holder.step)
+    np.testing.assert_allclose(step(W), loss(W) * 3.0, rtol=1e-5)
+    holder.forward = treemode.jit(lambda w: jnp.sum(other(w) ** 2))
+    np.testing.assert_allclose(step(W), jnp.sum(other.linear(W) ** 2) * 3.0, rtol=1e-5)
+    assert float(other.calls[...]) == 1.0
