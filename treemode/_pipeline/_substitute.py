@@ -8,8 +8,11 @@ each of them from its structure key, with new Variables holding the traced
 values. `Substitution.callable` then makes a version of the function that reaches the
 rebuilt objects instead of the originals, by the same routes: a new function
 object with new closure cells and new defaults; a new bound method or
-``functools.partial``; copies of the holders on the way. Only what leads to a
-rebuilt object is copied; everything else is shared.
+``functools.partial``; copies of the holders on the way; for one of treemode's
+own wrappers (``treemode.jit(f)`` held in a global, say), the same wrapper of
+the copy of its function, made for this trace as if the function made it
+inline. Only what leads to a rebuilt object is copied; everything else is
+shared.
 
 A copied function keeps its module's real globals dict, so globals behave as
 under eager execution: what a helper sets the function reads, what the
@@ -50,9 +53,10 @@ from .._tree._closure import (
     holder_values,
     plan_of,
     user_function_kinds,
+    wrapper_reads,
 )
 
-_FUNCTION, _WRAPPER, _HOLDER = user_function_kinds()
+_FUNCTION, _WRAPPER, _HOLDER, _TREEMODE = user_function_kinds()
 _MISSING = object()
 _BUILTINS = builtins.__dict__
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"})
@@ -95,6 +99,9 @@ class Substitution:
         # (alias, globals, name) still to define; the aliases defined in builtins
         self._pending: list[tuple[str, dict[str, Any], str]] = []
         self._defined: list[str] = []
+        # the rebuilt modules given copies of their wrappers: (attributes, name, original)
+        self._patched: set[int] = set()
+        self._restore: list[tuple[dict[str, Any], str, Any]] = []
         # (original dict, copy, the names whose value was substituted, the original's
         # items when the copy was made): what the function assigns goes back.
         self._dicts: list[
@@ -121,12 +128,20 @@ class Substitution:
             if kind is None or depth > MAX_DEPTH + 1:
                 continue
             self._keep.append(obj)
-            if kind == _FUNCTION and not (direct or plan_of(obj).user_code):
-                continue
+            # treemode's wrappers are no hop of their own, as for the search
+            hop = 1
+            if kind == _FUNCTION:
+                plan = plan_of(obj)
+                if plan.see_through:
+                    hop = 0
+                elif not (direct or plan.user_code):
+                    continue
+            elif kind == _TREEMODE:
+                hop = 0
             self._followed.add(key)
             for child in self._children(obj, kind):
                 parents.setdefault(id(child), []).append(key)
-                stack.append((child, depth + 1, kind == _WRAPPER))
+                stack.append((child, depth + hop, kind in (_WRAPPER, _TREEMODE)))
         frontier = [k for k in self.replacements if k in parents]
         while frontier:
             key = frontier.pop()
@@ -153,8 +168,30 @@ class Substitution:
             if isinstance(obj, functools.partial):
                 return [obj.func, *obj.args, *obj.keywords.values()]
             return [obj.__func__, obj.__self__]
+        if kind == _TREEMODE:
+            reads = wrapper_reads(obj)
+            return [] if reads is None else list(reads.values())
         values = holder_values(obj)
         return [] if values is None or len(values) > MAX_HOLDER_ITEMS else list(values)
+
+    def _module_wrappers(self, original: Any, rebuilt: Any) -> None:
+        """Give a rebuilt module the copies of the treemode wrappers the original keeps
+        in its attributes that reach a rebuilt object (the search sees through them:
+        `_closure._Walk.module_wrappers`); `finish` puts the originals back, before
+        the module's structure is checked."""
+        if id(rebuilt) in self._patched:
+            return
+        self._patched.add(id(rebuilt))
+        attrs = getattr(original, "__dict__", None)
+        rebuilt_attrs = getattr(rebuilt, "__dict__", None)
+        if not isinstance(attrs, dict) or not isinstance(rebuilt_attrs, dict):
+            return
+        for name, value in list(attrs.items()):
+            if holder_kind(value) != _TREEMODE or rebuilt_attrs.get(name) is not value:
+                continue
+            if self.analyze(value):
+                rebuilt_attrs[name] = self.value(value)
+                self._restore.append((rebuilt_attrs, name, value))
 
     # -- copies -------------------------------------------------------------------
 
@@ -165,6 +202,7 @@ class Substitution:
         if id(fn) in self.replacements:  # a module called as the function
             module = self.replacements[id(fn)]
             self.used.add(id(fn))
+            self._module_wrappers(fn, module)
             call = type(fn).__call__
             if self.analyze(call):
                 return functools.partial(self.value(call), module)
@@ -179,6 +217,7 @@ class Substitution:
         replacement = self.replacements.get(key)
         if replacement is not None:
             self.used.add(key)
+            self._module_wrappers(obj, replacement)
             return replacement
         built = self._built.get(key, _MISSING)
         if built is not _MISSING:
@@ -197,6 +236,14 @@ class Substitution:
                 )
             else:
                 new = types.MethodType(self.value(obj.__func__), self.value(obj.__self__))
+            self._built[key] = new
+            return new
+        if kind == _TREEMODE:
+            # The same treemode wrapper of the copies: made per trace, as one made
+            # inline in the function would be (`Wrapped._closure_remake`).
+            reads = wrapper_reads(obj)
+            assert reads is not None  # `analyze` found a route through it
+            new = obj._closure_remake({k: self.value(v) for k, v in reads.items()})
             self._built[key] = new
             return new
         return self._holder(obj)
@@ -336,6 +383,9 @@ class Substitution:
         for alias in self._defined:
             namespace.pop(alias, None)
         self._defined.clear()
+        for attrs, name, value in self._restore:
+            attrs[name] = value
+        self._restore.clear()
         for original, copied, substituted, before in self._dicts:
             for name, value in list(copied.items()):
                 if name not in substituted and before.get(name, _MISSING) is not value:

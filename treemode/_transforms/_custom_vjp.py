@@ -126,6 +126,19 @@ class CustomVjp(Wrapped[P, R]):
         self.bwd = bwd
         self.bwd_takes_updates = _takes_updates_g(bwd)
 
+    # -- the closure search does not see through it (treemode._transforms._wrapped) ----
+
+    # JAX keeps the rules with the jaxpr it caches, past the trace: copies of them
+    # reaching an outer trace's modules would keep its tracers alive.
+    _closure_refusal = (
+        "a custom_vjp function, whose rules JAX keeps past the trace (treemode cannot "
+        "hand them an outer trace's copy): pass the module as an argument of the "
+        "custom_vjp function"
+    )
+
+    def _closure_reads(self) -> dict[str, Any] | None:
+        return None
+
     @_compat.api_boundary
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self.fwd is None or self.bwd is None:

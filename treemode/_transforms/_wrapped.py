@@ -9,7 +9,17 @@ reads as ``<treemode.jit of <function f ...>>``.
 `make_wrapper` is the end of every factory that makes one of them (``jit``,
 ``jit_partial``, ``vmap``, ``pmap``, ``scan``, ``shard_map``): the Flax lift
 objects of its specifications are refused where the wrapper is made, then
-the wrapper is made, or a decorator that makes it is returned.
+the wrapper is made, or a decorator that makes it is returned. It keeps with
+the wrapper how it was made, so that a trace can make the same wrapper of
+another function.
+
+A wrapper is seen through by the closure search (``treemode._tree._closure``):
+`Wrapped._closure_reads` gives what a call reads besides its arguments (the
+function, and the arguments ``jit_partial`` bound), and inside the trace of an
+outer transform that lifted a module they reach, `Wrapped._closure_remake` gives
+the same wrapper of the copies that reach the traced module
+(``treemode._pipeline._substitute``): what ``treemode.jit(lambda x:
+treemode.grad(f)(x))`` makes inline, per trace.
 """
 
 from __future__ import annotations
@@ -40,6 +50,15 @@ class Wrapped(Generic[P, R]):
 
     transform = ""
     fn: Callable[P, R]
+    # How `make_wrapper` made this wrapper: the class with its options, to call
+    # with another function (`_closure_remake`).
+    _made_by: functools.partial[Any] | None = None
+    # Why the search does not see through a wrapper whose `_closure_reads` is None:
+    # the report of what it does not lift says it (``_pipeline._unlifted``).
+    _closure_refusal = (
+        "a treemode wrapper that treemode's own functions did not make (the search "
+        "cannot make it again for the trace): make it with treemode's function"
+    )
 
     def _wrap(self, fn: Callable[P, R]) -> None:
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
@@ -60,6 +79,34 @@ class Wrapped(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<treemode.{self.transform} of {self.fn!r}>"
+
+    # -- the closure search sees through a wrapper (treemode._tree._closure) ----------
+
+    def _closure_reads(self) -> dict[str, Any] | None:
+        """What a call reads besides its arguments: ``{"fn": the function}``, and
+        ``"partial_args"`` for the arguments `jit_partial` bound. ``None`` where
+        this wrapper cannot be made again for another function (not made by
+        `make_wrapper`): the search does not see through it then, and the
+        report of what it does not lift names it (``_pipeline._unlifted``)."""
+        made_by = self.__dict__.get("_made_by")
+        # ``functools.update_wrapper`` copies the wrapped function's ``__dict__``, so
+        # a wrapper of a wrapper may hold the inner one's: only its own counts.
+        if made_by is None or made_by.func is not type(self):
+            return None
+        reads: dict[str, Any] = {"fn": self.fn}
+        if "partial_args" in made_by.keywords:
+            reads["partial_args"] = self.__dict__["partial_args"]
+        return reads
+
+    def _closure_remake(self, reads: dict[str, Any]) -> Wrapped[Any, Any]:
+        """The same wrapper (same class, same options) of ``reads["fn"]``, with the
+        bound arguments ``reads`` gives: `_closure_reads` with what it holds
+        replaced by the copies a trace made. It shares no cache with this one."""
+        made_by = self.__dict__["_made_by"]
+        rest = {k: v for k, v in reads.items() if k != "fn"}
+        made = made_by(reads["fn"], **rest)
+        made._made_by = functools.partial(made_by.func, **{**made_by.keywords, **rest})
+        return made
 
 
 def make_wrapper(
@@ -89,8 +136,16 @@ def make_wrapper(
             shardings=shardings,
         )
     if fn is None:
-        return lambda f: wrapper(f, **options)
-    return wrapper(fn, **options)
+        return lambda f: _made(wrapper, f, options)
+    return _made(wrapper, fn, options)
+
+
+def _made(wrapper: Callable[..., W], fn: Callable[..., Any], options: dict[str, Any]) -> W:
+    """``wrapper(fn, **options)``, knowing how it was made (`Wrapped._closure_remake`)."""
+    made = wrapper(fn, **options)
+    if isinstance(made, Wrapped):
+        made._made_by = functools.partial(wrapper, **options)
+    return made
 
 
 __all__ = ["Wrapped", "make_wrapper"]

@@ -16,6 +16,17 @@ packages (JAX, Flax, optax, ...), which cannot close over the user's modules.
 The walk stops `MAX_DEPTH` functions deep and visits each function once, so
 recursive helpers terminate.
 
+treemode's own wrappers are seen through, to what their calls read: a wrapper
+object (``treemode.jit``, ``vmap``, ``scan``, ... : its class defines
+``_closure_reads``) gives its function and the arguments bound to it
+(``jit_partial``), and the functions treemode's transforms return
+(``treemode.grad``, ``remat``, ...: defined in ``treemode/_transforms``, or JAX's
+traceback boundary around them) give their closure cells. So ``jit(grad(f))``
+lifts what ``f`` reads, as ``jit(f)`` does; a wrapper and the function it wraps
+count as one function for `MAX_DEPTH`. A wrapper's function and bound arguments
+are fixed when it is made (as a ``functools.partial``'s are), so reading them is
+not recorded for the cache below; what the function reads is.
+
 Plain holders are entered too (`_Walk.search`): lists, tuples and dicts, the
 attributes of instances of the user's own classes (the ``self`` of a bound
 method of a plain object), and default arguments. A holder can change in place
@@ -53,7 +64,7 @@ from typing import Any
 
 from flax import nnx
 
-from .. import _caches
+from .. import _caches, _compat
 from .._accel._border import attribute_read, cell_read, closure_reads
 from ._leaves import is_variable_or_graph_node
 
@@ -69,7 +80,8 @@ MAX_DEPTH = 4  # function hops followed from the transformed function
 # What a value in a cell or global is, decided once per type.
 # _HOLDER: a list, tuple or dict, or an instance of a class of the user's own code,
 # searched for NNX objects inside it (see `_Walk.search`).
-_IGNORE, _STATE, _FUNCTION, _WRAPPER, _HOLDER = range(5)
+# _TREEMODE: one of treemode's wrapper objects, seen through (`wrapper_reads`).
+_IGNORE, _STATE, _FUNCTION, _WRAPPER, _HOLDER, _TREEMODE = range(6)
 _kinds: dict[type, int] = {}
 _caches.register(_kinds.clear)
 MAX_HOLDER_ITEMS = 256  # bigger lists, dicts and attribute dicts are not searched
@@ -83,6 +95,8 @@ def _classify(cls: type) -> int:
         kind = _FUNCTION
     elif issubclass(cls, (types.MethodType, functools.partial)):
         kind = _WRAPPER
+    elif callable(getattr(cls, "_closure_reads", None)):
+        kind = _TREEMODE
     elif cls in (list, tuple, dict) or _user_class(cls):
         kind = _HOLDER
     else:
@@ -131,20 +145,58 @@ def _library_prefixes() -> tuple[str, ...]:
 
 
 _LIBRARY = _library_prefixes()
+# The functions treemode's transforms return (``treemode.grad``, ``remat``, ...) are
+# defined here, and JAX's traceback boundary (``_compat.api_boundary``) wraps them:
+# their closure cells hold the user's function, so the search sees through them.
+_TRANSFORMS = tuple(
+    os.path.join(resolve(os.path.dirname(os.path.dirname(__file__))), "_transforms", "")
+    for resolve in (os.path.abspath, os.path.realpath)
+)
+
+
+def _boundary_code() -> types.CodeType | None:
+    def probe() -> None:
+        pass
+
+    bounded = _compat.api_boundary(probe)
+    return None if bounded is probe else getattr(bounded, "__code__", None)
+
+
+_BOUNDARY_CODE = _boundary_code()
+
+
+def wrapper_reads(wrapper: Any) -> dict[str, Any] | None:
+    """What a call of treemode's wrapper object ``wrapper`` reads besides its arguments:
+    ``{"fn": function, ...}``, a tuple for bound arguments, any other value a function
+    (``None``: not seen through). See the module docstring."""
+    return wrapper._closure_reads()
 
 
 class _Plan:
     """What a code object reads: computed once per code object."""
 
-    __slots__ = ("code", "freevars", "global_names", "aliased", "user_code", "snapshots")
+    __slots__ = (
+        "code",
+        "freevars",
+        "global_names",
+        "aliased",
+        "user_code",
+        "see_through",
+        "snapshots",
+    )
 
     def __init__(self, code: types.CodeType):
         self.code = code  # kept so that the id used as key stays this object's
         self.freevars = code.co_freevars
-        self.global_names = _global_names(code)
+        self.user_code = not code.co_filename.startswith(_LIBRARY)
+        # A function a treemode transform returns: only its cells are read (its
+        # globals are treemode's), and it is no hop of its own (see `_Walk.visit_function`).
+        self.see_through = not self.user_code and (
+            code.co_filename.startswith(_TRANSFORMS) or code is _BOUNDARY_CODE
+        )
+        self.global_names = () if self.see_through else _global_names(code)
         # Names a substituted copy loads from the builtins (`treemode._pipeline._substitute`).
         self.aliased = any(n.startswith(ALIAS_PREFIX) for n in self.global_names)
-        self.user_code = not code.co_filename.startswith(_LIBRARY)
         self.snapshots = 0  # cache entries made for functions of this code
 
 
@@ -378,12 +430,33 @@ class _Walk:
     def hold(self, obj: Any) -> Any:
         return self.top_ref if obj is self.top else _hold(obj)
 
-    def add(self, name: str, obj: Any) -> None:
+    def add(self, name: str, obj: Any, depth: int = 0) -> None:
         if id(obj) not in self.seen:
             self.seen.add(id(obj))
             self.found.append((name, obj))
+            self.module_wrappers(name, obj, depth)
 
-    def visit(self, f: Any, depth: int) -> None:
+    def module_wrappers(self, name: str, module: Any, depth: int) -> None:
+        """The treemode wrappers a module found keeps in its own attributes
+        (``self.step = treemode.jit(...)``): seen through, as the function may call
+        them. Each attribute read is recorded (a module's attributes can be set)."""
+        if isinstance(module, nnx.Variable) or depth >= MAX_DEPTH:
+            return
+        attrs = getattr(module, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return
+        for key, value in list(attrs.items()):
+            kind = _kinds.get(type(value))
+            if kind is None:
+                kind = _classify(type(value))
+            if kind != _TREEMODE or id(value) in self.seen:
+                continue
+            if self.top_ref is not None:
+                self.attrs.append(attribute_read(module, key, value))
+            self.seen.add(id(value))
+            self.visit_wrapper(value, depth + 1, f"{name}.{key}")
+
+    def visit(self, f: Any, depth: int, name: str = "") -> None:
         if depth > MAX_DEPTH:
             return
         if isinstance(f, functools.partial):
@@ -397,22 +470,45 @@ class _Walk:
             return
         if isinstance(f, types.MethodType):
             if is_variable_or_graph_node(f.__self__):
-                self.add("self", f.__self__)
+                self.add("self", f.__self__, depth)
             else:
                 self.search("self", f.__self__, depth + 1)
             self.visit(f.__func__, depth + 1)
             return
         if is_variable_or_graph_node(f):
-            self.add(type(f).__name__, f)
+            self.add(type(f).__name__, f, depth)
             call = getattr(type(f), "__call__", None)  # noqa: B004 - the method itself
             if self.top_ref is not None:
                 self.attrs.append(attribute_read(type(f), "__call__", call))
             if call is not None:
                 self.visit(call, depth + 1)
             return
+        kind = _kinds.get(type(f))
+        if kind is None:
+            kind = _classify(type(f))
+        if kind == _TREEMODE:
+            self.visit_wrapper(f, depth, name)
+            return
         code = getattr(f, "__code__", None)
         if code is not None:
             self.visit_function(f, _plan(code), depth)
+
+    def visit_wrapper(self, wrapper: Any, depth: int, name: str) -> None:
+        """A treemode wrapper object: what its calls read, at the depth of the
+        function it wraps (the wrapper is no hop of its own)."""
+        reads = wrapper_reads(wrapper)
+        if reads is None:
+            return
+        name = name or getattr(wrapper, "__name__", None) or type(wrapper).__name__
+        for what, value in reads.items():
+            if type(value) is not tuple:  # the function (custom_vjp: and its rules)
+                self.visit(value, depth, name)
+                continue
+            for i, a in enumerate(value):  # the bound arguments
+                if is_variable_or_graph_node(a):
+                    self.add(f"{name}.{what}[{i}]", a)
+                else:
+                    self.search(f"{name}.{what}[{i}]", a, depth + 1)
 
     def visit_function(self, f: Any, plan: _Plan, depth: int) -> None:
         """The closure cells and the globals of a function (anything with ``__code__``)."""
@@ -422,6 +518,9 @@ class _Walk:
             self.functions.append(self.hold(f))
             self.codes.append(plan.code)
         cells = getattr(f, "__closure__", None)
+        # A function a transform returned is no hop of its own: what its cells hold
+        # is looked at as if it were where the function is.
+        cell_depth = depth - 1 if plan.see_through else depth
         if cells:
             contents: list[Any] = []
             for name, cell in zip(plan.freevars, cells, strict=False):
@@ -437,7 +536,7 @@ class _Walk:
                     continue
                 if keep_reads:
                     contents.append(self.hold(obj))
-                self.consider(name, obj, kind, depth)
+                self.consider(name, obj, kind, cell_depth)
             if keep_reads:
                 self.cells.append(cell_read(self.hold(f), tuple(contents)))
         defaults = getattr(f, "__defaults__", None)
@@ -472,7 +571,7 @@ class _Walk:
     def consider(self, name: str, obj: Any, kind: int, depth: int) -> None:
         """A value in a cell or a global: an NNX object to lift, or a helper to follow."""
         if kind == _STATE:
-            self.add(name, obj)
+            self.add(name, obj, depth)
             return
         if depth >= MAX_DEPTH or id(obj) in self.seen:
             return
@@ -481,12 +580,12 @@ class _Walk:
             return
         if kind == _FUNCTION:
             plan = _plan(obj.__code__)
-            if plan.user_code:
+            if plan.user_code or plan.see_through:
                 self.seen.add(id(obj))  # a function is visited once: recursion terminates
                 self.visit_function(obj, plan, depth + 1)
             return
         self.seen.add(id(obj))
-        self.visit(obj, depth + 1)
+        self.visit(obj, depth + 1, name)
 
     def search(self, name: str, obj: Any, depth: int, *, default: bool = False) -> None:
         """NNX objects inside a plain holder: a list, tuple or dict, a default argument,
@@ -502,9 +601,9 @@ class _Walk:
             kind = _classify(type(obj))
         if kind == _STATE:
             self.volatile = True
-            self.add(name, obj)
+            self.add(name, obj, depth)
             return
-        if kind == _FUNCTION or kind == _WRAPPER:
+        if kind == _FUNCTION or kind == _WRAPPER or kind == _TREEMODE:
             if not default:
                 self.consider(name, obj, kind, depth)
             return
@@ -657,17 +756,19 @@ _MAX_SNAPSHOTS = 16
 
 
 def holder_kind(obj: Any) -> int | None:
-    """How the closure search goes through ``obj``: ``_FUNCTION``, ``_WRAPPER`` or
-    ``_HOLDER``; ``None`` for anything it does not enter (NNX objects included)."""
+    """How the closure search goes through ``obj``: ``_FUNCTION``, ``_WRAPPER``,
+    ``_HOLDER`` or ``_TREEMODE``; ``None`` for anything it does not enter (NNX
+    objects included)."""
     kind = _kinds.get(type(obj))
     if kind is None:
         kind = _classify(type(obj))
-    return kind if kind in (_FUNCTION, _WRAPPER, _HOLDER) else None
+    return kind if kind in (_FUNCTION, _WRAPPER, _HOLDER, _TREEMODE) else None
 
 
-def user_function_kinds() -> tuple[int, int, int]:
-    """The values of ``_FUNCTION``, ``_WRAPPER`` and ``_HOLDER`` (see `holder_kind`)."""
-    return _FUNCTION, _WRAPPER, _HOLDER
+def user_function_kinds() -> tuple[int, int, int, int]:
+    """The values of ``_FUNCTION``, ``_WRAPPER``, ``_HOLDER`` and ``_TREEMODE`` (see
+    `holder_kind`)."""
+    return _FUNCTION, _WRAPPER, _HOLDER, _TREEMODE
 
 
 def plan_of(f: Any) -> _Plan:
