@@ -31,7 +31,7 @@ from ._jit_entry import (
     _JitEntry,
     _Unprobed,
 )
-from ._jit_options import JitOptions, JitOptionsDict, is_sharding, options_key
+from ._jit_options import JitOptions, JitOptionsDict, is_sharding, options_key, with_defaults
 from ._jit_stages import Compiled, Lowered, Traced
 from ._jit_table import SharedJit, shared_state
 from ._signature import UNSPECIFIED, suggests_keywords
@@ -63,7 +63,8 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
     ):
         # A wrapper of a function already wrapped with the same options (one made
         # inline, in a loop) takes that one's resolved options, entries and records.
-        shared = None if partial_args else shared_state(fn, options_key(dict(options)))
+        given = with_defaults(dict(options))
+        shared = None if partial_args else shared_state(fn, options_key(given))
         self._wrap(fn)
         self.partial_args = partial_args
         self._n_partial = len(partial_args)
@@ -71,7 +72,7 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
         if shared is not None and shared.options is not None:
             self.options = shared.options
         else:
-            self.options = JitOptions.resolve(fn, **options)
+            self.options = JitOptions.resolve(fn, **given)
             if shared is not None:
                 shared.options = self.options
         self._cache: dict[_call.CallKey, _JitEntry] = {} if shared is None else shared.entries

@@ -43,6 +43,31 @@ class JitOptionsDict(TypedDict, total=False):
     graph: bool
 
 
+# Each option's default (as in the signature of ``treemode.jit``).
+DEFAULTS: dict[str, Any] = dict(
+    in_shardings=UNSPECIFIED,
+    out_shardings=UNSPECIFIED,
+    static_argnums=None,
+    static_argnames=None,
+    donate_argnums=None,
+    donate_argnames=None,
+    keep_unused=False,
+    device=None,
+    backend=None,
+    inline=False,
+    compiler_options=None,
+    graph=False,
+)
+
+
+def with_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with every option ``treemode.jit`` takes (unknown ones refused)."""
+    unknown = set(options) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"treemode.jit: unexpected keyword argument(s) {sorted(unknown)}")
+    return {**DEFAULTS, **options}
+
+
 def options_key(options: dict[str, Any]) -> tuple[Any, ...]:
     """The options as given, as a key (``compiler_options`` by its items): what the
     wrappers of one function share their state under. May be unhashable."""
@@ -197,4 +222,11 @@ def is_sharding(x: Any) -> bool:
     return isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
 
 
-__all__ = ["JitOptions", "JitOptionsDict", "is_sharding", "options_key"]
+__all__ = [
+    "DEFAULTS",
+    "JitOptions",
+    "JitOptionsDict",
+    "is_sharding",
+    "options_key",
+    "with_defaults",
+]
