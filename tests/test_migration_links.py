@@ -56,7 +56,6 @@ def test_every_pointer_in_treemode_names_an_existing_section() -> None:
         "shared-variables",
         "stateaxes",
         "diffstate",
-        "cached-partial",
         "modelandoptimizer",
     }
     assert expected <= set(pointers), f"messages lost their pointers: {expected - set(pointers)}"
