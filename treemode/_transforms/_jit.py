@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import FunctionType
 from typing import (
@@ -461,6 +462,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
             shared = _SharedJit.find(fn, options)
             if shared is not None and shared.settings is not None:
                 self.__dict__.update(shared.settings)
+                self.jitted_fn = JittedFunctions(self)
                 self._memos = shared.memos
                 self._records = shared.records
                 if _compiled.FastCall is not None:
@@ -508,6 +510,8 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         if shared is not None:
             self._cache = shared.entries
             shared.settings = dict(self.__dict__)
+        # An instance attribute, as Flax's: functools.wraps copies it (nnx.cached_partial).
+        self.jitted_fn = JittedFunctions(self)
         self._start_fast_path()
         _caches.track(self)  # treemode.clear_caches() calls clear_cache()
 
@@ -526,6 +530,7 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         """``copy.copy``: a wrapper of the same function sharing its compiled entries."""
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
+        copied.jitted_fn = JittedFunctions(copied)
         copied._start_fast_path(self._memos)  # records emitted again (the miss is the copy's)
         copied._shared = None
         _caches.track(copied)
@@ -671,6 +676,8 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         """A call through the pipeline: a memo's `CallSite.match`, else `prepare`."""
+        if _compat.take_flax_static_cache():
+            self._through_cached_partial()
         memos = self._memos
         if memos:
             roots = (*self.partial_args, *args) if self._n_partial else args
@@ -713,6 +720,13 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         if memo is not None:
             self._emit(memo, call)
         return out
+
+    def _through_cached_partial(self) -> None:
+        """Called through ``nnx.cached_partial``, which leaves a cache for the Flax
+        transform it calls to take: from now on every call takes it first (the
+        executor's calls too, `_CachedPartialJit`) and runs as the plain partial."""
+        if _compiled.FastCall is not None and type(self) is JitWrapped:
+            self.__class__ = _CachedPartialJit
 
     def _emit(self, memo: _Memo, call: _call.PreparedCall) -> None:
         """Emit the fast-path record of ``memo`` (`_callsite.fast_record`) after ``call`` ran."""
@@ -863,15 +877,9 @@ class JitWrapped(_NoExecutor if TYPE_CHECKING else _FastCall, Wrapped[P, R], Gen
         """The function that was compiled (Flax's name for `fn`)."""
         return self.fn
 
-    @property
-    def jitted_fn(self) -> JittedFunctions:
-        """The ``jax.jit`` functions behind this wrapper (Flax's ``jitted_fn``).
-
-        treemode compiles one ``jax.jit`` function per call structure, so this
-        is a view of all of them: ``jitted_fn._cache_size()`` counts their
-        executables, as on one ``jax.jit`` function.
-        """
-        return JittedFunctions(self)
+    # ``jitted_fn``: the ``jax.jit`` functions behind this wrapper (Flax's
+    # ``jitted_fn``), a `JittedFunctions` view set by ``__init__``.
+    jitted_fn: JittedFunctions
 
     def _cache_size(self) -> int:
         """How many executables the calls so far compiled (as on a ``jax.jit`` function)."""
@@ -891,6 +899,18 @@ if _compiled.FastCall is None:
     JitWrapped.__call__ = JitWrapped._call  # type: ignore[method-assign]
 
 
+class _CachedPartialJit(JitWrapped[P, R]):
+    """A `JitWrapped` called through ``nnx.cached_partial``: each call takes the
+    cache Flax left for its own transforms, then runs on the executor."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _compat.take_flax_static_cache()
+        if kwargs:
+            return _FastCall.__call__(self, *args, **kwargs)
+        # cached_partial passes **{}: an empty dict would cost the executor 2 µs
+        return _FastCall.__call__(self, *args)
+
+
 class JittedFunctions:
     """The ``jax.jit`` functions of one `treemode.jit` wrapper, one per call structure.
 
@@ -899,10 +919,18 @@ class JittedFunctions:
     treemode's flat arrays, not the user's arguments: call the wrapper itself.
     """
 
-    __slots__ = ("_wrapped",)
+    __slots__ = ("_ref",)
 
     def __init__(self, wrapped: JitWrapped[Any, Any]):
-        self._wrapped = wrapped
+        # Weakly: the wrapper holds this view in its __dict__ (no reference cycle).
+        self._ref = weakref.ref(wrapped)
+
+    @property
+    def _wrapped(self) -> JitWrapped[Any, Any]:
+        wrapped = self._ref()
+        if wrapped is None:
+            raise ReferenceError("treemode.jit: the jitted function was deleted")
+        return wrapped
 
     @property
     def functions(self) -> tuple[Any, ...]:
@@ -921,7 +949,10 @@ class JittedFunctions:
         return len(self._wrapped._cache)
 
     def __repr__(self) -> str:
-        return f"<jax.jit functions of {self._wrapped!r}: {len(self)} call structure(s)>"
+        wrapped = self._ref()
+        if wrapped is None:
+            return "<jax.jit functions of a deleted treemode.jit function>"
+        return f"<jax.jit functions of {wrapped!r}: {len(self)} call structure(s)>"
 
 
 def _whole(out: Any) -> Any:
