@@ -14,7 +14,8 @@ undonated:
 - **donated train step**: an MLP of 2 and 64 layers and its
   ``nnx.Optimizer(adam)``, ``donate_argnums=(0, 1)``;
 - **LoRA step**: 100 layers, each a frozen kernel and bias and two trained
-  ``nnx.LoRAParam`` (400 Variables, 200 trained), ``nnx.Optimizer(wrt=nnx.LoRAParam)``,
+  ``nnx.LoRAParam`` (400 Variables, 200 trained), ``treemode.value_and_grad(loss,
+  wrt=nnx.LoRAParam)`` and ``nnx.Optimizer(wrt=nnx.LoRAParam)``,
   both donated (the floor donates the adapters and their optimizer state, and
   passes the frozen base undonated);
 - **two models in turn through one wrapper** (a model and its EMA copy, a
@@ -221,9 +222,10 @@ class LoRAModel(nnx.Module):
 
 
 def lora_step(m: LoRAModel, opt: nnx.Optimizer, x: jax.Array) -> jax.Array:
-    """treemode's LoRA step: the whole module differentiated (XLA drops the frozen
-    base's unused gradients), the optimizer updating the adapters only."""
-    value, grads = treemode.value_and_grad(loss_of)(m, x)
+    """treemode's LoRA step: only the adapters differentiated (``wrt=nnx.LoRAParam``:
+    the frozen base is a constant of the gradient, its entries ``float0``), the
+    optimizer updating the adapters."""
+    value, grads = treemode.value_and_grad(loss_of, wrt=nnx.LoRAParam)(m, x)
     opt.update(m, grads)
     return value
 

@@ -1,8 +1,9 @@
 """Flax's graph-mode lift objects and Variable prefixes are refused when a transform is made.
 
 ``nnx.StateAxes``, ``nnx.StateSharding`` and ``nnx.DiffState`` select state in
-Flax's graph mode; a Variable inside an axis specification (``in_axes=(nnx.Param(0),)``)
-gives an axis to a Variable's value instead of to the Variable. treemode refuses
+Flax's graph mode (the grad family reads ``DiffState``, the others refuse it); a
+Variable inside an axis specification (``in_axes=(nnx.Param(0),)``) gives an axis
+to a Variable's value instead of to the Variable. treemode refuses
 both when the transform is created (not at the first call), with an `AxisError`
 that names the transform, the keyword, the position and the treemode form.
 """
@@ -47,7 +48,7 @@ def _diff_state() -> Any:
 f = lambda *a: a[0]  # noqa: E731
 
 
-SA, SS, DS = "StateAxes", "StateSharding", "DiffState"
+SA, SS = "StateAxes", "StateSharding"
 
 # (transform, keyword, a factory of the spec, lift class name, where in the spec)
 TREE_MODE = [
@@ -58,9 +59,6 @@ TREE_MODE = [
     ("jit", "in_shardings", _state_sharding, SS, "in_shardings"),
     ("jit", "out_shardings", lambda: (_state_sharding(),), SS, "out_shardings[0]"),
     ("shard_map", "in_specs", lambda: (_state_sharding(),), SS, "in_specs[0]"),
-    ("grad", "argnums", _diff_state, DS, "argnums"),
-    ("value_and_grad", "argnums", lambda: (_diff_state(),), DS, "argnums[0]"),
-    ("custom_vjp", "nondiff_argnums", lambda: (_diff_state(),), DS, "nondiff_argnums[0]"),
     ("transform_metadata", "in_axes", lambda: (_state_axes(),), SA, "in_axes[0]"),
 ]
 
@@ -95,15 +93,19 @@ def test_lift_object_refused_at_decoration_in_tree_mode(name, what, spec, lift, 
     assert "treemode.prefix(" in text or "nnx.split(" in text
 
 
-def test_diffstate_refused_with_graph_true_too() -> None:
-    # No treemode transform reads a DiffState in either mode.
-    with pytest.raises(
-        treemode.AxisError,
-        match=r"treemode.grad: `argnums` cannot contain `DiffState` objects: argnums is",
-    ):
-        treemode.grad(f, argnums=_diff_state(), graph=True)
-    with pytest.raises(treemode.AxisError, match="`nondiff_argnums` cannot contain `DiffState`"):
-        treemode.custom_vjp(nondiff_argnums=(_diff_state(),), graph=True)
+@pytest.mark.parametrize("graph", [False, True])
+def test_diffstate_is_read_by_the_grad_family_in_both_modes(graph) -> None:
+    # grad, value_and_grad and custom_vjp read a DiffState (tests/test_grad_wrt.py);
+    # nothing is refused when they are made.
+    treemode.grad(f, argnums=_diff_state(), graph=graph)
+    treemode.value_and_grad(f, argnums=(_diff_state(), 1), graph=graph)
+    treemode.custom_vjp(f, nondiff_argnums=(_diff_state(),), graph=graph)
+
+
+def test_diffstate_elsewhere_is_refused() -> None:
+    # Where no treemode transform reads it (an axis specification), it is refused.
+    with pytest.raises(treemode.AxisError, match="`in_axes` cannot contain `DiffState`"):
+        treemode.vmap(f, in_axes=(_diff_state(),))
 
 
 def test_state_axes_with_graph_true_is_checked_at_the_call() -> None:

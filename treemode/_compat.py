@@ -12,9 +12,9 @@ That needs a few names Flax and JAX do not document:
 - JAX's per-thread ``jax._src.core.trace_state``, whose ``value`` is that weak
   reference for the current trace, read without building the opaque wrapper;
 - ``flax.nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache``, set by
-  ``nnx.cached_partial`` for the Flax transform it calls to consume (read only to
-  refuse such a call before it runs, and cleared so that treemode's error is the one
-  raised; where it is missing, nothing is checked);
+  ``nnx.cached_partial`` for the Flax transform it calls to consume: a treemode
+  wrapper called through it takes it (clears it, as a Flax transform would) and
+  runs as the plain partial (where it is missing, nothing is taken);
 - ``flax.nnx.extract.TreeState`` and ``from_tree2``: what ``nnx.prefix(...,
   graph=True)`` returns and how Flax decodes it (optional: where they are
   missing, such prefixes are not recognized; see ``treemode._transforms._prefix``).
@@ -247,7 +247,8 @@ _GRAPH_CONTEXT = _graph_context()
 
 def take_flax_static_cache() -> bool:
     """Whether ``nnx.cached_partial`` left a cache for a Flax transform to consume;
-    if so, it is taken (cleared), so that the error treemode raises is the one seen."""
+    if so, it is taken (cleared), as a Flax transform takes it: treemode needs no
+    cache (its own flattening cache and fast path make the repeated call cheap)."""
     if getattr(_GRAPH_CONTEXT, "tmp_static_cache", None) is None:
         return False
     _GRAPH_CONTEXT.tmp_static_cache = None

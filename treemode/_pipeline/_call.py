@@ -20,7 +20,7 @@ import jax
 
 from .. import _caches
 from .._compat import take_flax_static_cache
-from .._errors import ClosureError, StaticArgumentError, StructureError, TraceContextError
+from .._errors import ClosureError, StaticArgumentError, StructureError
 from .._tree import _graph
 from .._tree._closure import closure_objects
 from .._tree._flatten import (
@@ -242,14 +242,9 @@ def prepare(
     lift_closure: bool = True,
 ) -> Call:
     """Flatten the inputs of one transform call and check them for aliases."""
-    if take_flax_static_cache():
-        raise TraceContextError(
-            f"treemode.{transform}: called through nnx.cached_partial, a graph-mode API "
-            "whose cache only Flax's own transforms consume (Flax would raise once the "
-            "call had already updated your modules). Nothing ran.\nUse "
-            f"treemode.jit_partial(fn, *args) to bind and cache arguments with treemode, "
-            "or call the treemode transform directly.\nSee docs/migration.md#cached-partial."
-        )
+    # nnx.cached_partial leaves a cache for the Flax transform it calls: treemode
+    # takes it (so Flax finds it consumed) and runs the call as the plain partial.
+    take_flax_static_cache()
     is_dynamic = is_abstract_traced if abstract else is_traced
     call = Call()
     call.transform = transform

@@ -41,6 +41,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _compat
@@ -48,8 +49,8 @@ from .._errors import ClosureError, MutationError
 from .._pipeline import _call, _core, _pure, _writeback
 from .._tree import _graph
 from .._tree._leaves import ARRAY_TYPES, is_variable
-from ._grad import DiffSplit, dynamic_like, float0_zeros, is_differentiable
-from ._lifts import refuse_lifts
+from ._grad import DiffSplit, check_filter, dynamic_like, float0_zeros, is_differentiable
+from ._lifts import is_diff_state, refuse_lifts
 from ._signature import as_tuple, resolve_argnums, suggests_keywords
 from ._wrapped import Wrapped
 
@@ -63,10 +64,17 @@ class CustomVjp(Wrapped[P, R]):
     transform = "custom_vjp"
 
     def __init__(
-        self, fn: Callable[P, R], nondiff_argnums: Sequence[int] = (), graph: bool = False
+        self,
+        fn: Callable[P, R],
+        nondiff_argnums: Sequence[int] = (),
+        graph: bool = False,
+        diff_filters: dict[int, Any] | None = None,
     ):
         self._wrap(fn)
         self.nondiff_argnums = tuple(sorted(set(nondiff_argnums)))
+        # nnx.DiffState(i, filter) in nondiff_argnums: argument i is differentiated
+        # with respect to the Variables the filter selects only.
+        self.diff_filters = dict(diff_filters or {})
         self.graph = graph
         self.fwd: Callable[..., Any] | None = None
         self.bwd: Callable[..., Any] | None = None
@@ -153,9 +161,19 @@ class CustomVjp(Wrapped[P, R]):
                     f"treemode.custom_vjp: nondiff_argnums contains {i}, but the function "
                     f"was called with {len(args_t)} positional argument(s)."
                 )
+        wrt: dict[int, Any] = {}
+        for i, f in self.diff_filters.items():
+            j = i + len(args_t) if i < 0 else i
+            if not 0 <= j < len(args_t):
+                raise TypeError(
+                    f"treemode.custom_vjp: nondiff_argnums holds nnx.DiffState({i}, ...), "
+                    f"but the function was called with {len(args_t)} positional "
+                    "argument(s)."
+                )
+            wrt[j] = f
         call = _call.prepare("custom_vjp", self.fn, args_t, {}, graph=self.graph)
         diff_args = [i for i in range(len(args_t)) if i not in self.nondiff_argnums]
-        split = DiffSplit(call, diff_args, "nondiff_argnums")
+        split = DiffSplit(call, diff_args, "nondiff_argnums", wrt=wrt)
         # A bwd taking updates_g gets the updates' cotangents: updates are then allowed.
         takes_updates = self.bwd_takes_updates
         protected = [] if takes_updates else _protected_variables(call, split)
@@ -245,7 +263,7 @@ class CustomVjp(Wrapped[P, R]):
             if graph:
                 residuals = _graph.from_tree(residuals)
             bwd_call = call_from(dynamic, lift_closure=False)
-            bwd_split = DiffSplit(bwd_call, diff_args)
+            bwd_split = DiffSplit(bwd_call, diff_args, wrt=wrt)
             nondiff_args = [bwd_call.args[i] for i in nondiff]
             if graph:
                 out_ct = _graph.from_tree(out_ct)
@@ -392,7 +410,7 @@ def _resolve_kwargs(
 @overload
 def custom_vjp(
     fun: Callable[P, R],
-    nondiff_argnums: Sequence[int] = ...,
+    nondiff_argnums: Sequence[int | nnx.DiffState] = ...,
     nondiff_argnames: Sequence[str] = ...,
     *,
     graph: bool = ...,
@@ -402,7 +420,7 @@ def custom_vjp(
 @overload
 def custom_vjp(
     fun: None = None,
-    nondiff_argnums: Sequence[int] = ...,
+    nondiff_argnums: Sequence[int | nnx.DiffState] = ...,
     nondiff_argnames: Sequence[str] = ...,
     *,
     graph: bool = ...,
@@ -412,7 +430,7 @@ def custom_vjp(
 @suggests_keywords
 def custom_vjp(
     fun: Callable[P, R] | None = None,
-    nondiff_argnums: Sequence[int] = (),
+    nondiff_argnums: Sequence[int | nnx.DiffState] = (),
     nondiff_argnames: Sequence[str] = (),
     *,
     graph: bool = False,
@@ -436,7 +454,11 @@ def custom_vjp(
       decorator.
     - `nondiff_argnums`, `nondiff_argnames`: arguments (by position or by name)
       that are not differentiated; they are passed first to `bwd`, in
-      positional order, as in JAX.
+      positional order, as in JAX. An `nnx.DiffState(i, filter)` among
+      `nondiff_argnums` keeps argument `i` differentiated, with respect to the
+      Variables `filter` selects only (as Flax's graph mode reads it): the
+      others are constants of the rule, may be changed by the function, and
+      whatever `bwd` returns at their places is ignored.
     - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).
 
     **Returns:**
@@ -475,13 +497,33 @@ def custom_vjp(
     ```
     """
 
-    refuse_lifts(nondiff_argnums, transform="custom_vjp", what="nondiff_argnums", graph=graph)
+    refuse_lifts(
+        nondiff_argnums,
+        transform="custom_vjp",
+        what="nondiff_argnums",
+        graph=graph,
+        accepted=frozenset({"DiffState"}),
+    )
+    ints = tuple(i for i in nondiff_argnums if isinstance(i, int))
+    for d in nondiff_argnums:
+        if not isinstance(d, int) and not is_diff_state(d):
+            raise TypeError(
+                "treemode.custom_vjp: nondiff_argnums holds ints and nnx.DiffState "
+                f"objects, got {d!r}."
+            )
+    diff_filters: dict[int, Any] = {}
+    for d in nondiff_argnums:
+        if is_diff_state(d):
+            check_filter("custom_vjp", d.filter, "nnx.DiffState filter")
+            if d.argnum in diff_filters or d.argnum in ints:
+                raise ValueError(
+                    f"treemode.custom_vjp: argnum {d.argnum} is repeated in nondiff_argnums."
+                )
+            diff_filters[d.argnum] = d.filter
 
     def make(f: Callable[P, R]) -> CustomVjp[P, R]:
-        nums, _ = resolve_argnums(
-            "custom_vjp", f, tuple(nondiff_argnums), as_tuple(nondiff_argnames), "nondiff"
-        )
-        return CustomVjp(f, tuple(nums), graph)
+        nums, _ = resolve_argnums("custom_vjp", f, ints, as_tuple(nondiff_argnames), "nondiff")
+        return CustomVjp(f, tuple(nums), graph, diff_filters)
 
     if fun is None:
         return make

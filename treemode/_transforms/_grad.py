@@ -17,12 +17,14 @@ integers and keys) in place of the non-differentiable Variables.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, Protocol, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from flax.nnx import filterlib
 
 from .. import _compat
 from .._errors import StructureError
@@ -30,10 +32,11 @@ from .._pipeline import _call, _core, _pure
 from .._tree import _graph
 from .._tree._flatten import first_duplicate
 from .._tree._leaves import ARRAY_TYPES, is_graph_node, is_variable
-from .._tree._paths import format_path
+from .._tree._paths import format_path, nnx_path
 from .._tree._specs import DYNAMIC, StaticLeaf, VarSpec
-from ._lifts import refuse_lifts
+from ._lifts import is_diff_state, refuse_lifts
 from ._names import named
+from ._prefix import variables_once
 from ._signature import check_reduce_axes, suggests_keywords
 
 # ---------------------------------------------------------------------------
@@ -67,25 +70,42 @@ class DiffSplit:
     """Which dynamic arrays of a call are differentiated.
 
     ``roots`` are indices into ``call.arg_flats``: the differentiated arguments.
-    Within them, `is_differentiable` arrays form ``diff``; all other dynamic
-    arrays of the call (including the closure's) form ``other``.
+    Within them, `is_differentiable` arrays form ``diff``, except the values of
+    Variables that ``wrt`` leaves out; all other dynamic arrays of the call
+    (including the closure's) form ``other``.
+
+    ``wrt`` maps a root to a Flax filter (``nnx.LoRAParam``, ``nnx.Not(...)``, a
+    ``(path, variable)`` predicate): only the Variables of that argument the
+    filter selects (paths from the argument, as Flax gives them) are
+    differentiated; its arrays outside Variables are, as without a filter. A
+    root not in ``wrt`` is differentiated whole.
     """
 
-    def __init__(self, call: _call.Call, roots: Sequence[int], what: str = "argnums"):
+    def __init__(
+        self,
+        call: _call.Call,
+        roots: Sequence[int],
+        what: str = "argnums",
+        wrt: Mapping[int, Any] | None = None,
+    ):
         self.call = call
         self.roots = tuple(roots)
-        if call.graph and len(call.arg_flats) > len(self.roots):
-            _check_shared_roots(call, self.roots, what)
+        selected = {k: _selected(call, k, f) for k, f in wrt.items()} if wrt else {}
+        n_args = len(call.arg_flats)
+        if call.graph and n_args > 1 and (n_args > len(self.roots) or selected):
+            _check_shared_roots(call, self.roots, what, selected)
         ranges = call.root_dynamic_ranges()
         in_root = [False] * len(call.dynamic)
         for k in self.roots:
             for j in ranges[k]:
                 in_root[j] = True
         self.in_root = in_root
+        held = _held(call, selected) if selected else set()
         self.diff: list[int] = []
         self.other: list[int] = []
         for j, x in enumerate(call.dynamic):
-            (self.diff if in_root[j] and is_differentiable(x) else self.other).append(j)
+            chosen = in_root[j] and j not in held and is_differentiable(x)
+            (self.diff if chosen else self.other).append(j)
 
     def diff_values(self) -> list[Any]:
         return [self.call.dynamic[j] for j in self.diff]
@@ -103,7 +123,11 @@ class DiffSplit:
         return full
 
     def cotangent_trees(self, diff_cotangents: Sequence[Any]) -> list[Any]:
-        """Per root, the cotangent rebuilt with the root argument's own structure."""
+        """Per root, the cotangent rebuilt with the root argument's own structure.
+
+        Arrays that were not differentiated (integers, keys, Variables that
+        ``wrt`` leaves out) get ``float0`` zeros, which take no memory.
+        """
         full = list(self.call.dynamic)  # arguments that are not roots keep their values
         for j, x in enumerate(full):
             if self.in_root[j]:
@@ -114,12 +138,40 @@ class DiffSplit:
         return [trees[k] for k in self.roots]
 
 
-def _check_shared_roots(call: _call.Call, roots: tuple[int, ...], what: str) -> None:
-    """``graph=True``: a Variable shared by a differentiated and another argument is an error."""
+def _selected(call: _call.Call, k: int, wrt: Any) -> dict[int, bool]:
+    """Per Variable of traced argument ``k`` (by id): whether the filter ``wrt``
+    selects it, at its first path in the argument as passed."""
+    predicate = filterlib.to_predicate(wrt)
+    root = _graph.original_roots(call)[k][1]
+    return {id(var): bool(predicate(nnx_path(path), var)) for path, var in variables_once(root)}
+
+
+def _held(call: _call.Call, selected: Mapping[int, dict[int, bool]]) -> set[int]:
+    """The dynamic positions of the Variables that ``selected`` leaves out."""
+    held: set[int] = set()
+    var_ranges = call.root_variable_ranges()
+    dynamic_ranges = call.variable_dynamic_ranges()
+    for k, flags in selected.items():
+        for v in var_ranges[k]:
+            if not flags.get(id(call.variables[v]), True):
+                held.update(dynamic_ranges[v])
+    return held
+
+
+def _check_shared_roots(
+    call: _call.Call,
+    roots: tuple[int, ...],
+    what: str,
+    selected: Mapping[int, dict[int, bool]],
+) -> None:
+    """``graph=True``: a Variable shared by a differentiated and another argument
+    (or left out by ``wrt`` at one of its places) is an error."""
     per_root = []
     for k, (name, original) in enumerate(_graph.original_roots(call)):
-        n = len(jax.tree_util.tree_leaves(original, is_leaf=is_variable))
-        per_root.append((name, original, [k in roots] * n))
+        leaves = jax.tree_util.tree_leaves(original, is_leaf=is_variable)
+        flags = selected.get(k, {})
+        diff = k in roots
+        per_root.append((name, original, [diff and flags.get(id(x), True) for x in leaves]))
     _graph.check_one_spec_per_variable(
         call.transform,
         what,
@@ -335,43 +387,87 @@ def split_aux(transform: str, out: Any) -> tuple[Any, Any]:
 # ---------------------------------------------------------------------------
 
 
+def check_filter(transform: str, wrt: Any, what: str = "wrt") -> None:
+    """Raise ``TypeError`` if ``wrt`` is not a Flax filter."""
+    if wrt is ...:
+        return
+    try:
+        filterlib.to_predicate(wrt)
+    except Exception as e:
+        raise TypeError(
+            f"treemode.{transform}: {what}={wrt!r} is not a Flax filter ({e}). Give a "
+            "Variable type (nnx.LoRAParam), a tuple of them, a tag string, "
+            "nnx.PathContains(...), nnx.Any/All/Not(...), a (path, variable) -> bool "
+            "callable, or ... for every Variable."
+        ) from None
+
+
 class _ArgnumsError(TypeError, ValueError):
     """An invalid ``argnums``: a ``TypeError`` as JAX raises, a ``ValueError`` as Flax does."""
 
 
-def _normalize_argnums(argnums: int | Sequence[int]) -> tuple[tuple[int, ...], bool]:
-    if isinstance(argnums, int):
-        return (argnums,), True
-    node = is_graph_node(argnums) or is_variable(argnums)
-    nums = () if node else tuple(argnums)
-    if not nums or not all(isinstance(i, int) for i in nums):
-        shown = f"a {type(argnums).__name__} (a graph node)" if node else repr(argnums)
-        raise _ArgnumsError(
-            f"treemode.grad: argnums must be an int or a non-empty tuple of ints, got "
-            f"{shown}."
-            + (
-                " Graph nodes are not allowed as prefixes: argnums selects whole arguments."
-                if node
-                else ""
+Argnums = int | nnx.DiffState | Sequence[int | nnx.DiffState]
+
+
+def _normalize_argnums(
+    name: str, argnums: Argnums, wrt: filterlib.Filter
+) -> tuple[tuple[int, ...], bool, tuple[Any, ...]]:
+    """``argnums`` as ``(positions, single, filters)``: one filter per position,
+    the ``nnx.DiffState``'s own or else ``wrt``."""
+    if isinstance(argnums, int) or is_diff_state(argnums):
+        items: tuple[Any, ...] = (argnums,)
+        single = True
+    else:
+        assert not isinstance(argnums, nnx.DiffState)
+        node = is_graph_node(argnums) or is_variable(argnums)
+        items = () if node else tuple(argnums)
+        single = False
+        if not items or not all(isinstance(i, int) or is_diff_state(i) for i in items):
+            shown = f"a {type(argnums).__name__} (a graph node)" if node else repr(argnums)
+            raise _ArgnumsError(
+                f"treemode.{name}: argnums must be an int, an nnx.DiffState or a non-empty "
+                f"tuple of them, got {shown}."
+                + (
+                    " Graph nodes are not allowed as prefixes: argnums selects whole arguments."
+                    if node
+                    else ""
+                )
+                + " To differentiate only some Variables of an argument, pass "
+                "wrt=<filter> (e.g. wrt=nnx.LoRAParam) or nnx.DiffState(i, <filter>): "
+                "see docs/migration.md#diffstate."
             )
-            + " (Tree mode has no DiffState: to differentiate only some "
-            "Variables, nnx.split the module and pass the parts as separate arguments: "
-            "see docs/migration.md#diffstate.)"
-        )
-    return nums, False
+    nums = tuple(i.argnum if is_diff_state(i) else i for i in items)
+    filters = tuple(i.filter if is_diff_state(i) else wrt for i in items)
+    for f in filters:
+        check_filter(name, f)
+    seen: set[int] = set()
+    for i, item in zip(nums, items, strict=True):
+        if is_diff_state(item) and not isinstance(i, int):
+            raise _ArgnumsError(
+                f"treemode.{name}: nnx.DiffState's argnum must be an int, got {i!r}."
+            )
+        if i in seen and any(is_diff_state(x) for x in items):
+            raise _ArgnumsError(
+                f"treemode.{name}: argnum {i} is repeated in argnums. Give each argument "
+                "once, with one nnx.DiffState filter (combine filters with nnx.Any)."
+            )
+        seen.add(i)
+    return nums, single, filters
 
 
 def _grad_transform(
     fn: Callable[..., Any],
-    argnums: int | Sequence[int],
+    argnums: Argnums,
     has_aux: bool,
     holomorphic: bool,
     allow_int: bool,
     graph: bool,
     return_value: bool,
+    wrt: filterlib.Filter = ...,
 ) -> Callable[..., Any]:
     name = "value_and_grad" if return_value else "grad"
-    nums, single = _normalize_argnums(argnums)
+    nums, single, filters = _normalize_argnums(name, argnums, wrt)
+    filtered = any(f is not ... for f in filters)
 
     @functools.wraps(fn)
     @_compat.api_boundary
@@ -397,7 +493,10 @@ def _grad_transform(
                     "Variables inside modules are skipped automatically.)"
                 )
         call = _call.prepare(name, fn, args, kwargs, graph=graph)
-        split = DiffSplit(call, positions)
+        chosen = None
+        if filtered:
+            chosen = {j: f for j, f in zip(positions, filters, strict=True) if f is not ...}
+        split = DiffSplit(call, positions, wrt=chosen)
         pure = _pure.PureFunction(call)
 
         def differentiated(diff: list[Any], other: list[Any]) -> tuple[Any, Any]:
@@ -441,12 +540,13 @@ class _Differentiating(Protocol):
 @overload
 def grad(
     fun: Callable[P, Any],
-    argnums: int | Sequence[int] = ...,
+    argnums: Argnums = ...,
     has_aux: bool = ...,
     holomorphic: bool = ...,
     allow_int: bool = ...,
     reduce_axes: Sequence[Any] = ...,
     *,
+    wrt: filterlib.Filter = ...,
     graph: bool = ...,
 ) -> Callable[P, Any]: ...
 
@@ -454,12 +554,13 @@ def grad(
 @overload
 def grad(
     fun: None = None,
-    argnums: int | Sequence[int] = ...,
+    argnums: Argnums = ...,
     has_aux: bool = ...,
     holomorphic: bool = ...,
     allow_int: bool = ...,
     reduce_axes: Sequence[Any] = ...,
     *,
+    wrt: filterlib.Filter = ...,
     graph: bool = ...,
 ) -> _Differentiating: ...
 
@@ -467,12 +568,13 @@ def grad(
 @suggests_keywords
 def grad(
     fun: Callable[..., Any] | None = None,
-    argnums: int | Sequence[int] = 0,
+    argnums: Argnums = 0,
     has_aux: bool = False,
     holomorphic: bool = False,
     allow_int: bool = False,
     reduce_axes: Sequence[Any] = (),
     *,
+    wrt: filterlib.Filter = ...,
     graph: bool = False,
 ) -> Callable[..., Any]:
     """Gradient of ``fn`` with respect to its ``argnums`` arguments, with write-back.
@@ -485,21 +587,35 @@ def grad(
     entries in the gradient are `float0` zeros, JAX's tangent type for integers,
     so the gradient keeps the argument's structure and `allow_int` is not needed.
     Variables that the function changes (BatchNorm statistics, Rngs counters) are
-    written back to the inputs. To differentiate only some Variables, split the
-    module (`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`) and
-    differentiate with respect to `params`.
+    written back to the inputs.
+
+    To differentiate only some Variables (a LoRA fine-tune), pass `wrt=` a Flax
+    filter, or `argnums=nnx.DiffState(i, filter)` for one argument: the other
+    Variables are constants of the differentiated function (no cotangent is
+    computed for them) and their entries in the gradient are `float0` zeros,
+    which take no memory, so `nnx.Optimizer(model, tx, wrt=filter).update(model,
+    grads)` takes the gradient as it is.
 
     **Arguments:**
 
     - `fun`: function returning a real scalar (or `(scalar, aux)` with `has_aux`).
       Omit it to use `grad(argnums=...)` as a decorator.
-    - `argnums`: int or tuple of ints, the positional arguments to differentiate.
+    - `argnums`: the positional arguments to differentiate: an int, an
+      `nnx.DiffState(i, filter)` (argument `i`, with `wrt=filter`), or a tuple
+      of them.
     - `has_aux`: `fn` returns `(loss, aux)`; `aux` is returned next to the gradient.
     - `holomorphic`: as in `jax.grad` (complex inputs and output).
     - `allow_int`: accept a bare integer array in `argnums` (its gradient is
       `float0`). Integer Variables inside modules never need it.
     - `reduce_axes`: accepted for `jax.grad`'s signature; must be empty (JAX
       no longer supports it either).
+    - `wrt`: a Flax filter selecting the Variables of the `argnums` arguments to
+      differentiate: a Variable type (`nnx.LoRAParam`), a tuple of them,
+      `nnx.Any`/`nnx.All`/`nnx.Not`, `nnx.PathContains(...)`, a
+      `(path, variable) -> bool` callable (paths start at the argument). Arrays
+      outside Variables are differentiated either way. The default `...`
+      differentiates every floating-point Variable. An `nnx.DiffState` in
+      `argnums` gives its argument its own filter instead.
     - `graph`: if `True`, inputs may share Modules/Variables (see `to_tree`).
 
     **Returns:**
@@ -508,6 +624,7 @@ def grad(
     tuple), or `(gradient, aux)` with `has_aux`.
 
     ```python
+    import jax
     import jax.numpy as jnp
     import treemode
     from flax import nnx
@@ -521,10 +638,21 @@ def grad(
     grads = treemode.grad(loss_fn)(model)
     assert type(grads) is nnx.Linear
     assert grads.kernel.shape == (2, 1)
+
+    # Only the kernel: the bias's gradient is a float0 placeholder.
+    grads = treemode.grad(loss_fn, wrt=nnx.PathContains("kernel"))(model)
+    assert grads.kernel.dtype == jnp.float32
+    assert grads.bias.dtype == jax.dtypes.float0
     ```
     """
     check_reduce_axes("grad", reduce_axes)
-    refuse_lifts(argnums, transform="grad", what="argnums", graph=graph)
+    refuse_lifts(
+        argnums,
+        transform="grad",
+        what="argnums",
+        graph=graph,
+        accepted=frozenset({"DiffState"}),
+    )
     if fun is None:
         return functools.partial(
             grad,
@@ -532,20 +660,22 @@ def grad(
             has_aux=has_aux,
             holomorphic=holomorphic,
             allow_int=allow_int,
+            wrt=wrt,
             graph=graph,
         )
-    return _grad_transform(fun, argnums, has_aux, holomorphic, allow_int, graph, False)
+    return _grad_transform(fun, argnums, has_aux, holomorphic, allow_int, graph, False, wrt)
 
 
 @overload
 def value_and_grad(
     fun: Callable[P, Any],
-    argnums: int | Sequence[int] = ...,
+    argnums: Argnums = ...,
     has_aux: bool = ...,
     holomorphic: bool = ...,
     allow_int: bool = ...,
     reduce_axes: Sequence[Any] = ...,
     *,
+    wrt: filterlib.Filter = ...,
     graph: bool = ...,
 ) -> Callable[P, tuple[Any, Any]]: ...
 
@@ -553,12 +683,13 @@ def value_and_grad(
 @overload
 def value_and_grad(
     fun: None = None,
-    argnums: int | Sequence[int] = ...,
+    argnums: Argnums = ...,
     has_aux: bool = ...,
     holomorphic: bool = ...,
     allow_int: bool = ...,
     reduce_axes: Sequence[Any] = ...,
     *,
+    wrt: filterlib.Filter = ...,
     graph: bool = ...,
 ) -> _Differentiating: ...
 
@@ -566,12 +697,13 @@ def value_and_grad(
 @suggests_keywords
 def value_and_grad(
     fun: Callable[..., Any] | None = None,
-    argnums: int | Sequence[int] = 0,
+    argnums: Argnums = 0,
     has_aux: bool = False,
     holomorphic: bool = False,
     allow_int: bool = False,
     reduce_axes: Sequence[Any] = (),
     *,
+    wrt: filterlib.Filter = ...,
     graph: bool = False,
 ) -> Callable[..., Any]:
     """Value and gradient of ``fn``; see `treemode.grad` for the semantics.
@@ -606,7 +738,13 @@ def value_and_grad(
     ```
     """
     check_reduce_axes("value_and_grad", reduce_axes)
-    refuse_lifts(argnums, transform="value_and_grad", what="argnums", graph=graph)
+    refuse_lifts(
+        argnums,
+        transform="value_and_grad",
+        what="argnums",
+        graph=graph,
+        accepted=frozenset({"DiffState"}),
+    )
     if fun is None:
         return functools.partial(
             value_and_grad,
@@ -614,6 +752,7 @@ def value_and_grad(
             has_aux=has_aux,
             holomorphic=holomorphic,
             allow_int=allow_int,
+            wrt=wrt,
             graph=graph,
         )
-    return _grad_transform(fun, argnums, has_aux, holomorphic, allow_int, graph, True)
+    return _grad_transform(fun, argnums, has_aux, holomorphic, allow_int, graph, True, wrt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import (
     TYPE_CHECKING,
@@ -76,6 +77,8 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
             if shared is not None:
                 shared.options = self.options
         self._cache: dict[_call.CallKey, _JitEntry] = {} if shared is None else shared.entries
+        # An instance attribute, as Flax's: functools.wraps copies it (nnx.cached_partial).
+        self.jitted_fn = JittedFunctions(self)
         self._start_fast_path([] if shared is None else shared.records)
         _caches.track(self)  # treemode.clear_caches() calls clear_cache()
 
@@ -91,6 +94,7 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
         """``copy.copy``: a wrapper of the same function sharing its compiled entries."""
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
+        copied.jitted_fn = JittedFunctions(copied)
         copied._start_fast_path(list(self._records))  # a table of its own
         copied._shared = None
         _caches.track(copied)
@@ -185,6 +189,8 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
 
     def _pipeline(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         """Prepare, run and write back ``args``; returns ``(out, record)``."""
+        if _compat.take_flax_static_cache():
+            self._through_cached_partial()
         call = self._prepare(args, kwargs, abstract=False)
         new = call.key not in self._cache
         entry = self._entry(call)
@@ -197,6 +203,13 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
         else:
             out = self._run(call, entry)
         return miss_result(out, self._record_of(call, entry))
+
+    def _through_cached_partial(self) -> None:
+        """Called through ``nnx.cached_partial``, which leaves a cache for the Flax
+        transform it calls to take: from now on every call takes it first (the
+        executor's calls too, `_CachedPartialJit`) and runs as the plain partial."""
+        if type(self) is JitWrapped:
+            self.__class__ = _CachedPartialJit
 
     def _record_of(self, call: _call.Call, entry: _JitEntry) -> Any:
         """The fast-path record of calls like ``call``, which just ran (``None``: none
@@ -312,15 +325,9 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
         """The function that was compiled (Flax's name for `fn`)."""
         return self.fn
 
-    @property
-    def jitted_fn(self) -> JittedFunctions:
-        """The ``jax.jit`` functions behind this wrapper (Flax's ``jitted_fn``).
-
-        treemode compiles one ``jax.jit`` function per call structure, so this
-        is a view of all of them: ``jitted_fn._cache_size()`` counts their
-        executables, as on one ``jax.jit`` function.
-        """
-        return JittedFunctions(self)
+    # ``jitted_fn``: the ``jax.jit`` functions behind this wrapper (Flax's
+    # ``jitted_fn``), a `JittedFunctions` view set by ``__init__``.
+    jitted_fn: JittedFunctions
 
     # The options as Flax's and JAX's wrappers expose them (read from `options`).
     @property
@@ -369,6 +376,19 @@ if _compiled.FastCall is None:  # the Python executor's call, a boundary as `_ca
     JitWrapped.__call__ = _compat.api_boundary(PyFastCall.__call__)  # type: ignore[method-assign]
 
 
+class _CachedPartialJit(JitWrapped[P, R]):
+    """A `JitWrapped` called through ``nnx.cached_partial``: each call takes the
+    cache Flax left for its own transforms, then runs on the executor."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _compat.take_flax_static_cache()
+        executor: Any = super()
+        if kwargs:
+            return executor.__call__(*args, **kwargs)
+        # cached_partial passes **{}: an empty dict would cost the executor 2 µs
+        return executor.__call__(*args)
+
+
 class JittedFunctions:
     """The ``jax.jit`` functions of one `treemode.jit` wrapper, one per call structure.
 
@@ -377,10 +397,18 @@ class JittedFunctions:
     treemode's flat arrays, not the user's arguments: call the wrapper itself.
     """
 
-    __slots__ = ("_wrapped",)
+    __slots__ = ("_ref",)
 
     def __init__(self, wrapped: JitWrapped[Any, Any]):
-        self._wrapped = wrapped
+        # Weakly: the wrapper holds this view in its __dict__ (no reference cycle).
+        self._ref = weakref.ref(wrapped)
+
+    @property
+    def _wrapped(self) -> JitWrapped[Any, Any]:
+        wrapped = self._ref()
+        if wrapped is None:
+            raise ReferenceError("treemode.jit: the jitted function was deleted")
+        return wrapped
 
     @property
     def functions(self) -> tuple[Any, ...]:
@@ -399,7 +427,10 @@ class JittedFunctions:
         return len(self._wrapped._cache)
 
     def __repr__(self) -> str:
-        return f"<jax.jit functions of {self._wrapped!r}: {len(self)} call structure(s)>"
+        wrapped = self._ref()
+        if wrapped is None:
+            return "<jax.jit functions of a deleted treemode.jit function>"
+        return f"<jax.jit functions of {wrapped!r}: {len(self)} call structure(s)>"
 
 
 def _whole(out: Any) -> Any:

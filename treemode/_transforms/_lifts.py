@@ -4,7 +4,8 @@ Flax's graph mode selects state for a transform with filter objects:
 ``nnx.StateAxes`` (per-state ``in_axes``), ``nnx.StateSharding`` (per-state
 shardings) and ``nnx.DiffState`` (per-state ``argnums``). Tree mode has no
 such objects: the same selection is a module-shaped prefix built with
-`treemode.prefix`, or the module split into parts with ``nnx.split``. Given
+`treemode.prefix`. The grad family reads ``nnx.DiffState`` (``accepted``
+below): it means the argument differentiated with ``wrt=`` its filter. Given
 to a treemode transform they would fail at the first call with an unrelated
 error (``'DiffState' object is not iterable``), or not at all, so
 `refuse_lifts` checks a specification when the transform is created and
@@ -20,7 +21,7 @@ holding the shardings, and treemode accepts those as they are.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 from flax import nnx
@@ -32,6 +33,13 @@ _LIFT_NAMES = ("StateAxes", "StateSharding", "DiffState")
 _LIFTS: tuple[type, ...] = tuple(
     t for t in (getattr(nnx, name, None) for name in _LIFT_NAMES) if isinstance(t, type)
 )
+
+
+def is_diff_state(x: Any) -> TypeGuard[nnx.DiffState]:
+    """Whether ``x`` is an ``nnx.DiffState``: read (not refused) by the grad family,
+    where it means argument ``argnum`` differentiated with ``wrt=filter``."""
+    return isinstance(x, nnx.DiffState)
+
 
 # The treemode form of each lift object, by the keyword it was given to.
 _FIX = {
@@ -46,9 +54,11 @@ _FIX = {
         "treemode.sharding_of(model, mesh). See docs/migration.md#statesharding."
     ),
     "DiffState": (
-        "select whole arguments by position ({what}=(1,)); to differentiate part of a "
-        "module, split it (graphdef, params, rest = nnx.split(model, nnx.Param, ...)) "
-        "and pass the parts as separate arguments. See docs/migration.md#diffstate."
+        "a DiffState chooses what to differentiate: give it to treemode.grad or "
+        "value_and_grad as argnums (argnums=nnx.DiffState(0, nnx.LoRAParam), or "
+        "wrt=nnx.LoRAParam), or to treemode.custom_vjp's nondiff_argnums; here "
+        "select whole arguments by position ({what}=(1,)). See "
+        "docs/migration.md#diffstate."
     ),
 }
 
@@ -71,6 +81,7 @@ def refuse_lifts(
     variables: bool = False,
     shardings: bool = False,
     graph_lifts: frozenset[str] = frozenset({"DiffState"}),
+    accepted: frozenset[str] = frozenset(),
 ) -> None:
     """Raise `AxisError` if ``spec`` holds a Flax lift object (or, with
     ``variables=True``, a Variable) that ``transform`` cannot take.
@@ -86,6 +97,8 @@ def refuse_lifts(
     - `variables`: refuse Variables in the specification (axis specifications).
     - `shardings`: refuse Variables that hold no sharding (sharding specifications:
       Flax's ``nnx.get_named_sharding`` gives Variables holding shardings).
+    - `accepted`: the lift objects the transform reads itself, in both modes
+      (``{"DiffState"}`` for ``grad``'s ``argnums``).
     """
     if not _LIFTS and not variables and not shardings:
         return
@@ -100,7 +113,7 @@ def refuse_lifts(
         where = f"{what}{jax.tree_util.keystr(path)}"
         if _is_lift(leaf):
             name = type(leaf).__name__
-            if graph and name not in graph_lifts:
+            if name in accepted or (graph and name not in graph_lifts):
                 continue
             mode = " in tree mode (graph=False)" if not graph else ""
             raise AxisError(

@@ -163,7 +163,7 @@ def _check_consistent(
         if not callable(fn):
             continue
         root_name = f"{what}{jax.tree_util.keystr(flat[i][0])}"
-        for path, var in _variables_once(root):
+        for path, var in variables_once(root):
             try:
                 value = fn(nnx_path(path), var)
             except Exception:  # a filter that reads the (replaced) value: not checked
@@ -183,7 +183,7 @@ def _check_consistent(
                 )
 
 
-def _variables_once(root: Any) -> list[tuple[tuple[Any, ...], Any]]:
+def variables_once(root: Any) -> list[tuple[tuple[Any, ...], Any]]:
     """``(key path, Variable)`` of each Variable of ``root``, at its first path."""
     out: list[tuple[tuple[Any, ...], Any]] = []
     seen: set[int] = set()

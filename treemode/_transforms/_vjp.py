@@ -14,10 +14,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 import jax
+from flax.nnx import filterlib
 
 from .._pipeline import _call, _core, _pure
 from .._tree import _graph
-from ._grad import DiffSplit, dynamic_like, split_aux, to_array_args
+from ._grad import DiffSplit, check_filter, dynamic_like, split_aux, to_array_args
 from ._names import named
 from ._signature import UNSPECIFIED, check_reduce_axes, suggests_keywords
 
@@ -37,6 +38,7 @@ def vjp(
     *primals: Any,
     has_aux: Literal[True],
     reduce_axes: Sequence[Any] = ...,
+    wrt: filterlib.Filter = ...,
     graph: bool = ...,
 ) -> tuple[T, VjpFunction, U]: ...
 
@@ -49,6 +51,7 @@ def vjp(
     *primals: Any,
     has_aux: Literal[False] = ...,
     reduce_axes: Sequence[Any] = ...,
+    wrt: filterlib.Filter = ...,
     graph: bool = ...,
 ) -> tuple[T, VjpFunction]: ...
 
@@ -61,6 +64,7 @@ def vjp(
     *primals: Any,
     has_aux: bool,
     reduce_axes: Sequence[Any] = ...,
+    wrt: filterlib.Filter = ...,
     graph: bool = ...,
 ) -> tuple[Any, ...]: ...
 
@@ -72,6 +76,7 @@ def vjp(
     *,
     has_aux: bool = ...,
     reduce_axes: Sequence[Any] = ...,
+    wrt: filterlib.Filter = ...,
     graph: bool = ...,
 ) -> Callable[..., Any]: ...
 
@@ -82,6 +87,7 @@ def vjp(
     *primals: Any,
     has_aux: bool = False,
     reduce_axes: Sequence[Any] = (),
+    wrt: filterlib.Filter = ...,
     graph: bool = False,
 ) -> Any:
     """``jax.vjp`` over Modules and pytrees, writing Variable updates back.
@@ -93,6 +99,10 @@ def vjp(
       Python numbers).
     - `has_aux`: `fun` returns `(output, aux)`; `aux` is not differentiated.
     - `reduce_axes`: accepted for `jax.vjp`'s signature; must be empty.
+    - `wrt`: a Flax filter (`nnx.LoRAParam`, `(nnx.Param, nnx.BatchStat)`,
+      `nnx.PathContains('lora')`, ...): only the Variables of the primals it
+      selects are differentiated, as with `treemode.grad`'s `wrt`; the others'
+      cotangents are `float0` zeros. Default `...`: every floating-point Variable.
     - `graph`: if `True`, primals may share Modules/Variables (see `to_tree`).
 
     Without `fun` (`treemode.vjp(graph=True)`), or with `fun` but no primals,
@@ -120,13 +130,15 @@ def vjp(
     ```
     """
     check_reduce_axes("vjp", reduce_axes)
+    check_filter("vjp", wrt)
     if fun is UNSPECIFIED:
-        return functools.partial(vjp, has_aux=has_aux, graph=graph)
+        return functools.partial(vjp, has_aux=has_aux, wrt=wrt, graph=graph)
     if not primals:
-        return functools.partial(vjp, fun, has_aux=has_aux, graph=graph)
+        return functools.partial(vjp, fun, has_aux=has_aux, wrt=wrt, graph=graph)
     primals = to_array_args(primals, range(len(primals)))
     call = _call.prepare("vjp", fun, primals, {}, graph=graph)
-    split = DiffSplit(call, range(len(call.arg_flats)))
+    roots = range(len(call.arg_flats))
+    split = DiffSplit(call, roots, wrt=None if wrt is ... else dict.fromkeys(roots, wrt))
 
     def linearize(differentiated: Callable[[Sequence[Any]], Any]) -> Any:
         traced = named(lambda *diff: differentiated(diff), fun)
