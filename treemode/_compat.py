@@ -411,12 +411,62 @@ def trace_key(avals: Any) -> tuple[Any, ...]:
 jaxpr_as_fun = _jaxpr_as_fun()
 
 
+
+
+# -- the names JAX gives a traced function's arguments ----------------------------
+#
+# JAX names the arguments of a function it traces in its messages (tracer
+# conversion and concretization errors, leaked tracers, ``jax_explain_cache_misses``)
+# from a ``DebugInfo`` built by ``jax._src.api_util.debug_info``, which returns the
+# one a function carries as ``__fun_debug_info__`` where it has one. treemode's flat
+# functions carry one whose ``arg_names`` are the user's paths (`name_arguments`).
+
+
+def _debug_info_reader() -> Any:
+    """``api_util.debug_info`` where it honours ``__fun_debug_info__`` (else ``None``)."""
+    try:
+        from jax._src import api_util
+
+        def probe(x: Any) -> Any:
+            return x
+
+        built = api_util.debug_info("jit", probe, (0,), {})
+        probe.__fun_debug_info__ = built._replace(arg_names=("probe name",))  # type: ignore[attr-defined]
+        if api_util.debug_info("jit", probe, (0,), {}).arg_names != ("probe name",):
+            return None
+        return api_util.debug_info
+    except Exception:  # another layout: JAX names the arguments from the signature
+        return None
+
+
+_DEBUG_INFO = _debug_info_reader()
+# Whether JAX's messages can name the user's arguments (`name_arguments`).
+NAMES_ARGUMENTS = _DEBUG_INFO is not None
+
+
+def name_arguments(fn: Callable[..., Any], traced_for: str, names: Any) -> bool:
+    """Make JAX name the flat arguments of ``fn`` by ``names`` (one per array, in
+    order) when it traces ``fn`` for ``traced_for`` (``"jit"``, ``"vmap"``...).
+
+    ``fn``'s name and source location are read as JAX reads them (set them first).
+    Returns whether JAX will use the names (False on a JAX whose layout differs: it
+    then names them from ``fn``'s signature).
+    """
+    if _DEBUG_INFO is None:
+        return False
+    info = _DEBUG_INFO(traced_for, fn, (), {})
+    fn.__fun_debug_info__ = info._replace(arg_names=tuple(names))  # type: ignore[attr-defined]
+    return True
+
+
 __all__ = [
     "COMPILED_OK",
     "SLOTS_PROBLEM",
     "Report",
     "SUPPORTED_VERSIONS",
+    "NAMES_ARGUMENTS",
     "check",
+    "name_arguments",
     "slots_problem",
     "resolve",
 ]

@@ -14,6 +14,7 @@ Nothing here runs unless the switch is on.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,10 +51,49 @@ def _describe_fn(fn: Callable[..., Any]) -> str:
 # -- a new structure ----------------------------------------------------------------
 
 
-def _root_names(key: Any) -> list[tuple[str, Any]]:
-    """``(display name, per-argument key)`` of a ``CallKey``."""
+def parameter_names(
+    fn: Callable[..., Any], n_args: int, kw_names: Sequence[str]
+) -> dict[str, str]:
+    """The user's name of each argument root of a call of ``fn``: ``args[i]`` and
+    ``kwargs['k']`` (treemode's display roots) -> the parameter that takes it, as
+    ``jax.jit`` names it (``x``; ``args[0]`` for the first of ``*args``;
+    ``kw['k']`` for a key of ``**kw``). Roots ``fn``'s signature does not name keep
+    their display name."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return {}
+    kinds = inspect.Parameter
+    params = signature.parameters
+    positional = [
+        name
+        for name, p in params.items()
+        if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    ]
+    var_positional = next((n for n, p in params.items() if p.kind is kinds.VAR_POSITIONAL), None)
+    var_keyword = next((n for n, p in params.items() if p.kind is kinds.VAR_KEYWORD), None)
+    names: dict[str, str] = {}
+    for i in range(n_args):
+        if i < len(positional):
+            names[f"args[{i}]"] = positional[i]
+        elif var_positional is not None:
+            names[f"args[{i}]"] = f"{var_positional}[{i - len(positional)}]"
+    for name in kw_names:
+        p = params.get(name)
+        if p is not None and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY):
+            names[f"kwargs[{name!r}]"] = name
+        elif var_keyword is not None:
+            names[f"kwargs[{name!r}]"] = f"{var_keyword}[{name!r}]"
+    return names
+
+
+def _root_names(key: Any, names: dict[str, str] | None = None) -> list[tuple[str, Any]]:
+    """``(display name, per-argument key)`` of a ``CallKey`` (the user's parameter
+    names where ``names`` has them, see `parameter_names`)."""
     roots = [(f"args[{i}]", k) for i, k in enumerate(key.positional)]
     roots += [(f"kwargs[{name!r}]", k) for name, k in key.keywords]
+    if names:
+        roots = [(names.get(root, root), k) for root, k in roots]
     return roots
 
 
@@ -179,15 +219,20 @@ def _static_arg(key: Any) -> tuple[Any] | None:
     return None
 
 
-def _key_changes(before: Any, after: Any) -> list[str]:
+def _key_changes(before: Any, after: Any, fn: Callable[..., Any] | None = None) -> list[str]:
     changes: list[str] = []
-    old_roots, new_roots = dict(_root_names(before)), dict(_root_names(after))
+    names: dict[str, str] = {}
+    if fn is not None:
+        for key in (before, after):
+            kw_names = [name for name, _ in key.keywords]
+            names.update(parameter_names(fn, len(key.positional), kw_names))
+    old_roots, new_roots = dict(_root_names(before, names)), dict(_root_names(after, names))
     for name in old_roots.keys() | new_roots.keys():
         if name not in new_roots:
             changes.append(f"{name}: no longer passed")
         elif name not in old_roots:
             changes.append(f"{name}: newly passed")
-    for name, new in _root_names(after):
+    for name, new in _root_names(after, names):
         old = old_roots.get(name)
         if old is None:
             continue
@@ -208,12 +253,13 @@ def _key_changes(before: Any, after: Any) -> list[str]:
 def new_structure(
     transform: str, fn: Callable[..., Any], key: Any, previous: Sequence[Any]
 ) -> None:
-    """Log why a call with ``key`` traces again, against the closest of ``previous`` keys."""
+    """Log why a call with ``key`` traces again, against the closest of ``previous``
+    keys (oldest first; of the equally close, the latest)."""
     if not previous:
         return
     best: list[str] | None = None
-    for old in previous:
-        changes = _key_changes(old, key)
+    for old in reversed(previous):
+        changes = _key_changes(old, key, fn)
         if best is None or len(changes) < len(best):
             best = changes
     assert best is not None
@@ -242,10 +288,18 @@ def _aval_str(aval: Any) -> str:
     return f"{text} (weakly typed)" if getattr(aval, "weak_type", False) else text
 
 
-def dynamic_paths(call: Any) -> list[str]:
-    """The display path of each of ``call``'s dynamic arrays (a full `Call`)."""
+def dynamic_paths(call: Any, parameters: bool = False) -> list[str]:
+    """The display path of each of ``call``'s dynamic arrays (a full `Call`).
+
+    ``parameters``: rooted at the user's parameter names (``model.kernel``, as
+    ``jax.jit`` names them, see `parameter_names`) rather than at ``args[0]``.
+    """
     paths: list[str] = []
+    names: dict[str, str] = {}
+    if parameters:
+        names = parameter_names(call.fn, len(call.args), call.kw_names)
     for (root, tree), flat in zip(call.arg_roots(), call.arg_flats, strict=True):
+        root = names.get(root, root)
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
         for (path, _), spec in zip(leaves, flat.specs, strict=True):
             where = format_path(path, root)
@@ -272,18 +326,25 @@ def new_types(
     call: Any,
     seen: list[tuple[Any, ...]],
     dynamic: Sequence[Any],
+    jax_explains: bool = False,
 ) -> None:
     """Record this trace's input types in ``seen``; log what changed if it is a retrace.
 
     Called at every trace (the record is kept even while the switch is off).
+    ``jax_explains``: JAX's own message names the user's paths (the traced function
+    carries them, `treemode._compat.name_arguments`), so treemode logs nothing: one
+    message per retrace.
     """
     avals = tuple(map(_aval, dynamic))
     previous = list(seen)
     seen.append(avals)
-    if not previous or not enabled():
+    if not previous or not enabled() or jax_explains:
         return
-    closest = min(previous, key=lambda old: sum(a != b for a, b in zip(old, avals, strict=True)))
-    paths = dynamic_paths(call.full())
+    closest = min(
+        reversed(previous),
+        key=lambda old: sum(a != b for a, b in zip(old, avals, strict=True)),
+    )
+    paths = dynamic_paths(call.full(), parameters=True)
     lines = [
         f"  * {path}: {_aval_str(new)} (before {_aval_str(old)})"
         for path, old, new in zip(paths, closest, avals, strict=True)
@@ -304,5 +365,6 @@ __all__ = [
     "jax_explanations_off",
     "logger",
     "new_structure",
+    "parameter_names",
     "new_types",
 ]

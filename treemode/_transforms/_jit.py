@@ -160,7 +160,11 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
             spec = options.out_shardings
             pure.output_spec = ("out_shardings", spec, _whole, is_sharding, "output")
         jit_kwargs, in_shardings = options.jit_kwargs(call)
-        return _JitEntry(pure, jit_kwargs, donate_flat, len(call.dynamic), owner, in_shardings)
+        # JAX's messages name each array as the user's call does (`_retrace.dynamic_paths`).
+        names = _retrace.dynamic_paths(call, parameters=True)
+        return _JitEntry(
+            pure, jit_kwargs, donate_flat, len(call.dynamic), owner, in_shardings, names
+        )
 
     if TYPE_CHECKING:  # at run time, the executor's call (or `_call`, see below)
 

@@ -76,6 +76,7 @@ class _JitEntry:
         "_jit_kwargs",
         "_splits",
         "_executables",
+        "_arg_names",
     )
 
     def __init__(
@@ -86,15 +87,20 @@ class _JitEntry:
         n: int,
         owner: Sequence[int] = (),
         in_shardings: Sequence[Any] | None = None,
+        arg_names: Sequence[str] | None = None,
     ):
         self.pure = pure
         self.findings = _EntryFindings()
         self.traced_types: list[tuple[Any, ...]] = []  # per trace (see `_retrace`)
         compact = "out_shardings" not in jit_kwargs
         # Named like the user function: JAX's program (``jit_<name>``), its
-        # messages and profiles then read like the user's code (`_names`).
-        traced = _traced_function(pure, self.findings, self.traced_types, compact)
-        flat = named(traced, pure.fn, FLAT_ARGUMENTS)
+        # messages and profiles then read like the user's code (`_names`), and
+        # JAX names each array by its path in the call that built the entry
+        # (``model.kernel``, ``x``: `_retrace.dynamic_paths`).
+        self._arg_names = None if arg_names is None else tuple(arg_names)
+        explained = _compat.NAMES_ARGUMENTS and self._arg_names is not None
+        traced = _traced_function(pure, self.findings, self.traced_types, compact, explained)
+        flat = named(traced, pure.fn, FLAT_ARGUMENTS, "jit", self._arg_names)
         pure.fn = None  # the bound call's function: the entry keeps no user function
         if in_shardings is not None:
             jit_kwargs = dict(jit_kwargs, in_shardings=tuple(in_shardings))
@@ -142,7 +148,10 @@ class _JitEntry:
             call_split = _donating_function(
                 self.probe, self._owner, self._candidates, split, self.pure.transform
             )
-            flat = named(call_split, self.probe, SPLIT_ARGUMENTS)
+            names = self._arg_names
+            if names is not None:
+                names = tuple(names[i] for i in split[0] + split[1])
+            flat = named(call_split, self.probe, SPLIT_ARGUMENTS, "jit", names)
             jitted = self._executables[split] = jax.jit(flat, donate_argnums=0, **kwargs)
         self.jitted = jitted
         self.split = split
@@ -213,14 +222,17 @@ def _traced_function(
     findings: _EntryFindings,
     traced_types: list[tuple[Any, ...]],
     compact: bool,
+    jax_explains: bool = False,
 ) -> Callable[..., Any]:
     """The function of the dynamic arrays that ``jax.jit`` traces: the pure
-    function, the trace's metadata updates noted, ``(out, updates)`` returned."""
+    function, the trace's metadata updates noted, ``(out, updates)`` returned.
+    ``jax_explains``: JAX names the arrays by the user's paths in its own
+    explanation of a retrace (treemode logs none)."""
 
     def call_flat(*dynamic: Any) -> Any:
         call = getattr(pure.binding, "call", None)
         if call is not None:  # at trace time: explain a retrace (`_retrace`)
-            _retrace.new_types("jit", call.fn, call, traced_types, dynamic)
+            _retrace.new_types("jit", call.fn, call, traced_types, dynamic, jax_explains)
         out, updates = pure(*dynamic)
         metadata = pure.findings.metadata_updates
         findings.note(dynamic, metadata)

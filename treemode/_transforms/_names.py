@@ -25,11 +25,13 @@ import functools
 import inspect
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 from jax._src import source_info_util
+
+from .. import _compat
 
 # The whole package (this module sits in its subpackage _transforms/).
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,7 +129,11 @@ SPLIT_ARGUMENTS = inspect.Signature(
 
 
 def named(
-    fn: Callable[..., Any], like: Any, signature: inspect.Signature = _VARIADIC
+    fn: Callable[..., Any],
+    like: Any,
+    signature: inspect.Signature = _VARIADIC,
+    traced_for: str | None = None,
+    arg_names: Sequence[str] | None = None,
 ) -> Callable[..., Any]:
     """A function calling ``fn``, named for JAX like the user function ``like``.
 
@@ -137,6 +143,11 @@ def named(
     - `like`: the user function (or its `source`).
     - `signature`: the signature JAX reads the arguments' names from (in its
       error messages); ``(*args, **kwargs)`` unless given.
+    - `traced_for`, `arg_names`: the JAX transform that traces the function
+      (``"jit"``) and the name of each of its flat arrays in the user's terms
+      (``x``, ``model.layers[0].kernel``): JAX's messages then name those
+      rather than `signature`'s parameters (where the installed JAX allows,
+      `treemode._compat.name_arguments`).
 
     **Returns:**
 
@@ -156,6 +167,8 @@ def named(
         traced.__module__ = src.__module__
     traced.__wrapped__ = src  # type: ignore[attr-defined]
     traced.__signature__ = signature  # type: ignore[attr-defined]
+    if traced_for is not None and arg_names is not None:
+        _compat.name_arguments(traced, traced_for, arg_names)
     return traced
 
 
