@@ -266,7 +266,10 @@ def _donating_function(
 
     def call_split(donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
         joined = donated + kept
-        result = probe(*[joined[j] for j in order])
+        # One explanation per retrace: this trace's own (JAX's, naming the user's
+        # paths), not a second one for the probe it traces inside.
+        with _retrace.jax_explanations_off():
+            result = probe(*[joined[j] for j in order])
         if _written_split(owner, candidates, result[1], n) != split:
             # This signature writes another set: nothing has run or been donated.
             raise _Unprobed(transform)
