@@ -321,3 +321,102 @@ def test_a_profiler_trace_of_a_training_loop_names_the_users_functions(tmp_path)
     assert b"jit_train_step" in data and b"jit_eval_step" in data
     for internal in (b"_call_flat", b"_call_split", b"_JitEntry", b"treemode/_"):
         assert internal not in data, internal
+
+
+# -- JAX's messages name the user's arguments (issue 40) ------------------------
+
+
+class Stack(nnx.Module):
+    def __init__(self) -> None:
+        self.layers = nnx.List([nnx.Linear(2, 2, rngs=nnx.Rngs(0)) for _ in range(2)])
+
+
+def _bool_error(fn: Any, *args: Any, **kwargs: Any) -> str:
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    for internal in ("flat_args", "donated_args", "kept_args", "args["):
+        assert internal not in message, message
+    return message
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_tracer_error_names_the_users_argument(implementation, donate):
+    def h(model, x):
+        if x.sum() > 0:
+            return model(x)
+        return x
+
+    f = treemode.jit(h, donate_argnums=0 if donate else ())
+    message = _bool_error(f, nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 2)))
+    assert "depends on the value of the argument x." in message
+    assert "tracing the function h at" in message
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_tracer_error_names_the_path_in_a_module(donate):
+    def h(model, x):
+        if model.layers[1].kernel[...].sum() > 0:
+            model.layers[0].bias[...] += 1
+        return x
+
+    f = treemode.jit(h, donate_argnums=0 if donate else ())
+    message = _bool_error(f, Stack(), jnp.ones(2))
+    assert "depends on the value of the argument model.layers[1].kernel." in message
+
+
+def test_a_tracer_error_names_keywords_varargs_methods_and_partials():
+    def h(a, *rest, scale, **options):
+        checked = {"options": options["bias"].sum(), "rest": rest[1], "scale": scale}
+        if checked[options["check"]] > 0:
+            return a
+        return a
+
+    f = treemode.jit(h, static_argnames="check")
+    args = (1.0, 2.0, 3.0)
+    kwargs = {"scale": 1.0, "bias": jnp.ones(2)}
+    assert "the argument options['bias']." in _bool_error(f, *args, **kwargs, check="options")
+    assert "the argument rest[1]." in _bool_error(f, *args, **kwargs, check="rest")
+    assert "the argument scale." in _bool_error(f, *args, **kwargs, check="scale")
+
+    class Model(nnx.Module):
+        def __init__(self) -> None:
+            self.w = nnx.Param(jnp.ones(2))
+
+        @treemode.jit
+        def check(self, limit):
+            if self.w[...].sum() > limit:
+                return self.w[...]
+            return -self.w[...]
+
+    assert "the arguments self.w and limit." in _bool_error(Model().check, 1.0)
+
+    def step(model, x):
+        if model.kernel[...].sum() > 0:
+            return x
+        return x
+
+    bound = treemode.jit_partial(step, nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    assert "the argument model.kernel." in _bool_error(bound, jnp.ones(2))
+
+
+def test_an_entry_keeps_the_names_of_the_call_that_built_it():
+    # Two wrappers of one function share its entries (the call structure is the
+    # key): each entry names the arrays as the call that built it did.
+    def h(a, b):
+        if b.sum() > 0:
+            return a
+        return b
+
+    _bool_error(treemode.jit(h), jnp.ones(2), jnp.ones(2))
+    assert "the argument b." in _bool_error(treemode.jit(h), jnp.ones(2), b=jnp.ones(2))
+    assert "the argument b." in _bool_error(treemode.jit(h), a=jnp.ones(2), b=jnp.ones(2))
+
+
+def test_a_concretization_error_names_the_argument():
+    def h(n, x):
+        return jnp.zeros(int(n)) + x
+
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        treemode.jit(h)(3, 1.0)
+    assert "the argument n" in str(info.value) and "flat_args" not in str(info.value)

@@ -140,7 +140,7 @@ def name_internal_paths(
     if _INTERNAL_ARGUMENT.search(message) is None and _INTERNAL_FUNCTION.search(message) is None:
         return None
     full = call.full()
-    paths = dynamic_paths(full)
+    paths = dynamic_paths(full, parameters=True)
 
     def path_of(match: re.Match[str]) -> str:
         kind, i = match.group(1), int(match.group(2))
