@@ -112,8 +112,26 @@ def test_an_input_deleted_before_the_call_is_still_a_donation_error():
     step(m, jnp.ones(3))
     shared = treemode.clone(m)  # shares m's buffers
     step(m, jnp.ones(3))  # donates them
-    with pytest.raises(treemode.DonationError, match=r"args\[0\]\.(w|b) was deleted: it was"):
+    with pytest.raises(treemode.DonationError, match=r"args\[0\]\.(w|b) has been deleted or don"):
         step(shared, jnp.ones(3))
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_reusing_a_module_a_failed_call_consumed_names_that_failure(warm):
+    step = _step_with(_raise_in_callback)
+    m = Model()
+    if warm:
+        step(m, jnp.ones(3))
+        step(m, jnp.ones(3))
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        step(m, FAIL)
+        jax.block_until_ready(m.w[...])
+    with pytest.raises(treemode.DonationError) as info:
+        step(m, jnp.ones(3))
+    message = str(info.value)
+    assert "args[0].w has been deleted or donated" in message or "args[0].b has been" in message
+    assert "failed while its executable ran" in message
+    assert "shared" not in message
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,7 @@ def test_a_deleted_buffer_is_explained_the_same_way(case, hooks):
     w = jnp.ones(2)
     w.delete()
     message, root = _assert_explained_and_untouched(case, Model(w), reads, treemode.DonationError)
-    assert f"the buffer of the Param at {root}.w was deleted" in message
+    assert f"the buffer of the Param at {root}.w has been deleted or donated" in message
     assert "treemode.clone(module, arrays=True)" in message
 
 
@@ -175,7 +175,7 @@ def test_a_buffer_deleted_without_any_donation_is_blamed_on_the_user(case, hooks
     message, root = _assert_explained_and_untouched(case, Model(w), reads, RuntimeError)
     assert f"the buffer of the Param at {root}.w was deleted before this call" in message
     assert "no treemode transform has donated buffers" in message
-    assert "donate_argnums) while this argument shared it" not in message
+    assert "shared its buffer" not in message
 
 
 # -- no import cycle inside the package ----------------------------------------------------

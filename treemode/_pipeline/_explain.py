@@ -9,6 +9,7 @@ kept outside it), or a trace-time Variable written by a host callback.
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -96,7 +97,10 @@ def note_consumed(call: PreparedCall, error: BaseException, donated: Sequence[in
         for i in donated
         if i < len(dynamic) and _is_concrete_array(dynamic[i]) and dynamic[i].is_deleted()
     }
-    if not consumed or not hasattr(error, "add_note"):
+    if not consumed:
+        return
+    _note_consumed_arrays([dynamic[i] for i in donated if id(dynamic[i]) in consumed])
+    if not hasattr(error, "add_note"):
         return
     full = call.full()
     paths = [
@@ -188,7 +192,7 @@ def explain_failure(call: Call, error: BaseException) -> Exception | None:
                 )
             if deleted and isinstance(x, jax.Array) and not isinstance(x, Tracer):
                 if x.is_deleted():
-                    return _deleted_error(call.transform, what)
+                    return _deleted_error(call.transform, what, x, is_variable(leaf))
     return None
 
 
@@ -204,21 +208,71 @@ def note_donation() -> None:
     _donation_seen = True
 
 
-def _deleted_error(transform: str, what: str) -> Exception:
-    if _donation_seen:
+# The arrays a donated call consumed before it failed (`note_consumed`), by id, as
+# weak references: a later call passing one is told about that failure.
+_consumed: dict[int, weakref.ref[Any]] = {}
+
+
+def _note_consumed_arrays(arrays: Sequence[Any]) -> None:
+    for x in arrays:
+        key = id(x)
+        try:
+            _consumed[key] = weakref.ref(x, lambda _, key=key: _consumed.pop(key, None))
+        except TypeError:  # not weakly referable: not remembered
+            pass
+
+
+def _was_consumed(x: Any) -> bool:
+    ref = _consumed.get(id(x))
+    return ref is not None and ref() is x
+
+
+def _deleted_error(transform: str, what: str, array: Any, in_variable: bool) -> Exception:
+    """The error for an input whose buffer was deleted before the call.
+
+    What treemode can tell: a buffer a failed donated call consumed (noted then);
+    a Variable's buffer, which treemode donates only with a new value written in
+    its place, so a Variable holding a donated one shared it with another that
+    was donated (the sharing story, and ``clone(arrays=True)``); an array that is
+    no Variable's value (an Equinox field, an array in a dict), which a donated
+    call deletes and does not replace, as ``jax.jit`` does.
+    """
+    if _was_consumed(array):
         return DonationError(
-            f"treemode.{transform}: the buffer of {what} was deleted: it was donated to "
-            "an earlier call (donate_argnums) while this argument shared it. Give each "
-            "module its own buffers with treemode.clone(module, arrays=True) before "
-            "donating. (If your own code deleted it, with `.delete()` or a jax.jit "
-            "donate_argnums outside treemode, put a live array in the Variable instead: "
-            "`var[...] = new_value`.)"
+            f"treemode.{transform}: the buffer of {what} has been deleted or donated: "
+            "an earlier call that donated it failed while its executable ran, after XLA "
+            "took it (that error's note named it). Restore the value before calling "
+            "again: `var[...] = new_value`, or from a copy made with "
+            "treemode.clone(module, arrays=True) before the call."
         )
-    return DeletedArrayError(
-        f"treemode.{transform}: the buffer of {what} was deleted before this call, and "
-        "no treemode transform has donated buffers: it was deleted outside treemode "
-        "(`array.delete()`, or donated to a jax.jit/jax.pmap call with donate_argnums). "
-        "Put a live array in the Variable before calling: `var[...] = new_value`."
+    if not _donation_seen:
+        return DeletedArrayError(
+            f"treemode.{transform}: the buffer of {what} was deleted before this call, "
+            "and no treemode transform has donated buffers: it was deleted outside "
+            "treemode (`array.delete()`, or donated to a jax.jit/jax.pmap call with "
+            "donate_argnums). Put a live array in the Variable before calling: "
+            "`var[...] = new_value`."
+        )
+    if not in_variable:
+        return DonationError(
+            f"treemode.{transform}: the buffer of {what} has been deleted or donated. "
+            "A treemode transform donates the arrays of a donated argument that are "
+            "not Variable values (an Equinox field, an array in a dict or list), as "
+            "jax.jit's donate_argnums does, and writes nothing in their place: pass the "
+            "arrays the earlier call returned (return the updated tree from the "
+            "function), hold the array in an nnx.Variable (treemode writes back its new "
+            "value), or do not donate that argument. (If your own code deleted it, "
+            "with `.delete()` or a jax.jit donate_argnums outside treemode, pass a "
+            "live array.)"
+        )
+    return DonationError(
+        f"treemode.{transform}: the buffer of {what} has been deleted or donated: "
+        "treemode writes a new buffer into every Variable it donates, so this Variable "
+        "shared its buffer with one donated to an earlier call (donate_argnums), e.g. "
+        "a copy made with treemode.clone(module) without arrays=True. Give each module "
+        "its own buffers with treemode.clone(module, arrays=True) before donating. (If "
+        "your own code deleted it, with `.delete()` or a jax.jit donate_argnums outside "
+        "treemode, put a live array in the Variable instead: `var[...] = new_value`.)"
     )
 
 
