@@ -444,6 +444,16 @@ _DEBUG_INFO = _debug_info_reader()
 NAMES_ARGUMENTS = _DEBUG_INFO is not None
 
 
+def debug_info_named(traced_for: str, like: Callable[..., Any], names: Any) -> Any:
+    """JAX's debug info for a function traced for ``traced_for``, named and located as
+    ``like`` (the user's function), its flat arguments named by ``names``
+    (``None`` where the installed JAX's layout differs)."""
+    if _DEBUG_INFO is None:
+        return None
+    info = _DEBUG_INFO(traced_for, like, (), {})
+    return info._replace(arg_names=tuple(names))
+
+
 def name_arguments(fn: Callable[..., Any], traced_for: str, names: Any) -> bool:
     """Make JAX name the flat arguments of ``fn`` by ``names`` (one per array, in
     order) when it traces ``fn`` for ``traced_for`` (``"jit"``, ``"vmap"``...).
@@ -466,6 +476,7 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "NAMES_ARGUMENTS",
     "check",
+    "debug_info_named",
     "name_arguments",
     "slots_problem",
     "resolve",

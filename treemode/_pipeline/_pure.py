@@ -36,6 +36,7 @@ from .._tree._paths import format_path
 from .._tree._recursion import recursion_headroom
 from .._tree._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild
 from ._call import Call, PreparedCall
+from ._retrace import dynamic_paths
 from ._stale import mark_trace_time
 from ._substitute import Substitution
 from ._unlifted import warn_unlifted
@@ -217,6 +218,27 @@ class PureFunction:
         kwargs = {name: next(trees) for name in self.kw_names}
         kwargs.update(self.static_keywords)
         return Inputs(args, kwargs, pure_trees, inner_vars, leaves_in, offset)
+
+    @property
+    def __fun_debug_info__(self) -> Any:
+        """What JAX names this function and its arguments by when a transform traces
+        it directly (``cond``, loops, ``eval_shape``...): the user function, and each
+        dynamic array by its path in the bound call (``x``, ``model.kernel``).
+
+        Read by JAX while it traces (``api_util.debug_info``), never on a cached call;
+        ``None`` (JAX's own names) outside a bound call or on another JAX layout.
+        """
+        call = getattr(self.binding, "call", None)
+        if call is None or not _compat.NAMES_ARGUMENTS:
+            return None
+        try:
+            full = call.full()
+            fn = full.fn if self.fn is None else self.fn
+            return _compat.debug_info_named(
+                self.transform, fn, dynamic_paths(full, parameters=True)
+            )
+        except Exception:  # never fail a trace over a name
+            return None
 
     def __call__(self, *dynamic: Any) -> tuple[Any, tuple[Any, ...]]:
         # Deep modules: rebuilding and checking them recurses like flattening.

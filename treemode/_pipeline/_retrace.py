@@ -51,14 +51,19 @@ def _describe_fn(fn: Callable[..., Any]) -> str:
 # -- a new structure ----------------------------------------------------------------
 
 
+# Parameters a transform passes before the call's arguments: fori_loop's index.
+_LEADING_PARAMETERS = {"fori_loop": 1}
+
+
 def parameter_names(
-    fn: Callable[..., Any], n_args: int, kw_names: Sequence[str]
+    fn: Callable[..., Any], n_args: int, kw_names: Sequence[str], skip: int = 0
 ) -> dict[str, str]:
     """The user's name of each argument root of a call of ``fn``: ``args[i]`` and
     ``kwargs['k']`` (treemode's display roots) -> the parameter that takes it, as
     ``jax.jit`` names it (``x``; ``args[0]`` for the first of ``*args``;
     ``kw['k']`` for a key of ``**kw``). Roots ``fn``'s signature does not name keep
-    their display name."""
+    their display name. ``skip``: leading parameters the call's arguments do not
+    fill (a loop index)."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -69,7 +74,7 @@ def parameter_names(
         name
         for name, p in params.items()
         if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
-    ]
+    ][skip:]
     var_positional = next((n for n, p in params.items() if p.kind is kinds.VAR_POSITIONAL), None)
     var_keyword = next((n for n, p in params.items() if p.kind is kinds.VAR_KEYWORD), None)
     names: dict[str, str] = {}
@@ -297,7 +302,8 @@ def dynamic_paths(call: Any, parameters: bool = False) -> list[str]:
     paths: list[str] = []
     names: dict[str, str] = {}
     if parameters:
-        names = parameter_names(call.fn, len(call.args), call.kw_names)
+        skip = _LEADING_PARAMETERS.get(call.transform, 0)
+        names = parameter_names(call.fn, len(call.args), call.kw_names, skip)
     for (root, tree), flat in zip(call.arg_roots(), call.arg_flats, strict=True):
         root = names.get(root, root)
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from .. import _compat
 from .._errors import StructureError
-from .._pipeline import _call, _core, _pure
+from .._pipeline import _call, _core, _pure, _retrace
 from .._tree import _graph
 from .._tree._graph import GraphNode, SharedRef
 from .._tree._leaves import is_variable, is_variable_or_graph_node, same_static
@@ -76,6 +76,11 @@ def probe_changed(
             before(extra_values)
         return pure(*dynamic)[1]
 
+    # JAX's messages name the function and each array as the user's call does.
+    names = [""] * len(extra) + _retrace.dynamic_paths(call.full(), parameters=True)
+    info = _compat.debug_info_named(call.transform, call.fn, names)
+    if info is not None:
+        run.__fun_debug_info__ = info  # type: ignore[attr-defined]
     with _core.bound(pure, call):
         updates = jax.eval_shape(run, list(extra), list(avals))
     return frozenset(i for i, u in enumerate(updates) if u is not None)
