@@ -76,9 +76,11 @@ def probe_changed(
             before(extra_values)
         return pure(*dynamic)[1]
 
-    # JAX's messages name the function and each array as the user's call does.
+    # JAX's messages name each array as the user's call does. (The function keeps
+    # its own name: a new `run` named like the user's at every probe would read, to
+    # JAX's cache-miss explanations, as the user's function "re-defined".)
     names = [""] * len(extra) + _retrace.dynamic_paths(call.full(), parameters=True)
-    info = _compat.debug_info_named(call.transform, call.fn, names)
+    info = _compat.debug_info_named(call.transform, run, names)
     if info is not None:
         run.__fun_debug_info__ = info  # type: ignore[attr-defined]
     with _core.bound(pure, call):
