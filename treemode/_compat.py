@@ -411,8 +411,6 @@ def trace_key(avals: Any) -> tuple[Any, ...]:
 jaxpr_as_fun = _jaxpr_as_fun()
 
 
-
-
 # -- the names JAX gives a traced function's arguments ----------------------------
 #
 # JAX names the arguments of a function it traces in its messages (tracer

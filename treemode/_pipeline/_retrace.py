@@ -304,8 +304,8 @@ def dynamic_paths(call: Any, parameters: bool = False) -> list[str]:
     if parameters:
         skip = _LEADING_PARAMETERS.get(call.transform, 0)
         names = parameter_names(call.fn, len(call.args), call.kw_names, skip)
-    for (root, tree), flat in zip(call.arg_roots(), call.arg_flats, strict=True):
-        root = names.get(root, root)
+    for (display, tree), flat in zip(call.arg_roots(), call.arg_flats, strict=True):
+        root = names.get(display) or str(display)
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
         for (path, _), spec in zip(leaves, flat.specs, strict=True):
             where = format_path(path, root)
