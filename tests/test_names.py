@@ -420,3 +420,74 @@ def test_a_concretization_error_names_the_argument():
     with pytest.raises(jax.errors.ConcretizationTypeError) as info:
         treemode.jit(h)(3, 1.0)
     assert "the argument n" in str(info.value) and "flat_args" not in str(info.value)
+
+
+def _checks_x(model, x):
+    if x.sum() > 0:
+        return model(x)
+    return model(x)
+
+
+def _loss_checks_kernel(model, x):
+    if model.kernel[...].sum() > 0:
+        return model(x).sum()
+    return model(x).sum()
+
+
+_LINEAR = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+_X = jnp.ones((1, 2))
+
+
+@pytest.mark.parametrize(
+    "run, named",
+    [
+        (lambda: treemode.eval_shape(_checks_x, _LINEAR, _X), "x"),
+        (lambda: treemode.cond(True, _checks_x, _checks_x, _LINEAR, _X), "x"),
+        (lambda: treemode.switch(0, [_checks_x], _LINEAR, _X), "x"),
+        (
+            lambda: treemode.fori_loop(
+                0, 2, lambda i, state: (state[0], _checks_x(*state)), (_LINEAR, _X)
+            ),
+            "state[1]",
+        ),
+        (
+            lambda: treemode.while_loop(
+                lambda s: False, lambda carry: (carry[0], _checks_x(*carry)), (_LINEAR, _X)
+            ),
+            "carry[1]",
+        ),
+        (
+            lambda: treemode.scan(
+                lambda model, x: (model, _checks_x(model, x)),
+                in_axes=(treemode.Carry, 0),
+                out_axes=(treemode.Carry, 0),
+            )(_LINEAR, jnp.ones((3, 1, 2))),
+            "x",
+        ),
+        (lambda: treemode.remat(_checks_x)(_LINEAR, _X), "x"),
+        (lambda: treemode.jit(treemode.remat(_checks_x))(_LINEAR, _X), "x"),
+        (lambda: treemode.jit(treemode.grad(_loss_checks_kernel))(_LINEAR, _X), "model.kernel"),
+        (
+            lambda: treemode.jit(lambda m, x: treemode.value_and_grad(_loss_checks_kernel)(m, x))(
+                _LINEAR, _X
+            ),
+            "m.kernel",
+        ),
+    ],
+    ids=[
+        "eval_shape",
+        "cond",
+        "switch",
+        "fori_loop",
+        "while_loop",
+        "scan",
+        "remat",
+        "jit-remat",
+        "jit-grad",
+        "jit-value_and_grad",
+    ],
+)
+def test_tracer_errors_name_the_users_argument_under_each_transform(run, named):
+    message = _bool_error(run)
+    assert f"depends on the value of the argument {named}." in message
+    assert "dynamic[" not in message

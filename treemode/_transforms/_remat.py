@@ -9,7 +9,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 import jax
 
 from .. import _compat
-from .._pipeline import _call, _core, _pure
+from .._pipeline import _call, _core, _pure, _retrace
 from ._names import named
 from ._signature import as_tuple, resolve_argnums, suggests_keywords
 
@@ -119,7 +119,11 @@ def remat(
             static_argnames=static_names,
         )
         pure = _pure.PureFunction(call)
-        checkpointed = jax.checkpoint(named(pure, fn), prevent_cse=prevent_cse, policy=policy)
+        # JAX traces the function at every call (as jax.checkpoint does): naming its
+        # arrays by the user's paths costs little beside that trace.
+        names = _retrace.dynamic_paths(call, parameters=True)
+        traced = named(pure, fn, traced_for="checkpoint", arg_names=names)
+        checkpointed = jax.checkpoint(traced, prevent_cse=prevent_cse, policy=policy)
         return _core.run(call, pure, lambda: checkpointed(*call.dynamic))
 
     return wrapper
