@@ -171,3 +171,20 @@ def test_the_accessors_read_and_write_a_variable():
     _compat.set_metadata(v, {**_compat.metadata_of(v), "tag": "x"})
     assert v.get_metadata()["tag"] == "x"
     assert _compat.trace_ref_of(v) is _compat.current_trace_ref()
+
+
+def test_the_supported_jax_takes_treemodes_argument_names():
+    # JAX reads a traced function's DebugInfo from ``__fun_debug_info__``: on the
+    # supported versions treemode's flat functions name their arrays by the user's
+    # paths (issue 40); a JAX that stops reading it fails here, not silently.
+    assert _compat.NAMES_ARGUMENTS
+
+    def flat(*arrays: Any) -> Any:
+        return arrays
+
+    assert _compat.name_arguments(flat, "jit", ["model.kernel", "x"])
+    from jax._src import api_util
+
+    info = api_util.debug_info("jit", flat, (1, 2), {})
+    assert info.arg_names == ("model.kernel", "x")
+    assert info.func_src_info.startswith("flat at ")
