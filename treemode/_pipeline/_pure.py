@@ -36,7 +36,7 @@ from .._tree._paths import format_path
 from .._tree._recursion import recursion_headroom
 from .._tree._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild
 from ._call import Call, PreparedCall
-from ._retrace import dynamic_paths
+from ._retrace import argument_names
 from ._stale import mark_trace_time
 from ._substitute import Substitution
 from ._unlifted import warn_unlifted
@@ -231,12 +231,12 @@ class PureFunction:
         call = getattr(self.binding, "call", None)
         if call is None or not _compat.NAMES_ARGUMENTS:
             return None
+        names = argument_names(call)
+        if names is None:
+            return None
         try:
-            full = call.full()
-            fn = full.fn if self.fn is None else self.fn
-            return _compat.debug_info_named(
-                self.transform, fn, dynamic_paths(full, parameters=True)
-            )
+            fn = call.full().fn if self.fn is None else self.fn
+            return _compat.debug_info_named(self.transform, fn, names)
         except Exception:  # never fail a trace over a name
             return None
 

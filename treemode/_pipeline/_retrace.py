@@ -326,6 +326,16 @@ def dynamic_paths(call: Any, parameters: bool = False) -> list[str]:
     return paths
 
 
+def argument_names(call: Any) -> list[str] | None:
+    """The user's name of each of ``call``'s dynamic arrays, for JAX's messages
+    (`dynamic_paths` rooted at the parameters); ``None`` where they cannot be
+    told (a call is never refused over a name)."""
+    try:
+        return dynamic_paths(call.full(), parameters=True)
+    except Exception:
+        return None
+
+
 def new_types(
     transform: str,
     fn: Callable[..., Any],
@@ -366,6 +376,7 @@ def new_types(
 
 
 __all__ = [
+    "argument_names",
     "dynamic_paths",
     "enabled",
     "jax_explanations_off",

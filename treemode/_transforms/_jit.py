@@ -161,7 +161,7 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
             pure.output_spec = ("out_shardings", spec, _whole, is_sharding, "output")
         jit_kwargs, in_shardings = options.jit_kwargs(call)
         # JAX's messages name each array as the user's call does (`_retrace.dynamic_paths`).
-        names = _retrace.dynamic_paths(call, parameters=True)
+        names = _retrace.argument_names(call)
         return _JitEntry(
             pure, jit_kwargs, donate_flat, len(call.dynamic), owner, in_shardings, names
         )

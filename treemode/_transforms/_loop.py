@@ -79,8 +79,12 @@ def probe_changed(
     # JAX's messages name each array as the user's call does. (The function keeps
     # its own name: a new `run` named like the user's at every probe would read, to
     # JAX's cache-miss explanations, as the user's function "re-defined".)
-    names = [""] * len(extra) + _retrace.dynamic_paths(call.full(), parameters=True)
-    info = _compat.debug_info_named(call.transform, run, names)
+    names = _retrace.argument_names(call)
+    info = (
+        None
+        if names is None
+        else _compat.debug_info_named(call.transform, run, [""] * len(extra) + names)
+    )
     if info is not None:
         run.__fun_debug_info__ = info  # type: ignore[attr-defined]
     with _core.bound(pure, call):

@@ -121,7 +121,7 @@ def remat(
         pure = _pure.PureFunction(call)
         # JAX traces the function at every call (as jax.checkpoint does): naming its
         # arrays by the user's paths costs little beside that trace.
-        names = _retrace.dynamic_paths(call, parameters=True)
+        names = _retrace.argument_names(call)
         traced = named(pure, fn, traced_for="checkpoint / remat", arg_names=names)
         checkpointed = jax.checkpoint(traced, prevent_cse=prevent_cse, policy=policy)
         return _core.run(call, pure, lambda: checkpointed(*call.dynamic))
