@@ -24,6 +24,7 @@ import jax
 from .._tree._diff import Change, Node, Nodes, Path, TreeDiff, replaced
 from .._tree._leaves import is_graph_node, is_variable
 from .._tree._paths import format_path
+from .._tree._recursion import recursion_headroom
 from .._tree._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec
 
 logger = logging.getLogger("treemode")
@@ -331,7 +332,10 @@ def argument_names(call: Any) -> list[str] | None:
     (`dynamic_paths` rooted at the parameters); ``None`` where they cannot be
     told (a call is never refused over a name)."""
     try:
-        return dynamic_paths(call.full(), parameters=True)
+        # Deep modules: the paths recurse like flattening (a RecursionError inside
+        # JAX's C++ flattening would corrupt the interpreter's counter).
+        with recursion_headroom():
+            return dynamic_paths(call.full(), parameters=True)
     except Exception:
         return None
 
