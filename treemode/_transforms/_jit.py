@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import (
     TYPE_CHECKING,
@@ -26,6 +25,7 @@ from .._pipeline._callsite import CallSite
 from .._pipeline._executor import PyFastCall
 from .._tree._flatten import check_no_aliases
 from ._jit_entry import (
+    JittedFunctions,
     _arrange,
     _check_donation,
     _forget_failed_dispatch,
@@ -387,50 +387,6 @@ class _CachedPartialJit(JitWrapped[P, R]):
             return executor.__call__(*args, **kwargs)
         # cached_partial passes **{}: an empty dict would cost the executor 2 µs
         return executor.__call__(*args)
-
-
-class JittedFunctions:
-    """The ``jax.jit`` functions of one `treemode.jit` wrapper, one per call structure.
-
-    What Flax's ``nnx.jit(...).jitted_fn`` is read for: ``_cache_size()`` (the
-    number of compiled executables) and ``clear_cache()``. The functions take
-    treemode's flat arrays, not the user's arguments: call the wrapper itself.
-    """
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, wrapped: JitWrapped[Any, Any]):
-        # Weakly: the wrapper holds this view in its __dict__ (no reference cycle).
-        self._ref = weakref.ref(wrapped)
-
-    @property
-    def _wrapped(self) -> JitWrapped[Any, Any]:
-        wrapped = self._ref()
-        if wrapped is None:
-            raise ReferenceError("treemode.jit: the jitted function was deleted")
-        return wrapped
-
-    @property
-    def functions(self) -> tuple[Any, ...]:
-        """The ``jax.jit`` functions, in the order their structures were first called."""
-        return tuple(f for entry in self._wrapped._cache.values() for f in entry.executables())
-
-    def _cache_size(self) -> int:
-        """The number of executables compiled so far, over every call structure."""
-        return sum(fn._cache_size() for fn in self.functions)
-
-    def clear_cache(self) -> None:
-        """As `JitWrapped.clear_cache`."""
-        self._wrapped.clear_cache()
-
-    def __len__(self) -> int:
-        return len(self._wrapped._cache)
-
-    def __repr__(self) -> str:
-        wrapped = self._ref()
-        if wrapped is None:
-            return "<jax.jit functions of a deleted treemode.jit function>"
-        return f"<jax.jit functions of {wrapped!r}: {len(self)} call structure(s)>"
 
 
 def _whole(out: Any) -> Any:

@@ -5,11 +5,13 @@ executable, or, with donation, the undonated ``probe`` and one donated executabl
 per write set (donation by effect). It refers to the user's function only while
 a call is bound (`_pure.PureFunction`), and its ``jax.jit`` functions refer to
 the entry's parts, not to the entry: dropping the entry frees them by reference
-counting, with no cycle for the collector.
+counting, with no cycle for the collector. `JittedFunctions` is the view of a
+wrapper's entries that Flax's ``jitted_fn`` offers.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -261,6 +263,50 @@ def _donating_function(
         return result
 
     return call_split
+
+
+class JittedFunctions:
+    """The ``jax.jit`` functions of one `treemode.jit` wrapper, one per call structure.
+
+    What Flax's ``nnx.jit(...).jitted_fn`` is read for: ``_cache_size()`` (the
+    number of compiled executables) and ``clear_cache()``. The functions take
+    treemode's flat arrays, not the user's arguments: call the wrapper itself.
+    """
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, wrapped: Any):
+        # Weakly: the wrapper holds this view in its __dict__ (no reference cycle).
+        self._ref = weakref.ref(wrapped)
+
+    @property
+    def _wrapped(self) -> Any:
+        wrapped = self._ref()
+        if wrapped is None:
+            raise ReferenceError("treemode.jit: the jitted function was deleted")
+        return wrapped
+
+    @property
+    def functions(self) -> tuple[Any, ...]:
+        """The ``jax.jit`` functions, in the order their structures were first called."""
+        return tuple(f for entry in self._wrapped._cache.values() for f in entry.executables())
+
+    def _cache_size(self) -> int:
+        """The number of executables compiled so far, over every call structure."""
+        return sum(fn._cache_size() for fn in self.functions)
+
+    def clear_cache(self) -> None:
+        """As `JitWrapped.clear_cache`."""
+        self._wrapped.clear_cache()
+
+    def __len__(self) -> int:
+        return len(self._wrapped._cache)
+
+    def __repr__(self) -> str:
+        wrapped = self._ref()
+        if wrapped is None:
+            return "<jax.jit functions of a deleted treemode.jit function>"
+        return f"<jax.jit functions of {wrapped!r}: {len(self)} call structure(s)>"
 
 
 class _EntryFindings:
