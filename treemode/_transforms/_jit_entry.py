@@ -142,7 +142,7 @@ class _JitEntry:
             if self._in_shardings is not None:
                 kwargs = dict(kwargs, in_shardings=_arrange(self._in_shardings, split))
             call_split = _donating_function(
-                self.probe, self._owner, self._candidates, split, self.pure.transform
+                self.probe, self._owner, self._candidates, split, self._splits, self.pure.transform
             )
             flat = named(call_split, self.probe, SPLIT_ARGUMENTS)
             jitted = self._executables[split] = jax.jit(flat, donate_argnums=0, **kwargs)
@@ -245,10 +245,19 @@ def _written_split(owner: Sequence[int], candidates: Sequence[int], updates: Any
 
 
 def _donating_function(
-    probe: Any, owner: Sequence[int], candidates: Sequence[int], split: Split, transform: str
+    probe: Any,
+    owner: Sequence[int],
+    candidates: Sequence[int],
+    split: Split,
+    splits: dict[tuple[Any, ...], Split],
+    transform: str,
 ) -> Callable[..., Any]:
     """The function the donated executable of ``split`` traces: ``probe`` on the
-    arrays in their order, refused (`_Unprobed`) where the trace writes another set."""
+    arrays in their order, refused (`_Unprobed`) where the trace writes another set.
+
+    Either way the signature's split is noted in ``splits`` (the entry's; a dict,
+    not the entry, so the executable refers to no entry): the call then takes the
+    executable of that set without probing."""
     order = [0] * (len(split[0]) + len(split[1]))
     for position, i in enumerate(split[0] + split[1]):
         order[i] = position
@@ -256,8 +265,11 @@ def _donating_function(
 
     def call_split(donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
         joined = donated + kept
-        result = probe(*[joined[j] for j in order])
-        if _written_split(owner, candidates, result[1], n) != split:
+        dynamic = [joined[j] for j in order]
+        result = probe(*dynamic)
+        written = _written_split(owner, candidates, result[1], n)
+        splits[_signature(dynamic)] = written
+        if written != split:
             # This signature writes another set: nothing has run or been donated.
             raise _Unprobed(transform)
         return result
