@@ -85,6 +85,8 @@ class VersionWarning(UserWarning):
     ```
     """
 
+    __module__ = "treemode"  # shown as treemode.VersionWarning
+
 
 def _fmt(version: Version) -> str:
     return ".".join(map(str, version))

@@ -42,6 +42,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import _compat, _versions
+from .._errors import PUBLIC_MODULE
 from . import _border
 
 ENV_VAR = "TREEMODE_NO_EXTENSION"
@@ -73,6 +74,8 @@ class ExtensionWarning(RuntimeWarning):
         warnings.simplefilter("ignore", treemode.ExtensionWarning)
     ```
     """
+
+    __module__ = PUBLIC_MODULE  # shown as treemode.ExtensionWarning
 
 
 @dataclass(frozen=True)
