@@ -99,7 +99,7 @@ def specifier(name: str) -> str:
 
 
 def tested_specifier(name: str) -> str:
-    """The pip specifier of the tested releases, e.g. ``">=0.9.2,<0.11"``."""
+    """The pip specifier of the tested releases, e.g. ``">=0.9.2,<0.13"``."""
     low, high = {**REQUIRED, **OPTIONAL}[name]
     return f">={_fmt(low)},<{_fmt(high)}"
 
@@ -110,7 +110,7 @@ def _last_tested(name: str) -> str:
 
 
 def describe(name: str) -> str:
-    """A supported range in words, e.g. ``"0.9.2 or newer (tested to 0.10.x)"``."""
+    """A supported range in words, e.g. ``"0.9.2 or newer (tested to 0.12.x)"``."""
     low, _ = {**REQUIRED, **OPTIONAL}[name]
     return f"{_fmt(low)} or newer (tested to {_last_tested(name)})"
 
