@@ -87,7 +87,7 @@ def test_a_missing_slot_is_an_import_error_naming_the_versions(fake_flax):
         _compat.resolve(report, installed="jax 0.13.0, jaxlib 0.13.0, flax 0.14.1")
     message = str(raised.value)
     assert message.startswith(
-        "treemode does not support the installed Flax/JAX (jax 0.12.0, jaxlib 0.12.0, "
+        "treemode does not support the installed Flax/JAX (jax 0.13.0, jaxlib 0.13.0, "
         "flax 0.14.1): RenamedVariable._raw_value not found. Supported: "
         "jax 0.9.2 or newer (tested to 0.12.x), jaxlib 0.9.2 or newer (tested to 0.12.x), "
         "flax 0.12.6 or newer (tested to 0.12.x). This treemode cannot run with them"
