@@ -31,7 +31,8 @@ $(STAMP): $(PY) pyproject.toml setup.py $(GUARD_SOURCES) constraints.txt
 # hypothesis, pyright, build, equinox, ...) nor a pip upgrade, and without
 # byte-compiling every installed file (--no-compile: JAX alone has thousands;
 # Python compiles the modules the demo imports when it first imports them).
-# This took the first `make demo` from about 50 to about 25 seconds (README.md).
+# Measured on a fresh clone (warm package cache, the shared 2-core machine at load
+# 6 to 8): the first `make demo` took 54 to 70 s with the test extra, 33 to 51 s now.
 # `make test` then installs the test extra into the same venv ($(STAMP) is
 # still missing there).
 $(DEMO_STAMP): $(PY) pyproject.toml setup.py $(GUARD_SOURCES) constraints.txt
