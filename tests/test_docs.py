@@ -610,8 +610,7 @@ DOC_RULES = [
         (
             "a donated argument donates exactly what the function writes: the buffers "
             "of the Variables it changes",
-            "A donated model's read-only Variables keep their buffers: they are passed "
-            "undonated",
+            "A donated model's read-only Variables keep their buffers: they are passed undonated",
         ),
         {
             "treemode.jit": (
@@ -682,7 +681,9 @@ def test_docstrings_state_the_rules_of_the_guides(rule: DocRule) -> None:
                 f"help({qualname}) must state {rule.topic} as docs/{rule.guide} does: "
                 f"missing {phrase!r}"
             )
-    pages = {str(p.relative_to(ROOT)): _flat(p.read_text(encoding="utf-8")) for p in _markdown_files()}
+    pages = {
+        str(p.relative_to(ROOT)): _flat(p.read_text(encoding="utf-8")) for p in _markdown_files()
+    }
     for phrase in rule.retired:
         stale = [name for name, text in {**docs, **pages}.items() if _flat(phrase) in text]
         assert not stale, f"retired wording {phrase!r} ({rule.topic}) still in {stale}"

@@ -173,10 +173,17 @@ def test_each_reason(environ, layout, importer, expected) -> None:
 @pytest.mark.parametrize(
     ("reason", "says", "never"),
     [
-        ("failed to load: undefined symbol: _PyType_Lookup", "reinstall treemode from its "
-         "source with this Python, rebuilding it: pip install --force-reinstall", "C compiler"),
-        ("layout not supported: Variable._raw_value is not a __slots__ member",
-         "A reinstall cannot help", "pip install"),
+        (
+            "failed to load: undefined symbol: _PyType_Lookup",
+            "reinstall treemode from its "
+            "source with this Python, rebuilding it: pip install --force-reinstall",
+            "C compiler",
+        ),
+        (
+            "layout not supported: Variable._raw_value is not a __slots__ member",
+            "A reinstall cannot help",
+            "pip install",
+        ),
     ],
 )
 def test_the_warning_advises_what_helps_for_its_reason(reason, says, never) -> None:

@@ -401,8 +401,13 @@ def test_recursion_limit_restored_after_an_exit_cut_short(monkeypatch):
 
 @pytest.mark.parametrize(
     ("version", "helps"),
-    [((3, 11, 7), True), ((3, 12, 0), False), ((3, 12, 2), False), ((3, 12, 3), True),
-     ((3, 13, 0), True)],
+    [
+        ((3, 11, 7), True),
+        ((3, 12, 0), False),
+        ((3, 12, 2), False),
+        ((3, 12, 3), True),
+        ((3, 13, 0), True),
+    ],
 )
 def test_the_deep_nesting_error_says_what_helps_on_each_python(version, helps):
     """On CPython 3.12.0 to 3.12.2 raising the recursion limit cannot help (C-level

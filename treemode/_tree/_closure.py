@@ -54,8 +54,8 @@ from typing import Any
 from flax import nnx
 
 from .. import _caches
-from .._errors import PUBLIC_MODULE
 from .._accel._border import attribute_read, cell_read, closure_reads
+from .._errors import PUBLIC_MODULE
 from ._leaves import is_variable_or_graph_node
 
 
