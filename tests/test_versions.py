@@ -393,11 +393,15 @@ def test_the_stack_level_passes_over_treemode_and_importlib() -> None:
 
 def test_a_tested_installation_imports_with_warnings_as_errors() -> None:
     """``python -W error -c 'import treemode'`` (what pytest's ``filterwarnings =
-    ["error"]`` makes of an import) succeeds on the installed, tested versions."""
+    ["error"]`` makes of an import) succeeds on the installed, tested versions.
+    (The extension's own warning, where the treemode imported has no compiled
+    module, as `make compat`'s unpacked sdist, is another matter: silenced.)"""
     assert not any(_versions.problems())
+    env = {k: v for k, v in os.environ.items() if k != _versions.SKIP_ENV}
+    env["TREEMODE_NO_EXTENSION_WARNING"] = "1"
     proc = subprocess.run(
         [sys.executable, "-W", "error", "-c", "import treemode; print('imported')"],
-        env={k: v for k, v in os.environ.items() if k != _versions.SKIP_ENV},
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
