@@ -465,6 +465,16 @@ def jit(
     that the function changed holds its new value; all other Variables keep
     their buffers.
 
+    Modules the function reaches through its closure (a global, a closure
+    cell, a bound method's `self`) are inputs too: their Variables are read
+    fresh on every call, never a stale constant, and written back when the
+    function changes them; one the closure search cannot lift is reported by
+    name (`ClosureWarning`, `ClosureError`; see the concepts page). The
+    function is traced and compiled once per call structure (the arguments'
+    types and module structure, static values, array shapes, dtypes and
+    shardings); new array values reuse that program, a new structure traces
+    again (`jax_explain_cache_misses` says why; see the jit guide).
+
     **Arguments:**
 
     - `fun`: the function to compile (positional only). Omit it to use
@@ -474,9 +484,12 @@ def jit(
       Updated Variables come back with their input sharding.
     - `static_argnums`, `static_argnames`: arguments that are part of the cache
       key instead of traced (must be hashable).
-    - `donate_argnums`, `donate_argnames`: arguments whose buffers XLA may reuse.
-      Their Variables are refreshed with the output buffers, so the modules stay
-      usable. An exception a signal handler raises in the main thread (Ctrl-C,
+    - `donate_argnums`, `donate_argnames`: arguments whose buffers XLA may reuse,
+      donated by effect: a donated module donates the buffers of the Variables
+      the function writes (they come back holding the new values, so the module
+      stays usable), and its read-only Variables are passed undonated and keep
+      their buffers; other array leaves are donated, as in `jax.jit` (the jit
+      guide, "Donation"). An exception a signal handler raises in the main thread (Ctrl-C,
       `SystemExit` from a SIGTERM handler, ...) leaves the old values when it
       lands before the executable consumed the buffers (it is raised at once,
       even during a long trace or compilation) and the new values after (it is

@@ -66,6 +66,7 @@ from flax import nnx
 
 from .. import _caches, _compat
 from .._accel._border import attribute_read, cell_read, closure_reads
+from .._errors import PUBLIC_MODULE
 from ._leaves import is_variable_or_graph_node
 
 
@@ -73,6 +74,8 @@ class ClosureWarning(UserWarning):
     """A module the function reaches through its closure is not lifted: it sits
     beyond the closure search's limits (see docs/concepts.md#closures-are-lifted).
     Its values are constants of the compiled code; pass it as an argument."""
+
+    __module__ = PUBLIC_MODULE  # shown as treemode.ClosureWarning
 
 
 MAX_DEPTH = 4  # function hops followed from the transformed function

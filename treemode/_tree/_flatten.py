@@ -25,7 +25,7 @@ from flax.nnx.statelib import State
 from jax.core import Tracer
 from jax.tree_util import PyTreeDef
 
-from .. import _caches
+from .. import _caches, _compat
 from .._accel import _compiled
 from .._compat import metadata_of as _metadata_of
 from .._compat import raw_value_of as _raw_value_of
@@ -660,6 +660,7 @@ def one_leaf_values(values: Iterable[Any]) -> bool:
     return True
 
 
+@_compat.api_boundary  # treemode's frames are left out of tracebacks
 def check_no_aliases(transform: str = "check_no_aliases", /, **trees: Any) -> None:
     """Raise `AliasError` if one Variable is reachable twice from ``trees``.
 
