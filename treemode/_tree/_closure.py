@@ -157,15 +157,26 @@ _TRANSFORMS = tuple(
 )
 
 
-def _boundary_code() -> types.CodeType | None:
+def _boundary_codes() -> frozenset[types.CodeType]:
+    """The code objects of the layers `_compat.api_boundary` wraps a function in
+    (JAX's boundary, and treemode's filter of chained causes)."""
+
     def probe() -> None:
         pass
 
-    bounded = _compat.api_boundary(probe)
-    return None if bounded is probe else getattr(bounded, "__code__", None)
+    codes: set[types.CodeType] = set()
+    layer: Any = _compat.api_boundary(probe)
+    for _ in range(8):  # the layers down to ``probe``, through ``__wrapped__``
+        if layer is probe or layer is None:
+            break
+        code = getattr(layer, "__code__", None)
+        if code is not None:
+            codes.add(code)
+        layer = getattr(layer, "__wrapped__", None)
+    return frozenset(codes)
 
 
-_BOUNDARY_CODE = _boundary_code()
+_BOUNDARY_CODES = _boundary_codes()
 
 
 def wrapper_reads(wrapper: Any) -> dict[str, Any] | None:
@@ -195,7 +206,7 @@ class _Plan:
         # A function a treemode transform returns: only its cells are read (its
         # globals are treemode's), and it is no hop of its own (see `_Walk.visit_function`).
         self.see_through = not self.user_code and (
-            code.co_filename.startswith(_TRANSFORMS) or code is _BOUNDARY_CODE
+            code.co_filename.startswith(_TRANSFORMS) or code in _BOUNDARY_CODES
         )
         self.global_names = () if self.see_through else _global_names(code)
         # Names a substituted copy loads from the builtins (`treemode._pipeline._substitute`).
