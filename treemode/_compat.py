@@ -423,18 +423,6 @@ def _flax_graph_prefix() -> tuple[type | None, Any]:
 FLAX_TREE_STATE, flax_from_tree = _flax_graph_prefix()
 
 
-def _jaxpr_as_fun() -> Any:
-    """JAX's ``jaxpr_as_fun`` (public in ``jax.extend.core``; older JAX: ``jax.core``)."""
-    try:
-        from jax.extend import core as extend_core
-
-        return extend_core.jaxpr_as_fun
-    except (ImportError, AttributeError):  # pragma: no cover - JAX before jax.extend.core has it
-        import jax.core
-
-        return jax.core.jaxpr_as_fun  # type: ignore[attr-defined]
-
-
 def _trace_context() -> Callable[[], Any]:
     """JAX's trace context: the configuration its trace caches are keyed on (x64,
     default matmul precision, dtype and rank promotion, default device, mesh and
@@ -461,11 +449,6 @@ def trace_key(avals: Any) -> tuple[Any, ...]:
     and the current trace context. A cache in front of ``jax.jit`` that is keyed on
     this is reused exactly where ``jax.jit`` would reuse its trace."""
     return (trace_context(), tuple(avals))
-
-
-# A closed jaxpr as a function of its inputs: how a donated `treemode.jit`
-# executable replays the trace that told it what the function writes.
-jaxpr_as_fun = _jaxpr_as_fun()
 
 
 __all__ = [
