@@ -11,6 +11,9 @@ That needs a few names Flax and JAX do not document:
   ``_trace_ref``, the weak reference to the trace that Flax compares;
 - JAX's per-thread ``jax._src.core.trace_state``, whose ``value`` is that weak
   reference for the current trace, read without building the opaque wrapper;
+- JAX's ``jax._src.config.trace_context()``: the configuration JAX keys its
+  traces on, which treemode's caches in front of ``jax.jit`` are keyed on too
+  (`trace_key`);
 - ``flax.nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache``, set by
   ``nnx.cached_partial`` for the Flax transform it calls to consume: a treemode
   wrapper called through it takes it (clears it, as a Flax transform would) and
