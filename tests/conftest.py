@@ -71,6 +71,7 @@ def _tracer_leak_mode(request):
 # Tests of a piece that has a compiled and a Python implementation take the
 # `implementation` fixture: both where the extension is on, the Python one where
 # it is off; tests of the C code alone take `extension`.
+import treemode  # noqa: E402
 from treemode._accel import _compiled  # noqa: E402
 from treemode._pipeline import _call, _callsite, _writeback  # noqa: E402
 from treemode._tree import _flatten  # noqa: E402
@@ -98,8 +99,12 @@ def implementation(request, monkeypatch):
     monkeypatch.setattr(_flatten, "_cache", {})
     if request.param == "python":
         monkeypatch.setattr(_flatten, "_compiled_holds", None)
+        # The records of the compiled path (in the tables of module-level functions)
+        # hold flattenings whose guards are compiled: start without them.
+        treemode.clear_caches()
         with python_executor(monkeypatch):
             yield request.param
+        treemode.clear_caches()
         return
     yield request.param
 
