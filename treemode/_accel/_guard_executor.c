@@ -67,36 +67,18 @@ guarded_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
-/* The C types here (`Guarded`, `FastRecord`, `FastCall`) keep their objects in
- * consecutive fields: one traverse and one clear serve them all. */
-static int
-fields_traverse(PyObject **fields, int n, visitproc visit, void *arg)
-{
-    for (int i = 0; i < n; i++)
-        Py_VISIT(fields[i]);
-    return 0;
-}
-
-static int
-fields_clear(PyObject **fields, int n)
-{
-    for (int i = 0; i < n; i++)
-        Py_CLEAR(fields[i]);
-    return 0;
-}
-
 #define GUARDED_OBJECTS TM_GUARDED_SIZE /* arg, state, variables, flat, in this order */
 
 static int
 guarded_traverse(GuardedObject *self, visitproc visit, void *arg)
 {
-    return fields_traverse(&self->arg, GUARDED_OBJECTS, visit, arg);
+    return tm_fields_traverse(&self->arg, GUARDED_OBJECTS, visit, arg);
 }
 
 static int
 guarded_clear(GuardedObject *self)
 {
-    return fields_clear(&self->arg, GUARDED_OBJECTS);
+    return tm_fields_clear(&self->arg, GUARDED_OBJECTS);
 }
 
 static void
@@ -272,7 +254,7 @@ write_back(PyObject *variables, PyObject *updates)
     return written;
 }
 
-/* ---- The fast-path record and its executor ----
+/* ---- The executor of the fast-path record (`FastRecord`: _guard_record.c) ----
  *
  * After a call, the Python pipeline (treemode._pipeline._callsite.fast_record)
  * emits a `FastRecord`, or None where a fast path cannot be trusted; a
@@ -282,146 +264,6 @@ write_back(PyObject *variables, PyObject *updates)
  * make, an unusual signal-hold state, other keyword names) is a miss, handed to
  * the one Python callback, `miss(self, error, args, kwargs)`: `error` is None, or
  * the exception the compiled entry raised. */
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *key, *slots, *partial_args, *kw_names, *closure_reads, *closure_holders,
-        *lifted_slots, *jitted, *donated, *kept, *trace, *checked, *avals;
-} RecordObject;
-
-/* The record's fields, in the order of `RecordObject` (after `version`). */
-static char *record_fields[] = {TM_RECORD_FIELD_NAMES, NULL};
-#define RECORD_OBJECTS (TM_RECORD_SIZE - 1)
-
-static PyTypeObject FastRecord_Type;
-
-/* Whether `t` is a tuple whose items are None or weak references (or, with
- * `indices`, non-negative ints). */
-static int
-tuple_of(PyObject *t, int indices)
-{
-    if (!PyTuple_Check(t))
-        return 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
-        PyObject *item = PyTuple_GET_ITEM(t, i);
-        if (indices ? !PyLong_Check(item) || PyLong_AsSsize_t(item) < 0
-                    : item != Py_None && !PyWeakref_CheckRef(item)) {
-            PyErr_Clear();
-            return 0;
-        }
-    }
-    return 1;
-}
-
-static PyObject *
-record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    PyObject *version = NULL, *f[RECORD_OBJECTS] = {NULL};
-    PyTypeObject *t = &PyTuple_Type;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$O!OO!O!O!O!O!O!OOOOO!O!:FastRecord",
-                                     record_fields, &PyLong_Type, &version, &f[0], t, &f[1], t,
-                                     &f[2], t, &f[3], t, &f[4], t, &f[5], t, &f[6], &f[7], &f[8],
-                                     &f[9], &f[10], t, &f[11], t, &f[12]))
-        return NULL;
-    for (int i = -1; i < RECORD_OBJECTS; i++) {
-        if ((i < 0 ? version : f[i]) == NULL)
-            return PyErr_Format(PyExc_TypeError, "FastRecord: missing field %s",
-                                record_fields[i + 1]);
-    }
-    if (PyLong_AsLong(version) != TM_RECORD_VERSION_NUMBER)
-        return PyErr_Format(PyExc_ValueError,
-                            "FastRecord: a version %R record; this extension executes version %d",
-                            version, TM_RECORD_VERSION_NUMBER);
-    /* f[i] is the field TM_RECORD_<NAME> (version is field 0). */
-#define FIELD(name) f[TM_RECORD_##name - 1]
-    PyObject *kw_names = FIELD(KW_NAMES), *reads = FIELD(CLOSURE_READS);
-    PyObject *donated = FIELD(DONATED), *kept = FIELD(KEPT);
-    int ok = PyTuple_GET_SIZE(reads) == TM_READS_SIZE && tuple_of(FIELD(SLOTS), 0) &&
-             tuple_of(FIELD(LIFTED_SLOTS), 0) &&
-             PyTuple_GET_SIZE(FIELD(CLOSURE_HOLDERS)) == PyTuple_GET_SIZE(FIELD(LIFTED_SLOTS)) &&
-             PyCallable_Check(FIELD(JITTED)) &&
-             ((donated == Py_None && kept == Py_None) || (tuple_of(donated, 1) && tuple_of(kept, 1))) &&
-             tuple_of(FIELD(CHECKED), 1) &&
-             PyTuple_GET_SIZE(FIELD(CHECKED)) == PyTuple_GET_SIZE(FIELD(AVALS));
-#undef FIELD
-    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(kw_names); i++)
-        ok = PyUnicode_CheckExact(PyTuple_GET_ITEM(kw_names, i));
-    for (Py_ssize_t i = 0; ok && i < TM_READS_SIZE; i++)
-        ok = PyTuple_Check(PyTuple_GET_ITEM(reads, i));
-    if (!ok) {
-        PyErr_SetString(PyExc_TypeError,
-                        "FastRecord: slots are None or weak references, kw_names str, "
-                        "closure_reads 7 tuples, "
-                        "lifted_slots weak references (one per closure holder), jitted a "
-                        "callable, donated and kept both None or both tuples of indices, "
-                        "checked a tuple of indices and avals a tuple of as many");
-        return NULL;
-    }
-    RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    PyObject **fields = &self->key;
-    for (int i = 0; i < RECORD_OBJECTS; i++)
-        fields[i] = Py_NewRef(f[i]);
-    return (PyObject *)self;
-}
-
-static int
-record_traverse(RecordObject *self, visitproc visit, void *arg)
-{
-    return fields_traverse(&self->key, RECORD_OBJECTS, visit, arg);
-}
-
-static int
-record_clear(RecordObject *self)
-{
-    return fields_clear(&self->key, RECORD_OBJECTS);
-}
-
-static void
-record_dealloc(RecordObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    record_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-#define RECORD_MEMBER(name, doc) \
-    {#name, T_OBJECT, offsetof(RecordObject, name), READONLY, doc}
-static PyMemberDef record_members[] = {
-    RECORD_MEMBER(key, "what tells this record from the others of its table (==): "
-                       "the objects and the signature it was made for"),
-    RECORD_MEMBER(slots, "per argument (bound ones first): None (an array) or a weak "
-                         "reference to its Guarded"),
-    RECORD_MEMBER(partial_args, "the arguments jit_partial bound"),
-    RECORD_MEMBER(kw_names, "the names of the keyword arguments, in the slots' order"),
-    RECORD_MEMBER(closure_reads, "the reads the closure search's answer depends on"),
-    RECORD_MEMBER(closure_holders, "holders of the closure objects the search lifted"),
-    RECORD_MEMBER(lifted_slots, "weak references to their Guarded"),
-    RECORD_MEMBER(jitted, "the compiled entry: takes the arrays, or (donated, kept)"),
-    RECORD_MEMBER(donated, "None, or the positions of the donated arrays"),
-    RECORD_MEMBER(kept, "None, or the positions of the other arrays"),
-    RECORD_MEMBER(trace, "the trace (its weak reference) the Variables may be written in"),
-    RECORD_MEMBER(checked, "positions of the arrays whose abstract values are checked"),
-    RECORD_MEMBER(avals, "what typeof must give for each of them (==)"),
-    {NULL, 0, 0, 0, NULL},
-};
-
-static PyTypeObject FastRecord_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "treemode._accel._guard.FastRecord",
-    .tp_doc = PyDoc_STR("FastRecord(*, version, key, slots, partial_args, kw_names, "
-                        "closure_reads, closure_holders, lifted_slots, jitted, donated, kept, "
-                        "trace, checked, avals): how a repeated treemode.jit call runs, as the "
-                        "Python pipeline decided it."),
-    .tp_basicsize = sizeof(RecordObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = record_new,
-    .tp_traverse = (traverseproc)record_traverse,
-    .tp_clear = (inquiry)record_clear,
-    .tp_dealloc = (destructor)record_dealloc,
-    .tp_members = record_members,
-};
 
 /* Donation: XLA cannot donate one buffer twice, nor a buffer also passed
  * undonated; a call where two of the arrays are one object is a miss (the
@@ -517,7 +359,7 @@ finish_write(PyObject *variables, PyObject *updates)
  * exception set (raised as it is: a failed write, undone, or finished after a
  * donated call); or NULL without either: a miss. */
 static PyObject *
-execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
+execute(tm_record *r, PyObject *args, PyObject *kwargs, PyObject **error)
 {
     PyObject *roots = NULL, *result = NULL, *out = NULL, *token = NULL, *split[2] = {NULL, NULL};
     PyObject *dynamic = PyList_New(0), *variables = PyList_New(0);
@@ -669,14 +511,14 @@ typedef struct {
 static int
 table_add(PyObject *records, PyObject *record)
 {
-    PyObject *key = ((RecordObject *)record)->key;
+    PyObject *key = ((tm_record *)record)->key;
     for (Py_ssize_t i = PyList_GET_SIZE(records) - 1; i >= 0; i--) {
         if (i >= PyList_GET_SIZE(records))
             continue; /* a comparison ran Python code that shortened the table */
         PyObject *old = Py_NewRef(PyList_GET_ITEM(records, i));
         int same = 0;
-        if (Py_IS_TYPE(old, &FastRecord_Type))
-            same = PyObject_RichCompareBool(((RecordObject *)old)->key, key, Py_EQ);
+        if (Py_IS_TYPE(old, &tm_record_type))
+            same = PyObject_RichCompareBool(((tm_record *)old)->key, key, Py_EQ);
         if (same > 0 && i < PyList_GET_SIZE(records) && PyList_GET_ITEM(records, i) == old)
             same = PySequence_DelItem(records, i) < 0 ? -1 : 1;
         Py_DECREF(old);
@@ -701,8 +543,8 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records) && error == NULL; i++) {
             PyObject *record = Py_NewRef(PyList_GET_ITEM(records, i));
             PyObject *result = NULL;
-            if (Py_IS_TYPE(record, &FastRecord_Type))
-                result = execute((RecordObject *)record, args, kwargs, &error);
+            if (Py_IS_TYPE(record, &tm_record_type))
+                result = execute((tm_record *)record, args, kwargs, &error);
             Py_DECREF(record);
             if (result != NULL || (error == NULL && PyErr_Occurred())) {
                 Py_DECREF(records);
@@ -728,7 +570,7 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     PyObject *out = Py_NewRef(PyTuple_GET_ITEM(result, TM_MISS_OUT));
     PyObject *record = PyTuple_GET_ITEM(result, TM_MISS_RECORD);
-    if (Py_IS_TYPE(record, &FastRecord_Type) && f->records != NULL && PyList_Check(f->records)) {
+    if (Py_IS_TYPE(record, &tm_record_type) && f->records != NULL && PyList_Check(f->records)) {
         PyObject *records = Py_NewRef(f->records);
         int failed = table_add(records, record);
         Py_DECREF(records);
@@ -746,13 +588,13 @@ static int
 fast_call_traverse(FastCallObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
-    return fields_traverse(&self->records, 2, visit, arg); /* records, miss */
+    return tm_fields_traverse(&self->records, 2, visit, arg); /* records, miss */
 }
 
 static int
 fast_call_clear(FastCallObject *self)
 {
-    return fields_clear(&self->records, 2);
+    return tm_fields_clear(&self->records, 2);
 }
 
 static void
@@ -788,16 +630,13 @@ static PyTypeObject FastCall_Type = {
 };
 
 
-/* Adds the executor's types and the record's version and fields. */
+/* Adds the executor's types and the bound of its table. */
 int
 tm_executor_exec(PyObject *module)
 {
     if (tm_add_type(module, "Guarded", &Guarded_Type) < 0 ||
-        tm_add_type(module, "FastRecord", &FastRecord_Type) < 0 ||
         tm_add_type(module, "FastCall", &FastCall_Type) < 0 ||
-        PyModule_AddIntConstant(module, "RECORD_VERSION", TM_RECORD_VERSION_NUMBER) < 0 ||
-        PyModule_AddIntConstant(module, "RECORDS_BOUND", TM_RECORDS_BOUND) < 0 ||
-        tm_add_names(module, "RECORD_FIELDS", record_fields) < 0)
+        PyModule_AddIntConstant(module, "RECORDS_BOUND", TM_RECORDS_BOUND) < 0)
         return -1;
     return 0;
 }
