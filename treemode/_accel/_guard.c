@@ -1,6 +1,6 @@
 /* treemode's optional compiled extension (imported only by treemode/_accel/_compiled.py).
  *
- * One module, five files (their jobs: _guard.h): this one defines the module,
+ * One module, six files (their jobs: _guard.h): this one defines the module,
  * its configuration and `configure`.
  *
  * Kernels, each with a Python twin bound to it by tests/test_twins.py (the

@@ -5,7 +5,8 @@
  *   _guard_kernels.c   the guard (`holds`, the dict version tags), the closure-read check;
  *   _guard_record.c    the fast-path record (`FastRecord`): its type, constructor, members;
  *   _guard_executor.c  the executor of the fast-path record (`Guarded`, `FastCall`, the
- *                      table), its matching and its write-back;
+ *                      table) and its matching;
+ *   _guard_write.c     the executor's write-back, all or nothing, and its finish;
  *   _guard_hold.c      the signal hold of a donated call and the exception plumbing.
  *
  * Names shared between the files start with `tm_`; everything else is static.
@@ -78,6 +79,10 @@ int tm_record_exec(PyObject *module);
 
 /* _guard_executor.c */
 int tm_executor_exec(PyObject *module);
+
+/* _guard_write.c */
+Py_ssize_t tm_write_back(PyObject *variables, PyObject *updates);
+void tm_finish_write(PyObject *variables, PyObject *updates);
 
 /* _guard_hold.c */
 PyObject *tm_hold_signals(PyObject *donated);
