@@ -199,8 +199,8 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path, whe
                 have = md.version(req.name)
                 assert req.specifier.contains(have, prereleases=True), (line, have)
 
-        from treemode._tree import _flatten
-        assert _flatten._compiled_holds is not None, "the compiled guard did not load"
+        from treemode._tree import _flat_guard
+        assert _flat_guard._compiled_holds is not None, "the compiled guard did not load"
 
         model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
         y = treemode.jit(lambda m, x: m(x))(model, jnp.ones((1, 2)))
