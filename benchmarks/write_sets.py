@@ -24,7 +24,8 @@ Peers, side by side in one process, interleaved:
 After the warm-up every peer's Variables are checked against the floor's
 arrays. Target: ``treemode.jit`` ≤ 1.10× the floor (median).
 
-Run: ``python benchmarks/write_sets.py [--quick]`` or ``python benchmarks/run.py --only write_sets``.
+Run: ``python benchmarks/write_sets.py [--quick]``
+or ``python benchmarks/run.py --only write_sets``.
 """
 
 from __future__ import annotations
@@ -158,7 +159,10 @@ def run(config: Config) -> list[Table]:
             "in a subprocess with TREEMODE_NO_EXTENSION=1, as a ratio to that process's floor."
         )
     tables = ratio_table(
-        "write_sets", "Two write sets in turn: microseconds per sample", peers, "floor",
+        "write_sets",
+        "Two write sets in turn: microseconds per sample",
+        peers,
+        "floor",
         [(LABEL, timings)],
     )
     tables[0].note = note
