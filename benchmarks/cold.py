@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import Config, Table, case_main
+from _common import RESULTS, Config, Table, case_main
 
 PEERS = ["floor", "treemode.jit", "treemode.jit (no C)"]
 XLA_O0 = "--xla_backend_optimization_level=0"
@@ -260,35 +260,49 @@ def run(config: Config) -> list[Table]:
     peers = _usable_peers()
     results = measure_cold(config, peers)
     names = labels(config.name)
-    tables = []
     data: dict[str, Any] = {}
+    for case, per_peer in results.items():
+        for what in ("first", "retrace"):
+            data.setdefault(names[case], {})[what] = {
+                "ms": {p: [run[what]["s"] * 1e3 for run in per_peer[p]] for p in peers},
+                "counts": {p: per_peer[p][-1][what] for p in peers},
+            }
+    return cold_tables(data, peers, _rounds(config))
+
+
+def paired_ratio(ms: dict[str, list[float]], peer: str) -> float:
+    """The median over rounds of ``peer``'s time over the floor's in the same round."""
+    return statistics.median(a / b for a, b in zip(ms[peer], ms["floor"], strict=True))
+
+
+def cold_tables(data: dict[str, Any], peers: list[str], rounds: int) -> list[Table]:
+    """The two tables (first step, retrace) from per-case, per-call raw data: ``ms``
+    (per peer, one time per round, rounds in order) and ``counts`` (per peer)."""
+    tables = []
     for what, title in (("first", "Time to first step"), ("retrace", "Retrace")):
         rows = []
-        for case, per_peer in results.items():
-            ms = {p: [run[what]["s"] * 1e3 for run in per_peer[p]] for p in peers}
+        for label, per_call in data.items():
+            ms, counts = per_call[what]["ms"], per_call[what]["counts"]
             med = {p: statistics.median(v) for p, v in ms.items()}
+            per_call[what]["median_ms"] = med
+            per_call[what]["paired"] = {p: paired_ratio(ms, p) for p in peers if p != "floor"}
             cells = []
             for p in peers:
-                spread = f"{min(ms[p]):.0f}–{max(ms[p]):.0f}"
+                spread = f"{min(ms[p]):.0f}–{max(ms[p]):.0f} ms"
                 if p == "floor":
                     cells.append(f"{med[p]:.0f} ms ({spread})")
                 else:
-                    cells.append(f"{med[p] / med['floor']:.2f}× ({med[p]:.0f} ms; {spread})")
-            counts = {p: per_peer[p][-1][what] for p in peers}
+                    ratio, paired = med[p] / med["floor"], per_call[what]["paired"][p]
+                    cells.append(f"{ratio:.2f}× (paired {paired:.2f}×; {spread})")
             cells.append(
                 "; ".join(f"{p}: " + "/".join(str(counts[p][c]) for c in COUNTS) for p in peers)
             )
-            rows.append((names[case], cells))
-            data.setdefault(names[case], {})[what] = {
-                "ms": ms,
-                "median_ms": med,
-                "counts": counts,
-            }
+            rows.append((label, cells))
         tables.append(
             Table(
                 key=f"cold_{what}",
                 title=f"{title} in a fresh process, XLA at -O0 (median of "
-                f"{_rounds(config)} processes; floor in ms, peers as ratio to the floor)",
+                f"{rounds} processes; floor in ms, peers as ratio to the floor)",
                 columns=[
                     *peers,
                     "traces top-level/nested, lowerings, compilations, Python runs",
@@ -298,16 +312,20 @@ def run(config: Config) -> list[Table]:
                 note=""
                 if what == "retrace"
                 else (
-                    "Each cell: the median over fresh processes (one per measurement, the "
-                    "peers rotating round by round), in parentheses the range. Time to "
-                    "first step: the first call of the donated step, waited for (model and "
-                    "arrays built before). Retrace: then the first call with a new input "
-                    "signature (a doubled batch; for the decode step, the token in "
-                    "bfloat16). Every process runs with "
-                    f"`XLA_FLAGS={XLA_O0}` and `JAX_ENABLE_COMPILATION_CACHE=false`. The "
-                    "counts are JAX's (its test-event hook) during that call: traces of a "
-                    "`jit` outside any other trace / inside one, lowerings to MLIR, XLA "
-                    "compilations; then how often the step's Python body ran."
+                    "Each cell: the ratio of the peer's median to the floor's median over "
+                    "fresh processes (one per measurement, the peers rotating round by "
+                    "round); in parentheses the median of the per-round ratios (the peer "
+                    "and the floor of the same round, which saw the same load) and the "
+                    "range. On a shared 2-core machine one process can take twice another's "
+                    "time: read differences under about 20% as noise. Time to first step: "
+                    "the first call of the donated step, waited for (model and arrays built "
+                    "before). Retrace: then the first call with a new input signature (a "
+                    "doubled batch; for the decode step, the token in bfloat16). Every "
+                    f"process runs with `XLA_FLAGS={XLA_O0}` and "
+                    "`JAX_ENABLE_COMPILATION_CACHE=false`. The counts are JAX's (its "
+                    "test-event hook) during that call: traces of a `jit` outside any other "
+                    "trace / inside one, lowerings to MLIR, XLA compilations; then how "
+                    "often the step's Python body ran."
                 ),
                 data={"cold": data} if what == "first" else {},
             )
@@ -315,10 +333,26 @@ def run(config: Config) -> list[Table]:
     return tables
 
 
+def render(out: Path) -> None:
+    """Rewrite the tables from the raw data of the last run in ``out/results.json``."""
+    from _common import CONFIGS, print_tables, write_tables
+
+    saved = json.loads((out / "results.json").read_text())
+    data = saved["cold_first"]["cold"]
+    peers = list(next(iter(data.values()))["first"]["ms"])
+    rounds = len(next(iter(data.values()))["first"]["ms"]["floor"])
+    tables = cold_tables(data, peers, rounds)
+    print_tables(tables)
+    write_tables(tables, out, CONFIGS[saved["_run"]["config"]])
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         case, peer, size, out = sys.argv[2:6]
         _child_main(case, peer, int(size), out)
+        return
+    if sys.argv[1:2] == ["--render"]:  # the tables again, from the saved raw data
+        render(Path(sys.argv[2]) if len(sys.argv) > 2 else RESULTS)
         return
     case_main(__doc__, run)
 
