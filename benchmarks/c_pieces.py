@@ -5,7 +5,7 @@ Adam train step), each piece is timed alone on the very inputs a repeated call
 hands it, compiled and in Python, and the whole call the record runs is timed
 against the Python executor:
 
-- ``holds``: the flattening guard (`treemode._tree._flatten._Guard.holds`);
+- ``holds``: the flattening guard (`treemode._tree._flat_guard.Guard.holds`);
 - ``holds`` without version tags: the same guard state with its dict version
   tags left out (every dict compared, as on Python 3.12+): what the tags save
   (the row reads "n/a" where the interpreter has none);

@@ -32,11 +32,14 @@ SECTIONS = [
     ("2. Cost per Variable", "per_variable", "per_variable.png"),
     ("3. Eager transforms", "eager", None),
     ("4. Memory", "memory", None),
+    ("4b. Live memory after undonated steps", "live_memory", None),
     ("5. Trace count and compile time", "compilation", None),
     ("Where the time goes", "stages", None),
     ("6. Decoding at scale", "decode", None),
     ("7. Real loops", "loops", None),
     ("7b. Real loops on a GPU", "loops_gpu", None),
+    ("8. Two write sets in turn", "write_sets", None),
+    ("9. Cold calls and retraces", "cold", None),
 ]
 
 

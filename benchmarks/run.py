@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+import cold
 import compilation
 import decode
 import dispatch
@@ -25,6 +26,7 @@ import per_variable
 import report
 import stages
 import targets
+import write_sets
 from _common import (
     RESULTS,
     Table,
@@ -40,10 +42,13 @@ CASES = {
     "per_variable": per_variable.run,
     "eager": eager.run,
     "memory": memory.run,
+    "live_memory": memory.run_live,
     "compilation": compilation.run,
     "stages": stages.run,
     "decode": decode.run,
     "loops": loops.run,
+    "write_sets": write_sets.run,
+    "cold": cold.run,
 }
 
 

@@ -71,9 +71,10 @@ def _tracer_leak_mode(request):
 # Tests of a piece that has a compiled and a Python implementation take the
 # `implementation` fixture: both where the extension is on, the Python one where
 # it is off; tests of the C code alone take `extension`.
+import treemode  # noqa: E402
 from treemode._accel import _compiled  # noqa: E402
 from treemode._pipeline import _call, _callsite, _writeback  # noqa: E402
-from treemode._tree import _flatten  # noqa: E402
+from treemode._tree import _flat_guard, _flatten  # noqa: E402
 
 IMPLEMENTATIONS = ["compiled", "python"] if _compiled.ENABLED else ["python"]
 
@@ -97,9 +98,13 @@ def implementation(request, monkeypatch):
     """
     monkeypatch.setattr(_flatten, "_cache", {})
     if request.param == "python":
-        monkeypatch.setattr(_flatten, "_compiled_holds", None)
+        monkeypatch.setattr(_flat_guard, "_compiled_holds", None)
+        # The records of the compiled path (in the tables of module-level functions)
+        # hold flattenings whose guards are compiled: start without them.
+        treemode.clear_caches()
         with python_executor(monkeypatch):
             yield request.param
+        treemode.clear_caches()
         return
     yield request.param
 

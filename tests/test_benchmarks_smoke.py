@@ -74,6 +74,15 @@ CASES = {
             "Outputs of the compiled donated programs",
         ],
     ),
+    "live_memory": ("live_memory", ["Live bytes after", "decode step", "train step", "LoRA step"]),
+    "write_sets": (
+        "write_sets",
+        ["Two write sets in turn", "floor", "treemode.jit", "two write sets in turn"],
+    ),
+    "cold": (
+        "cold",
+        ["Time to first step", "Retrace", "donated decode", "donated train step", "LoRA step"],
+    ),
 }
 
 

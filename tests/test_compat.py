@@ -84,12 +84,12 @@ def test_a_missing_slot_is_an_import_error_naming_the_versions(fake_flax):
     report = _compat.check(RenamedVariable, **fake_flax)
     assert report.missing == ("RenamedVariable._raw_value",)
     with pytest.raises(ImportError, match=r"RenamedVariable\._raw_value not found") as raised:
-        _compat.resolve(report, installed="jax 0.12.0, jaxlib 0.12.0, flax 0.14.1")
+        _compat.resolve(report, installed="jax 0.13.0, jaxlib 0.13.0, flax 0.14.1")
     message = str(raised.value)
     assert message.startswith(
-        "treemode does not support the installed Flax/JAX (jax 0.12.0, jaxlib 0.12.0, "
+        "treemode does not support the installed Flax/JAX (jax 0.13.0, jaxlib 0.13.0, "
         "flax 0.14.1): RenamedVariable._raw_value not found. Supported: "
-        "jax 0.9.2 or newer (tested to 0.10.x), jaxlib 0.9.2 or newer (tested to 0.10.x), "
+        "jax 0.9.2 or newer (tested to 0.12.x), jaxlib 0.9.2 or newer (tested to 0.12.x), "
         "flax 0.12.6 or newer (tested to 0.12.x). This treemode cannot run with them"
     ), message
     assert "https://github.com/treemode/treemode/issues" in message
@@ -105,10 +105,10 @@ def test_attributes_outside_slots_turn_the_compiled_path_off_with_one_warning(fa
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # _compat only decides; _compiled warns
         assert _compat.resolve(report) is False
-    problem = _compat.slots_problem(report, installed="jax 0.12.0, jaxlib 0.12.0, flax 0.14.1")
+    problem = _compat.slots_problem(report, installed="jax 0.13.0, jaxlib 0.13.0, flax 0.14.1")
     assert problem == (
         "; ".join(report.unslotted)
-        + " (installed: jax 0.12.0, jaxlib 0.12.0, flax 0.14.1; supported: "
+        + " (installed: jax 0.13.0, jaxlib 0.13.0, flax 0.14.1; supported: "
         + _compat.SUPPORTED_VERSIONS
         + ")"
     )

@@ -581,3 +581,120 @@ def test_flip_5310_is_linked_wherever_it_is_named() -> None:
             if not (before.endswith("[") and prose[m.end() :].startswith("](http")):
                 unlinked.append(f"{path.relative_to(ROOT)}: ...{prose[m.start() - 40 : m.end()]}")
     assert not unlinked, unlinked
+
+
+# -- What the public docstrings claim about donation, closures and caching ----------
+#
+# `help(treemode.jit)` is read as often as the guides, so it must state each rule as
+# the guides do. A rule is checked in a form a test can decide: the guide states it
+# in its words (`guide_says`, so that a new rule in the guide fails here until the
+# docstrings follow); the docstrings that state it say so (`must`, per public
+# object); and no public docstring, no doc page and no README line keeps a retired
+# wording of an old rule (`retired`). Text is compared with its whitespace and
+# Markdown emphasis collapsed, so line breaks do not matter.
+
+
+@dataclasses.dataclass(frozen=True)
+class DocRule:
+    topic: str
+    guide: str  # the page of docs/ that states the rule
+    guide_says: tuple[str, ...]
+    must: dict[str, tuple[str, ...]]  # public object -> phrases its docstring holds
+    retired: tuple[str, ...] = ()
+
+
+DOC_RULES = [
+    DocRule(
+        "donation by effect",
+        "guides/jit.md",
+        (
+            "a donated argument donates exactly what the function writes: the buffers "
+            "of the Variables it changes",
+            "A donated model's read-only Variables keep their buffers: they are passed undonated",
+        ),
+        {
+            "treemode.jit": (
+                "donates the buffers of the Variables the function writes",
+                "its read-only Variables are passed undonated and keep their buffers",
+            ),
+        },
+        retired=(
+            "Their Variables are refreshed with the output buffers",
+            "every Variable of a donated argument is donated",
+        ),
+    ),
+    DocRule(
+        "closures are read fresh",
+        "concepts.md",
+        (
+            "Reads see the current values on every call (never a stale constant baked "
+            "into the compiled code) and writes are written back",
+        ),
+        {
+            "treemode.jit": (
+                "reaches through its closure",
+                "read fresh on every call",
+                "written back",
+            ),
+        },
+        retired=("closed-over modules are constants of the compiled code",),
+    ),
+    DocRule(
+        "caching: one trace per call structure",
+        "guides/jit.md",
+        (
+            "A call compiles a new version exactly when something the compiled code "
+            "depends on, other than array values, is new",
+        ),
+        {
+            "treemode.jit": ("traced and compiled once per call structure", "traces again"),
+            "treemode.clear_caches": ("the next call of each transform traces again",),
+        },
+    ),
+]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.replace("**", "").replace("`", "").split())
+
+
+def _public_docstrings() -> dict[str, str]:
+    out = {}
+    for qualname, obj in public_objects():
+        doc = inspect.getdoc(obj) if not isinstance(obj, property) else obj.__doc__
+        out[qualname] = _flat(doc or "")
+    return out
+
+
+@pytest.mark.parametrize("rule", DOC_RULES, ids=lambda r: r.topic)
+def test_docstrings_state_the_rules_of_the_guides(rule: DocRule) -> None:
+    guide = _flat((ROOT / "docs" / rule.guide).read_text(encoding="utf-8"))
+    for phrase in rule.guide_says:
+        assert _flat(phrase) in guide, (
+            f"docs/{rule.guide} no longer says {phrase!r}: update DOC_RULES and the "
+            "docstrings that state the rule"
+        )
+    docs = _public_docstrings()
+    for qualname, phrases in rule.must.items():
+        for phrase in phrases:
+            assert _flat(phrase) in docs[qualname], (
+                f"help({qualname}) must state {rule.topic} as docs/{rule.guide} does: "
+                f"missing {phrase!r}"
+            )
+    pages = {
+        str(p.relative_to(ROOT)): _flat(p.read_text(encoding="utf-8")) for p in _markdown_files()
+    }
+    for phrase in rule.retired:
+        stale = [name for name, text in {**docs, **pages}.items() if _flat(phrase) in text]
+        assert not stale, f"retired wording {phrase!r} ({rule.topic}) still in {stale}"
+
+
+def test_doc_rules_can_fail() -> None:
+    """The retired wording really was in help(treemode.jit) (the check would have
+    found it), and `_flat` ignores line breaks and emphasis."""
+    old = (
+        "arguments whose buffers XLA may reuse.\n      Their Variables are refreshed with "
+        "the output buffers, so the modules stay\n      usable."
+    )
+    assert _flat(DOC_RULES[0].retired[0]) in _flat(old)
+    assert _flat("**a donated argument\ndonates exactly**") == "a donated argument donates exactly"

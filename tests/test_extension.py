@@ -170,6 +170,28 @@ def test_each_reason(environ, layout, importer, expected) -> None:
     assert (module is not None) is status.active
 
 
+@pytest.mark.parametrize(
+    ("reason", "says", "never"),
+    [
+        (
+            "failed to load: undefined symbol: _PyType_Lookup",
+            "reinstall treemode from its "
+            "source with this Python, rebuilding it: pip install --force-reinstall",
+            "C compiler",
+        ),
+        (
+            "layout not supported: Variable._raw_value is not a __slots__ member",
+            "A reinstall cannot help",
+            "pip install",
+        ),
+    ],
+)
+def test_the_warning_advises_what_helps_for_its_reason(reason, says, never) -> None:
+    message = _compiled.warning_text(_compiled.ExtensionStatus(False, reason))
+    assert f"not active ({reason})." in message
+    assert says in message and never not in message, message
+
+
 def test_a_missing_dependency_of_the_module_is_not_called_not_built() -> None:
     def missing_dependency() -> ModuleType:
         raise ModuleNotFoundError("No module named 'numpy'", name="numpy")
@@ -188,7 +210,13 @@ def test_announce_warns_once_unless_chosen_or_silenced() -> None:
         "treemode's compiled extension is not active (this installation of treemode has no "
         "compiled module: it was installed from source without a C compiler)."
     ), message
-    assert "pip install treemode" in message
+    # Advice that works today: treemode is not on the package index yet, so no
+    # `pip install treemode`; a C compiler and a rebuilding reinstall from source.
+    assert "pip install treemode" not in message
+    assert "install a C compiler" in message
+    assert f"rebuilding it: {_compiled.REBUILD}." in message
+    assert _compiled.REBUILD.startswith("pip install --force-reinstall --no-deps --no-cache-dir ")
+    assert message.endswith("Set TREEMODE_NO_EXTENSION_WARNING=1 to silence this warning.")
     assert message.endswith("Set TREEMODE_NO_EXTENSION_WARNING=1 to silence this warning.")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -20,7 +20,7 @@ from flax import nnx
 
 import treemode
 from treemode._accel import _compiled
-from treemode._tree import _flatten
+from treemode._tree import _flat_guard, _flatten
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +43,7 @@ def test_the_compiled_guard_is_built():
     assert module.FastRecord is not None and module.FastCall is not None
     assert flat._guard is not None
     entry = flat.origin or flat
-    if _flatten._compiled_holds is None:
+    if _flat_guard._compiled_holds is None:
         assert flat._guard.compiled_state is None and entry._fast is None
     else:  # what the compiled call-site match reads
         fast = entry._fast  # a Guarded: the argument, the guard state, the Variables, the entry
@@ -232,7 +232,7 @@ def test_version_tags_skip_unmodified_dicts_and_never_hide_a_change(extension):
     entry = flat.origin or flat
     state = flat._guard.compiled_state if flat._guard else None
     if state is None:  # the Python guard: no tags
-        assert _flatten._compiled_holds is None
+        assert _flat_guard._compiled_holds is None
         return
     tags_built = guard.version_tags([{}]) is not None
     assert len(state) == (18 if tags_built else 15)

@@ -397,3 +397,44 @@ def test_recursion_limit_restored_after_an_exit_cut_short(monkeypatch):
     m = Counter()
     assert float(treemode.jit(lambda m: m.w[...].sum())(m)) == 2.0
     assert sys.getrecursionlimit() == limit
+
+
+@pytest.mark.parametrize(
+    ("version", "helps"),
+    [
+        ((3, 11, 7), True),
+        ((3, 12, 0), False),
+        ((3, 12, 2), False),
+        ((3, 12, 3), True),
+        ((3, 13, 0), True),
+    ],
+)
+def test_the_deep_nesting_error_says_what_helps_on_each_python(version, helps):
+    """On CPython 3.12.0 to 3.12.2 raising the recursion limit cannot help (C-level
+    recursion is capped whatever it says): the error says so there, and advises
+    ``sys.setrecursionlimit`` elsewhere."""
+    from treemode._tree import _recursion
+
+    message = str(_recursion.recursion_error("jit", [("args[0]", _chain(3))], version))
+    assert "nested too deeply to flatten" in message
+    assert "nnx.List" in message
+    if helps:
+        assert "Raise the limit before calling (sys.setrecursionlimit)" in message
+        assert "cannot help" not in message
+    else:
+        shown = ".".join(map(str, version))
+        assert f"on Python {shown}" in message
+        assert "sys.setrecursionlimit says, so raising the limit cannot help here" in message
+        assert "Raise the limit" not in message
+
+
+def test_the_deep_nesting_error_raised_here_fits_the_running_python(monkeypatch):
+    from treemode._tree import _recursion
+
+    limit = sys.getrecursionlimit()
+    monkeypatch.setattr(_recursion, "RECURSION_HEADROOM", limit)
+    with pytest.raises(treemode.StructureError) as info:
+        treemode.jit(lambda m: 0, graph=True)(_chain(limit))
+    low, high = _recursion.CAPPED_C_RECURSION
+    capped = low <= tuple(sys.version_info[:3]) < high
+    assert ("cannot help here" in str(info.value)) == capped, str(info.value)

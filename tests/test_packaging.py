@@ -199,8 +199,8 @@ def test_wheel_builds_installs_into_a_fresh_venv_and_imports(tmp_path: Path, whe
                 have = md.version(req.name)
                 assert req.specifier.contains(have, prereleases=True), (line, have)
 
-        from treemode._tree import _flatten
-        assert _flatten._compiled_holds is not None, "the compiled guard did not load"
+        from treemode._tree import _flat_guard
+        assert _flat_guard._compiled_holds is not None, "the compiled guard did not load"
 
         model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
         y = treemode.jit(lambda m, x: m(x))(model, jnp.ones((1, 2)))
@@ -405,3 +405,44 @@ def test_the_wheel_tag_check_refuses_a_plain_linux_wheel(tmp_path: Path) -> None
     no_extension = _fake_wheel(other / good.name, [f"{py}-{py}-manylinux_2_17_{machine}"], False)
     with pytest.raises(SystemExit, match="has no compiled extension"):
         tool.check_tag(no_extension)
+
+
+def _make_plan(target: str, venv_dir: Path) -> str:
+    """The commands ``make TARGET`` would run with ``VENV=venv_dir`` (``make -n``)."""
+    proc = subprocess.run(
+        ["make", "-n", target, f"VENV={venv_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on PATH")
+def test_make_demo_installs_only_what_the_demo_needs_and_make_test_the_rest(tmp_path):
+    """A first `make demo` installs treemode with its runtime dependencies (and optax),
+    not the test extra; `make test` in the venv `make demo` made still installs the
+    test extra; after `make test`, `make demo` installs nothing."""
+    venv_dir = tmp_path / "venv"
+    demo = _make_plan("demo", venv_dir)
+    assert "-m venv" in demo and "-e . optax" in demo, demo
+    assert "[test]" not in demo and "--upgrade pip" not in demo, demo
+    assert "examples/train_mlp.py" in demo
+
+    # The venv as `make demo` leaves it: its stamp newer than every source.
+    (venv_dir / "bin").mkdir(parents=True)
+    future = 4_000_000_000  # 2096: newer than any file of the checkout
+    for path in (venv_dir / "bin" / "python", venv_dir / ".installed-demo"):
+        path.touch()
+        os.utime(path, (future, future))
+    assert "pip install" not in _make_plan("demo", venv_dir)
+    test = _make_plan("test", venv_dir)
+    assert "-e '.[test]'" in test and "pytest" in test, test
+
+    # After `make test` (both stamps): neither reinstalls.
+    (venv_dir / ".installed").touch()
+    os.utime(venv_dir / ".installed", (future, future))
+    assert "pip install" not in _make_plan("demo", venv_dir)
+    assert "pip install" not in _make_plan("test", venv_dir)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from treemode import _compat
 from treemode._accel import _compiled
 from treemode._pipeline import _callsite, _executor
-from treemode._tree import _closure, _flatten, _leaves
+from treemode._tree import _closure, _flat_guard, _flatten, _leaves
 
 try:
     COMPILED = importlib.import_module("treemode._accel._guard")
@@ -46,9 +46,9 @@ def compiled_kernels(monkeypatch):
     then exist)."""
     assert COMPILED is not None
     COMPILED.configure(**_callsite.configure_fields())
-    monkeypatch.setattr(_flatten, "_compiled_holds", COMPILED.holds)
-    monkeypatch.setattr(_flatten, "_version_tags", COMPILED.version_tags)
-    monkeypatch.setattr(_flatten, "_GUARD_STATE_FIELDS", COMPILED.GUARD_STATE_FIELDS)
+    monkeypatch.setattr(_flat_guard, "_compiled_holds", COMPILED.holds)
+    monkeypatch.setattr(_flat_guard, "_version_tags", COMPILED.version_tags)
+    monkeypatch.setattr(_flat_guard, "_GUARD_STATE_FIELDS", COMPILED.GUARD_STATE_FIELDS)
     monkeypatch.setattr(_flatten, "_Guarded", COMPILED.Guarded)
     monkeypatch.setattr(_callsite, "_GUARDED", COMPILED.Guarded)
     _flatten._cache.clear()

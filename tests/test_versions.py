@@ -11,6 +11,8 @@ subprocess that really imports treemode).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import tomllib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +30,17 @@ from treemode import _versions
 ROOT = Path(__file__).resolve().parent.parent
 
 IN_RANGE = {"jax": "0.10.2", "jaxlib": "0.10.2", "flax": "0.12.8"}
+
+
+@functools.cache
+def _compat_tool() -> Any:
+    """tools/compat.py (the compatibility matrix of `make compat`), as a module."""
+    spec = importlib.util.spec_from_file_location("_compat_tool", ROOT / "tools" / "compat.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_compat_tool"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture
@@ -85,7 +99,7 @@ def test_constraints_pin_versions_inside_the_ranges() -> None:
 
 def test_supported_versions_in_words() -> None:
     assert _versions.specifier("jax") == ">=0.9.2"
-    assert _versions.tested_specifier("jax") == ">=0.9.2,<0.11"
+    assert _versions.tested_specifier("jax") == ">=0.9.2,<0.13"
     assert _versions.describe("flax") == "0.12.6 or newer (tested to 0.12.x)"
     assert _versions.installed_versions({"jax": "0.11.0", "flax": "0.13.1"}.get) == (
         "jax 0.11.0, jaxlib unknown, flax 0.13.1"
@@ -101,6 +115,36 @@ def test_supported_versions_pass_silently(installed) -> None:
         _versions.check_installed(installed())
         _versions.check_installed(installed(jax="0.9.2", jaxlib="0.9.2", flax="0.12.6"))
         _versions.check_installed(installed(jax="0.10.0", jaxlib="0.10.0"))
+        # The newest releases the registry serves (`make compat`'s newest cases).
+        _versions.check_installed(installed(**_compat_tool().NEWEST))
+        _versions.check_installed(installed(jax="0.11.2", jaxlib="0.11.2", flax="0.12.10"))
+
+
+def test_the_tested_range_is_what_the_compat_matrix_tests() -> None:
+    """The top of each tested range is the minor release after the newest that
+    `make compat` runs (tools/compat.py's NEWEST); every pinned case lies inside
+    the ranges, and the oldest case pins their lower bounds."""
+    tool = _compat_tool()
+    ranges = {**_versions.REQUIRED, **_versions.OPTIONAL}
+    assert set(tool.NEWEST) == set(ranges), sorted(tool.NEWEST)
+    for name, (low, high) in ranges.items():
+        newest = _versions.parse(tool.NEWEST[name])
+        assert low <= newest < high, (name, tool.NEWEST[name], _versions.tested_specifier(name))
+        last_minor = (*high[:-1], high[-1] - 1)
+        assert newest[: len(high)] == last_minor, (
+            f"{name}: compat's newest is {tool.NEWEST[name]} but the tested range is "
+            f"{_versions.tested_specifier(name)}: move one to the other"
+        )
+    cases = {case.name: case for case in tool.CASES}
+    assert {n: _versions.parse(v) for n, v in cases["oldest"].pins.items()} == {
+        n: ranges[n][0] for n in cases["oldest"].pins
+    }
+    for case in tool.CASES:
+        assert not tool.outside_tested_range(case.pins), (case.name, case.pins)
+    assert tool.outside_tested_range(tool.NEWEST) == []
+    assert tool.outside_tested_range({"jax": "0.13.0", "flax": "0.12.12"}) == [
+        f"jax 0.13.0 (tested: jax{_versions.tested_specifier('jax')})"
+    ]
 
 
 @pytest.mark.parametrize("flax", ["0.12.0", "0.11.2", "0.10.7"])
@@ -118,9 +162,9 @@ def test_flax_known_to_break_raises_naming_installed_and_supported(installed, fl
 @pytest.mark.parametrize(
     ("name", "version", "says"),
     [
-        ("jax", "0.11.0", "treemode was tested with jax>=0.9.2,<0.11"),
-        ("jax", "0.11.0.dev20260101", "treemode was tested with jax>=0.9.2,<0.11"),
-        ("jax", "1.2.3", "treemode was tested with jax>=0.9.2,<0.11"),
+        ("jax", "0.13.0", "treemode was tested with jax>=0.9.2,<0.13"),
+        ("jax", "0.13.0.dev20260101", "treemode was tested with jax>=0.9.2,<0.13"),
+        ("jax", "1.2.3", "treemode was tested with jax>=0.9.2,<0.13"),
         ("flax", "0.13.0", "treemode was tested with flax>=0.12.6,<0.13"),
         ("jax", "0.8.0", "treemode supports jax>=0.9.2"),
         ("jaxlib", "0.7.2", "treemode supports jaxlib>=0.9.2"),
@@ -161,7 +205,7 @@ def _pip_commands(message: str) -> list[list[str]]:
 @pytest.mark.parametrize(
     "versions",
     [
-        {"jax": "0.11.2", "jaxlib": "0.11.2", "flax": "0.12.10"},  # the GPU machine's
+        {"jax": "0.13.2", "jaxlib": "0.13.2", "flax": "0.12.10"},
         {"jax": "0.11.2", "jaxlib": "0.11.2", "flax": "0.13.0"},
         {"jax": "0.8.0", "jaxlib": "0.8.0"},
         {"jax": "0.12.0", "jaxlib": "0.12.0", "flax": "0.12.0"},  # raises: flax too old
@@ -188,14 +232,14 @@ def test_no_message_suggests_moving_a_package_down(installed, versions) -> None:
 
 
 def test_every_problem_is_named_at_once(installed) -> None:
-    errors, warns = _versions.problems(installed(jax="0.11.1", jaxlib="0.11.1", flax="0.12.0"))
+    errors, warns = _versions.problems(installed(jax="0.13.1", jaxlib="0.13.1", flax="0.12.0"))
     assert errors == [
         "flax 0.12.0 is installed; treemode supports flax>=0.12.6 "
         "(flax before 0.12.1 does not work with it)"
     ]
     assert warns == [
-        "jax 0.11.1 is installed; treemode was tested with jax>=0.9.2,<0.11",
-        "jaxlib 0.11.1 is installed; treemode was tested with jaxlib>=0.9.2,<0.11",
+        "jax 0.13.1 is installed; treemode was tested with jax>=0.9.2,<0.13",
+        "jaxlib 0.13.1 is installed; treemode was tested with jaxlib>=0.9.2,<0.13",
     ]
 
 
@@ -257,7 +301,7 @@ def test_import_treemode_with_flax_0_12_0_raises(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "version"), [("jax", "0.11.0"), ("jaxlib", "0.12.1"), ("flax", "0.13.0")]
+    ("name", "version"), [("jax", "0.13.0"), ("jaxlib", "0.14.1"), ("flax", "0.13.0")]
 )
 def test_import_treemode_with_a_newer_release_warns_and_imports(
     tmp_path: Path, name: str, version: str
@@ -276,5 +320,91 @@ def test_import_treemode_with_a_newer_release_warns_and_imports(
     ), proc.stderr
     (line,) = [ln for ln in proc.stderr.splitlines() if "VersionWarning" in ln]
     assert "pip install" not in line and _versions.ISSUES_URL in line, line
+    # Attributed to the user's `import treemode` (line 5 of the -c program), not to
+    # treemode/__init__.py.
+    assert line.startswith("<string>:5: VersionWarning: "), line
     if treemode.extension_status().active:
         assert "ExtensionWarning" not in proc.stderr, proc.stderr
+
+
+def _fake_metadata(root: Path, name: str, version: str) -> None:
+    info = root / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", encoding="utf-8"
+    )
+
+
+def test_the_version_warning_points_at_the_line_that_imports_treemode(tmp_path: Path) -> None:
+    """Imported by a library through ``importlib.import_module``: the warning names the
+    library's line (treemode's frames and importlib's are passed over), and the
+    public class is the one warned."""
+    _fake_metadata(tmp_path, "jax", "0.13.0")
+    (tmp_path / "userlib.py").write_text(
+        "import importlib\n\ntreemode = importlib.import_module('treemode')\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "main.py").write_text(
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import userlib\n"
+        "(w,) = [w for w in caught if w.category is userlib.treemode.VersionWarning]\n"
+        "import os\n"
+        "print(os.path.basename(w.filename), w.lineno)\n",
+        encoding="utf-8",
+    )
+    env = {k: v for k, v in os.environ.items() if k != _versions.SKIP_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(Path(treemode.__file__).parent.parent)])
+    proc = subprocess.run(
+        [sys.executable, "main.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["userlib.py", "3"], proc.stdout
+
+
+def test_the_stack_level_passes_over_treemode_and_importlib() -> None:
+    """`check_installed` called from a frame of treemode (as ``treemode/__init__``
+    calls it) warns at that frame's caller; called from the user's code, there."""
+    fake = {"jax": "0.13.0", "jaxlib": "0.12.0", "flax": "0.12.12"}
+    code = compile(
+        "def run():\n    check_installed(installed)\n", str(ROOT / "treemode" / "fake.py"), "exec"
+    )
+    namespace = {
+        "__name__": "treemode.fake",
+        "check_installed": _versions.check_installed,
+        "installed": fake.get,
+    }
+    exec(code, namespace)
+    with pytest.warns(treemode.VersionWarning) as caught:
+        namespace["run"]()  # the line the warning must name
+    assert len(caught) == 1
+    assert caught[0].filename == __file__, caught[0].filename
+    with pytest.warns(treemode.VersionWarning) as caught:
+        _versions.check_installed(fake.get)
+    assert caught[0].filename == __file__ and caught[0].category is treemode.VersionWarning
+
+
+def test_a_tested_installation_imports_with_warnings_as_errors() -> None:
+    """``python -W error -c 'import treemode'`` (what pytest's ``filterwarnings =
+    ["error"]`` makes of an import) succeeds on the installed, tested versions.
+    (The extension's own warning, where the treemode imported has no compiled
+    module, as `make compat`'s unpacked sdist, is another matter: silenced.)"""
+    assert not any(_versions.problems())
+    env = {k: v for k, v in os.environ.items() if k != _versions.SKIP_ENV}
+    env["TREEMODE_NO_EXTENSION_WARNING"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "import treemode; print('imported')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "imported", proc.stderr

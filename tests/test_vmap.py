@@ -450,3 +450,45 @@ def test_wrong_out_axes():
     with pytest.raises(treemode.AxisError, match=r"treemode\.vmap: out_axes does not fit"):
         f(acc, jnp.ones(3))
     assert_unchanged(acc, before)
+
+
+class _Scale(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("in_axes", "order", "suggested"),
+    [
+        ((0, 0), "model first", "in_axes=(None, 0)."),
+        (0, "model first", "in_axes=(None, 0)."),
+        ((1, 0), "model last", "in_axes=(1, None)."),
+    ],
+)
+def test_a_model_mapped_with_the_batch_is_told_to_broadcast(in_axes, order, suggested):
+    """The commonest vmap mistake, ``vmap(f, in_axes=(0, 0))(model, x)``: the mapped
+    sizes differ, and the error names the in_axes that broadcasts the model."""
+    model, x = _Scale(), jnp.ones((2, 3))  # model.w has size 2 on axis 0, x size 2 on 0
+    if order == "model first":
+        args, f = (model, jnp.ones((3, 2))), (lambda m, x: m.w[...] * x)
+    else:
+        args, f = (x, model), (lambda x, m: x.T * m.w[...])
+    with pytest.raises(treemode.AxisError) as info:
+        treemode.vmap(f, in_axes=in_axes)(*args)
+    message = str(info.value)
+    assert "mapped axes have different sizes" in message
+    where = "args[0]" if order == "model first" else "args[1]"
+    assert message.endswith(
+        f"\nIf the _Scale at {where} is the same for every example, broadcast it rather "
+        f"than map it: {suggested}"
+    ), message
+    # The suggestion works.
+    fixed = eval(suggested.removeprefix("in_axes=").rstrip("."))
+    out = treemode.vmap(f, in_axes=fixed)(*args)
+    assert out.shape == (3, 2)
+
+
+def test_no_broadcast_hint_where_no_module_is_mapped():
+    with pytest.raises(treemode.AxisError) as info:
+        treemode.vmap(lambda a, b: a + b)(jnp.ones(2), jnp.ones(3))
+    assert "broadcast it rather than map it" not in str(info.value)

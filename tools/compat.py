@@ -68,6 +68,33 @@ class Case:
     note: str = ""
 
 
+# The releases the registry served newest when the tested range was last moved
+# (on Python 3.12 and 3.13; Python 3.11 gets jax 0.10.x at most): the ``newest``
+# cases install whatever the registry serves, which were these when the suite
+# last passed there. The top of each tested range in treemode/_versions.py is the
+# minor release after these: tests/test_versions.py fails while the two disagree,
+# and a ``newest`` case fails when the registry serves a release outside the
+# tested range (test it, then move the range and this table together).
+NEWEST: dict[str, str] = {
+    "jax": "0.12.0.1",
+    "jaxlib": "0.12.0.1",
+    "flax": "0.12.12",
+    "equinox": "0.13.8",
+    "optax": "0.2.8",
+}
+
+
+def outside_tested_range(installed: dict[str, str]) -> list[str]:
+    """The installed packages (name -> version) outside the tested ranges of
+    treemode/_versions.py, in words; ``[]`` where all are inside."""
+    out = []
+    for name, (low, high) in {**_versions.REQUIRED, **_versions.OPTIONAL}.items():
+        have = installed.get(name)
+        if have is not None and not low <= _versions.parse(have) < high:
+            out.append(f"{name} {have} (tested: {name}{_versions.tested_specifier(name)})")
+    return out
+
+
 CASES = [
     Case(
         "oldest",
@@ -187,6 +214,14 @@ def run_case(case: Case, sdist: Path, tests: Path, workers: str, pytest_args: li
         )
         lines = [ln for ln in out.splitlines() if re.search(r"\d+ passed", ln)]
         result["tests"] = lines[-1].strip("= ") if lines else "?"
+        outside = outside_tested_range(after)
+        if outside:
+            raise RuntimeError(
+                "the suite ran, but on releases outside treemode's tested range: "
+                + ", ".join(outside)
+                + ". If it passed, move the range in treemode/_versions.py and NEWEST in "
+                "tools/compat.py to them (tests/test_versions.py checks that they agree)."
+            )
         result["status"] = "ok"
     except RuntimeError as e:
         result["status"] = "FAILED"

@@ -2,6 +2,7 @@
 
 from importlib import metadata as _importlib_metadata
 
+from ._versions import VersionWarning as VersionWarning
 from ._versions import check_installed as _check_installed
 
 # Before anything imports JAX or Flax: an unsupported version is named here

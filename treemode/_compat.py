@@ -11,6 +11,9 @@ That needs a few names Flax and JAX do not document:
   ``_trace_ref``, the weak reference to the trace that Flax compares;
 - JAX's per-thread ``jax._src.core.trace_state``, whose ``value`` is that weak
   reference for the current trace, read without building the opaque wrapper;
+- JAX's ``jax._src.config.trace_context()``: the configuration JAX keys its
+  traces on, which treemode's caches in front of ``jax.jit`` are keyed on too
+  (`trace_key`);
 - ``flax.nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache``, set by
   ``nnx.cached_partial`` for the Flax transform it calls to consume: a treemode
   wrapper called through it takes it (clears it, as a Flax transform would) and
@@ -36,6 +39,7 @@ only, so a JAX or Flax newer than the tested ones is installed as it is.
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import types
@@ -289,13 +293,14 @@ def debug_checks_on() -> bool:
 
 
 def _traceback_util() -> Any:
-    """JAX's ``jax._src.traceback_util`` (its ``api_boundary`` and
-    ``register_exclusion``), or ``None`` where it has another version."""
+    """JAX's ``jax._src.traceback_util`` (its ``api_boundary``,
+    ``register_exclusion`` and ``filter_traceback``), or ``None`` where it has
+    another version."""
     try:
         from jax._src import traceback_util
     except ImportError:  # pragma: no cover - every supported JAX has it
         return None
-    names = ("api_boundary", "register_exclusion")
+    names = ("api_boundary", "register_exclusion", "filter_traceback")
     if not all(callable(getattr(traceback_util, name, None)) for name in names):
         return None  # pragma: no cover - another version
     return traceback_util
@@ -311,11 +316,66 @@ def api_boundary(fn: F) -> F:
     An exception leaving the outermost boundary has the frames of JAX and of
     treemode (registered below) removed from its traceback, unless
     ``JAX_TRACEBACK_FILTERING=off``; boundaries inside it leave that to it.
-    Where JAX has no such function, ``fn`` itself.
+    The exceptions chained to it (its ``__cause__`` and ``__context__``: the
+    ``TypeError`` of an unhashable static argument behind a
+    ``StaticArgumentError``, JAX's error behind a ``DonationError``) lose the same
+    frames (`hide_internal_frames_of_causes`), so no printed part of the
+    traceback starts inside treemode. Where JAX has no such function, ``fn``
+    itself.
     """
     if _TRACEBACK_UTIL is None:
         return fn  # pragma: no cover - another version
-    return _TRACEBACK_UTIL.api_boundary(fn)
+
+    @functools.wraps(fn)
+    def filtered(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as error:
+            hide_internal_frames_of_causes(error)
+            raise
+
+    return _TRACEBACK_UTIL.api_boundary(filtered)
+
+
+def _filtering_mode() -> str:
+    """JAX's traceback filtering mode in force (``"auto"`` resolved, as JAX does)."""
+    mode = getattr(_TRACEBACK_UTIL, "_filtering_mode", None)
+    if callable(mode):
+        return str(mode())
+    value = jax.config.values.get("jax_traceback_filtering")  # pragma: no cover - another version
+    return "quiet_remove_frames" if value in (None, "auto") else str(value)  # pragma: no cover
+
+
+def hide_internal_frames_of_causes(error: BaseException) -> None:
+    """Remove JAX's and treemode's frames from the tracebacks of the exceptions
+    chained to ``error`` (causes and contexts, transitively), as JAX's boundary
+    does for ``error``'s own; the user's frames stay (a ``__hash__`` that raised).
+
+    Nothing changes with ``JAX_TRACEBACK_FILTERING=off``; under IPython
+    (``tracebackhide``) the frames are marked hidden instead, as JAX marks them.
+    """
+    if _TRACEBACK_UTIL is None:
+        return  # pragma: no cover - another version
+    mode = _filtering_mode()
+    if mode == "off":
+        return
+    seen = {id(error)}
+    chained = [error.__cause__, error.__context__]
+    while chained:
+        link = chained.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        chained += [link.__cause__, link.__context__]
+        tb = link.__traceback__
+        if tb is None:
+            continue
+        if mode == "tracebackhide":
+            hide = getattr(_TRACEBACK_UTIL, "_add_tracebackhide_to_hidden_frames", None)
+            if callable(hide):
+                hide(tb)
+        else:
+            link.with_traceback(_TRACEBACK_UTIL.filter_traceback(tb))
 
 
 def forget_traceback_filtering(error: BaseException) -> None:
@@ -366,18 +426,6 @@ def _flax_graph_prefix() -> tuple[type | None, Any]:
 FLAX_TREE_STATE, flax_from_tree = _flax_graph_prefix()
 
 
-def _jaxpr_as_fun() -> Any:
-    """JAX's ``jaxpr_as_fun`` (public in ``jax.extend.core``; older JAX: ``jax.core``)."""
-    try:
-        from jax.extend import core as extend_core
-
-        return extend_core.jaxpr_as_fun
-    except (ImportError, AttributeError):  # pragma: no cover - JAX before jax.extend.core has it
-        import jax.core
-
-        return jax.core.jaxpr_as_fun  # type: ignore[attr-defined]
-
-
 def _trace_context() -> Callable[[], Any]:
     """JAX's trace context: the configuration its trace caches are keyed on (x64,
     default matmul precision, dtype and rank promotion, default device, mesh and
@@ -404,11 +452,6 @@ def trace_key(avals: Any) -> tuple[Any, ...]:
     and the current trace context. A cache in front of ``jax.jit`` that is keyed on
     this is reused exactly where ``jax.jit`` would reuse its trace."""
     return (trace_context(), tuple(avals))
-
-
-# A closed jaxpr as a function of its inputs: how a donated `treemode.jit`
-# executable replays the trace that told it what the function writes.
-jaxpr_as_fun = _jaxpr_as_fun()
 
 
 # -- the names JAX gives a traced function's arguments ----------------------------

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import sys
 
+# The module that exports treemode's public error and warning classes: their
+# ``__module__``, so that a traceback prints ``treemode.AliasError`` (not the
+# private module that defines it) and pickle finds each class by that name.
+PUBLIC_MODULE = "treemode"
+
 
 class TreemodeError(Exception):
     """Base class of every error raised by treemode."""
+
+    __module__ = PUBLIC_MODULE
 
 
 class AliasError(TreemodeError, ValueError):
@@ -21,6 +28,8 @@ class AliasError(TreemodeError, ValueError):
     remove the duplicate reference.
     """
 
+    __module__ = PUBLIC_MODULE
+
 
 class StructureError(TreemodeError, ValueError):
     """The function changed the structure of an input module inside a transform.
@@ -29,13 +38,19 @@ class StructureError(TreemodeError, ValueError):
     written back by a tree-mode transform; do it outside the transform.
     """
 
+    __module__ = PUBLIC_MODULE
+
 
 class ClosureError(TreemodeError, ValueError):
     """A Variable reached through the function's closure cannot be used."""
 
+    __module__ = PUBLIC_MODULE
+
 
 class DonationError(TreemodeError, ValueError):
     """Donated arguments share a buffer, or a donated argument is static."""
+
+    __module__ = PUBLIC_MODULE
 
 
 class DeletedArrayError(TreemodeError, RuntimeError):
@@ -50,9 +65,13 @@ class DeletedArrayError(TreemodeError, RuntimeError):
 class TraceContextError(TreemodeError, ValueError):
     """A transform would write a value into a Variable that belongs to another trace."""
 
+    __module__ = PUBLIC_MODULE
+
 
 class StaticArgumentError(TreemodeError, TypeError):
     """A static argument is not hashable or its index/name does not exist."""
+
+    __module__ = PUBLIC_MODULE
 
 
 class AxisError(TreemodeError, ValueError):
@@ -67,6 +86,8 @@ class AxisError(TreemodeError, ValueError):
     place of an axis (``in_axes=(nnx.Param(0),)``).
     """
 
+    __module__ = PUBLIC_MODULE
+
 
 class MutationError(TreemodeError, ValueError):
     """The function changed a Variable that the transform cannot write back.
@@ -77,6 +98,8 @@ class MutationError(TreemodeError, ValueError):
     ``jax.debug.callback``, a nested plain JAX transform, or after the call).
     """
 
+    __module__ = PUBLIC_MODULE
+
 
 class ProxyError(TreemodeError, AttributeError):
     """A ``treemode.Pytree`` proxy was edited directly, or a stale reference was used.
@@ -84,6 +107,8 @@ class ProxyError(TreemodeError, AttributeError):
     The proxy is a pytree whose state changes only through method calls or a
     ``with proxy as module:`` block, which writes the edits back when it exits.
     """
+
+    __module__ = PUBLIC_MODULE
 
 
 def user_stacklevel(*packages: str) -> int:

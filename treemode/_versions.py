@@ -20,23 +20,28 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from importlib import metadata
+from typing import Any
 
 Version = tuple[int, ...]
 
 # name -> (lowest supported, first untested). The lower bounds are the oldest
 # releases the test suite passes on (`make compat`), declared as minimums in
-# pyproject.toml. The second bounds are the next minor releases, not yet tested:
+# pyproject.toml. The second bounds are the minor releases after the newest ones
+# `make compat` tests (its ``newest`` cases: what the registry serves on Python
+# 3.12 and 3.13, recorded in ``NEWEST`` of tools/compat.py; tests/test_versions.py
+# fails when the two disagree). They are the next minor releases, not yet tested:
 # they are *not* declared (pip installs newer releases as they come), but a
 # newer version warns at import, since treemode reads a few private attributes
 # of Flax and JAX (treemode/_compat.py) that a minor release may change; where
 # it changed them, `treemode._compat` turns the compiled extension off (one
 # warning) or raises an ImportError naming the versions.
 REQUIRED: dict[str, tuple[Version, Version]] = {
-    "jax": ((0, 9, 2), (0, 11)),
-    "jaxlib": ((0, 9, 2), (0, 11)),
+    "jax": ((0, 9, 2), (0, 13)),
+    "jaxlib": ((0, 9, 2), (0, 13)),
     "flax": ((0, 12, 6), (0, 13)),
 }
 # The optional dependencies that the test suite and the examples use (the
@@ -61,7 +66,26 @@ NO_EXTENSION_ENV = "TREEMODE_NO_EXTENSION"
 
 
 class VersionWarning(UserWarning):
-    """An installed JAX or Flax outside the versions treemode was tested with."""
+    """An installed JAX or Flax outside the versions treemode was tested with.
+
+    Warned once, when treemode is imported, at the line that imports it; the
+    message names the installed and the tested versions. treemode goes on (a
+    newer release may well work); the tested releases never warn. To accept an
+    untested release where warnings are errors, set
+    ``TREEMODE_SKIP_VERSION_CHECK=1``, or filter the warning by its message
+    before importing treemode (the class is not importable before then):
+
+    ```python
+    import warnings
+
+    warnings.filterwarnings("ignore", message="treemode was not tested with the installed")
+    import treemode  # noqa: E402
+
+    assert issubclass(treemode.VersionWarning, UserWarning)
+    ```
+    """
+
+    __module__ = "treemode"  # shown as treemode.VersionWarning
 
 
 def _fmt(version: Version) -> str:
@@ -75,7 +99,7 @@ def specifier(name: str) -> str:
 
 
 def tested_specifier(name: str) -> str:
-    """The pip specifier of the tested releases, e.g. ``">=0.9.2,<0.11"``."""
+    """The pip specifier of the tested releases, e.g. ``">=0.9.2,<0.13"``."""
     low, high = {**REQUIRED, **OPTIONAL}[name]
     return f">={_fmt(low)},<{_fmt(high)}"
 
@@ -86,7 +110,7 @@ def _last_tested(name: str) -> str:
 
 
 def describe(name: str) -> str:
-    """A supported range in words, e.g. ``"0.9.2 or newer (tested to 0.10.x)"``."""
+    """A supported range in words, e.g. ``"0.9.2 or newer (tested to 0.12.x)"``."""
     low, _ = {**REQUIRED, **OPTIONAL}[name]
     return f"{_fmt(low)} or newer (tested to {_last_tested(name)})"
 
@@ -205,6 +229,33 @@ def problems(installed: Callable[[str], str | None] = _installed) -> tuple[list[
     return errors, warns
 
 
+def _is_bootstrap(frame: Any) -> bool:
+    """Whether ``frame`` is one of importlib's bootstrap frames, which `warnings.warn`
+    steps over without counting them in its ``stacklevel`` (CPython's rule)."""
+    filename = frame.f_code.co_filename
+    return "importlib" in filename and "_bootstrap" in filename
+
+
+def _importer_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for `check_installed` calling it, of the line
+    that imported treemode: the first frame outside treemode and importlib.
+
+    importlib's bootstrap frames are not counted (`warnings.warn` skips them);
+    its other frames (``importlib.import_module``) are counted and passed over.
+    """
+    frame = sys._getframe(1)  # check_installed: stacklevel 1
+    level = 1
+    frame = frame.f_back
+    while frame is not None:
+        if not _is_bootstrap(frame):
+            level += 1
+            package = frame.f_globals.get("__name__", "").partition(".")[0]
+            if package not in ("treemode", "importlib"):
+                return level
+        frame = frame.f_back
+    return 2  # no such frame (treemode imported by the interpreter itself): the caller
+
+
 def check_installed(installed: Callable[[str], str | None] = _installed) -> None:
     """Raise or warn where the installed JAX or Flax is outside the supported ranges.
 
@@ -220,7 +271,9 @@ def check_installed(installed: Callable[[str], str | None] = _installed) -> None
     - ``installed``: as for `problems`.
 
     **Raises:** `ImportError` for a version known to break treemode; otherwise
-    a `VersionWarning` for a version outside the tested range.
+    warns a `VersionWarning` for a version outside the tested range, attributed
+    to the line that imported treemode (treemode's and importlib's frames are
+    passed over).
     """
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
         return
@@ -244,5 +297,5 @@ def check_installed(installed: Callable[[str], str | None] = _installed) -> None
             + report_advice(installed)
             + f" Set {SKIP_ENV}=1 to silence this warning.",
             VersionWarning,
-            stacklevel=2,
+            stacklevel=_importer_stacklevel(),
         )

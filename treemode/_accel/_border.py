@@ -71,7 +71,7 @@ CONFIGURE_FIELDS = (
     "debug_checks",
 )
 
-# A guard state (treemode._tree._flatten._Guard builds it by these names): the
+# A guard state (treemode._tree._flat_guard.Guard builds it by these names): the
 # fields up to ``top_dict``; where the interpreter has dict version tags, the
 # three tags after them.
 GUARD_STATE_FIELDS = (

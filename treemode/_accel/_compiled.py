@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from .. import _compat
+from .. import _compat, _versions
+from .._errors import PUBLIC_MODULE
 from . import _border
 
 ENV_VAR = "TREEMODE_NO_EXTENSION"
@@ -73,6 +74,8 @@ class ExtensionWarning(RuntimeWarning):
         warnings.simplefilter("ignore", treemode.ExtensionWarning)
     ```
     """
+
+    __module__ = PUBLIC_MODULE  # shown as treemode.ExtensionWarning
 
 
 @dataclass(frozen=True)
@@ -129,18 +132,39 @@ def resolve(
     return module, ExtensionStatus(True, ACTIVE)
 
 
+# How to get the extension back, by reason. treemode is not on the package index
+# yet (no binary wheel to install), so the advice is what works today: build the
+# extension where it was not built or cannot load.
+REBUILD = (
+    "pip install --force-reinstall --no-deps --no-cache-dir <treemode's source: a"
+    " checkout or its sdist>"
+)
+_ADVICE = {
+    NOT_BUILT: "To get it, install a C compiler (gcc or clang, with the Python headers:"
+    " python3-dev on Debian and Ubuntu; xcode-select --install on macOS) and reinstall"
+    f" treemode from its source, rebuilding it: {REBUILD}.",
+    "failed to load": "To get it back, reinstall treemode from its source with this"
+    f" Python, rebuilding it: {REBUILD}.",
+    "layout not supported": "A reinstall cannot help: the compiled code does not know how"
+    " the installed Flax stores Variables. Install a Flax and JAX of the supported ranges"
+    f" (named above) to get it back, or report the versions at {_versions.ISSUES_URL}.",
+}
+
+
 def warning_text(status: ExtensionStatus) -> str:
-    """The `ExtensionWarning` message for an inactive `status`."""
+    """The `ExtensionWarning` message for an inactive `status`: why, what it costs,
+    and what brings the extension back for that reason."""
     how = {
         NOT_BUILT: "this installation of treemode has no compiled module: it was installed"
         " from source without a C compiler",
     }.get(status.reason, status.reason)
+    advice = _ADVICE.get(status.reason.partition(":")[0], "")
     return (
         f"treemode's compiled extension is not active ({how}). treemode runs the same"
         " checks in Python: correct, but each call of a treemode.jit function costs more"
         " (about 2x a hand-written jax.jit for a small model, instead of about 1x)."
-        " Install a binary wheel (pip install treemode) or reinstall with a C compiler;"
-        f" see the install page of the docs. Set {QUIET_ENV_VAR}=1 to silence this warning."
+        f" {advice + ' ' if advice else ''}See the install page of the docs."
+        f" Set {QUIET_ENV_VAR}=1 to silence this warning."
     )
 
 

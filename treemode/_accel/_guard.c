@@ -1,6 +1,6 @@
 /* treemode's optional compiled extension (imported only by treemode/_accel/_compiled.py).
  *
- * One module, four files (their jobs: _guard.h): this one defines the module,
+ * One module, six files (their jobs: _guard.h): this one defines the module,
  * its configuration and `configure`.
  *
  * Kernels, each with a Python twin bound to it by tests/test_twins.py (the
@@ -146,6 +146,22 @@ tm_add_type(PyObject *module, const char *name, PyTypeObject *type)
     return 0;
 }
 
+int
+tm_fields_traverse(PyObject **fields, int n, visitproc visit, void *arg)
+{
+    for (int i = 0; i < n; i++)
+        Py_VISIT(fields[i]);
+    return 0;
+}
+
+int
+tm_fields_clear(PyObject **fields, int n)
+{
+    for (int i = 0; i < n; i++)
+        Py_CLEAR(fields[i]);
+    return 0;
+}
+
 /* Adds `attr`: a tuple of the names in `names` (NULL-terminated). */
 int
 tm_add_names(PyObject *module, const char *attr, char **names)
@@ -187,7 +203,8 @@ module_exec(PyObject *module)
         intern_once(&tm_closure_name, "__closure__") == NULL ||
         intern_once(&tm_dict_name, "__dict__") == NULL)
         return -1;
-    if (tm_kernels_exec(module) < 0 || tm_executor_exec(module) < 0 ||
+    if (tm_kernels_exec(module) < 0 || tm_record_exec(module) < 0 ||
+        tm_executor_exec(module) < 0 ||
         tm_add_names(module, "CONFIGURE_FIELDS", configure_fields) < 0)
         return -1;
     return 0;

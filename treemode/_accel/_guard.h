@@ -3,8 +3,10 @@
  *
  *   _guard.c           the module: `configure` (the configuration below) and its init;
  *   _guard_kernels.c   the guard (`holds`, the dict version tags), the closure-read check;
- *   _guard_executor.c  the executor of the fast-path record (`Guarded`, `FastRecord`,
- *                      `FastCall`), its matching and its write-back;
+ *   _guard_record.c    the fast-path record (`FastRecord`): its type, constructor, members;
+ *   _guard_executor.c  the executor of the fast-path record (`Guarded`, `FastCall`, the
+ *                      table) and its matching;
+ *   _guard_write.c     the executor's write-back, all or nothing, and its finish;
  *   _guard_hold.c      the signal hold of a donated call and the exception plumbing.
  *
  * Names shared between the files start with `tm_`; everything else is static.
@@ -51,6 +53,10 @@ int tm_configured(void);
 int tm_malformed(const char *message);
 int tm_add_type(PyObject *module, const char *name, PyTypeObject *type);
 int tm_add_names(PyObject *module, const char *attr, char **names);
+/* The C types (`Guarded`, `FastRecord`, `FastCall`) keep their objects in
+ * consecutive fields: one traverse and one clear serve them all. */
+int tm_fields_traverse(PyObject **fields, int n, visitproc visit, void *arg);
+int tm_fields_clear(PyObject **fields, int n);
 
 /* _guard_kernels.c */
 int tm_kernels_exec(PyObject *module);
@@ -61,8 +67,22 @@ int tm_closure_reads_hold(PyObject *reads);
 Py_ssize_t tm_raw_value_offset(PyTypeObject *type);
 void tm_slot_caches_clear(void);
 
+/* _guard_record.c: the fast-path record, `FastRecord` (its fields in the
+ * order of `RECORD_FIELDS`, after `version`), read by the executor. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *key, *slots, *partial_args, *kw_names, *closure_reads, *closure_holders,
+        *lifted_slots, *jitted, *donated, *kept, *trace, *checked, *avals;
+} tm_record;
+extern PyTypeObject tm_record_type;
+int tm_record_exec(PyObject *module);
+
 /* _guard_executor.c */
 int tm_executor_exec(PyObject *module);
+
+/* _guard_write.c */
+Py_ssize_t tm_write_back(PyObject *variables, PyObject *updates);
+void tm_finish_write(PyObject *variables, PyObject *updates);
 
 /* _guard_hold.c */
 PyObject *tm_hold_signals(PyObject *donated);

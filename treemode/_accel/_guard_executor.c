@@ -5,9 +5,8 @@
  * `FastCall` (the base of treemode.jit's wrapper) executes it: match the
  * arguments against the record's slots (the cached flattenings, `Guarded`)
  * and the closure's objects, call the compiled entry, write the new values
- * back. Every doubt is a miss, handed to the one Python callback. The write
- * (`write_back`) has its Python twin in treemode._pipeline._writeback.write_back;
- * tests/test_twins.py binds them through executed calls.
+ * back (`tm_write_back`, _guard_write.c). Every doubt is a miss, handed to the
+ * one Python callback.
  */
 #include "_guard.h"
 
@@ -67,36 +66,18 @@ guarded_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
-/* The C types here (`Guarded`, `FastRecord`, `FastCall`) keep their objects in
- * consecutive fields: one traverse and one clear serve them all. */
-static int
-fields_traverse(PyObject **fields, int n, visitproc visit, void *arg)
-{
-    for (int i = 0; i < n; i++)
-        Py_VISIT(fields[i]);
-    return 0;
-}
-
-static int
-fields_clear(PyObject **fields, int n)
-{
-    for (int i = 0; i < n; i++)
-        Py_CLEAR(fields[i]);
-    return 0;
-}
-
 #define GUARDED_OBJECTS TM_GUARDED_SIZE /* arg, state, variables, flat, in this order */
 
 static int
 guarded_traverse(GuardedObject *self, visitproc visit, void *arg)
 {
-    return fields_traverse(&self->arg, GUARDED_OBJECTS, visit, arg);
+    return tm_fields_traverse(&self->arg, GUARDED_OBJECTS, visit, arg);
 }
 
 static int
 guarded_clear(GuardedObject *self)
 {
-    return fields_clear(&self->arg, GUARDED_OBJECTS);
+    return tm_fields_clear(&self->arg, GUARDED_OBJECTS);
 }
 
 static void
@@ -197,82 +178,7 @@ match_one(PyObject *slot, PyObject *obj, PyObject *dynamic, PyObject *variables)
     return result;
 }
 
-/* Sets `var._raw_value` to `value` (a new reference is taken) and appends
- * the previous value to `previous` (which keeps it alive until every write is
- * done). -1 with an exception on failure, with nothing written. */
-static int
-set_raw_value(PyObject *var, PyObject *value, PyObject *previous)
-{
-    Py_ssize_t offset = tm_raw_value_offset(Py_TYPE(var));
-    if (offset >= 0) {
-        PyObject **slot = (PyObject **)((char *)var + offset);
-        if (*slot == NULL) {
-            PyErr_SetString(PyExc_AttributeError, "_raw_value");
-            return -1;
-        }
-        if (PyList_Append(previous, *slot) < 0)
-            return -1;
-        PyObject *old = *slot;
-        Py_INCREF(value);
-        *slot = value;
-        Py_DECREF(old); /* `previous` holds it */
-        return 0;
-    }
-    PyObject *old = PyObject_GetAttr(var, tm_raw_value_name);
-    if (old == NULL)
-        return -1;
-    int appended = PyList_Append(previous, old);
-    Py_DECREF(old);
-    if (appended < 0)
-        return -1;
-    if (PyObject_GenericSetAttr(var, tm_raw_value_name, value) < 0) {
-        /* keep `previous` aligned with the writes made */
-        PyList_SetSlice(previous, PyList_GET_SIZE(previous) - 1, PyList_GET_SIZE(previous), NULL);
-        return -1;
-    }
-    return 0;
-}
-
-/* Writes every non-None `updates[i]` into `variables[i]` (both fast
- * sequences of one length), all or nothing: the count written, or -1. */
-static Py_ssize_t
-write_back(PyObject *variables, PyObject *updates)
-{
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(variables);
-    PyObject *previous = PyList_New(0); /* the replaced values, released last */
-    if (previous == NULL)
-        return -1;
-    Py_ssize_t written = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *update = PySequence_Fast_GET_ITEM(updates, i);
-        if (update == Py_None)
-            continue;
-        if (set_raw_value(PySequence_Fast_GET_ITEM(variables, i), update, previous) < 0) {
-            /* Undo the writes made, newest first; the error stays the one raised. */
-            PyObject *type, *value, *traceback;
-            PyErr_Fetch(&type, &value, &traceback);
-            Py_ssize_t k = PyList_GET_SIZE(previous);
-            for (Py_ssize_t j = i - 1; j >= 0 && k > 0; j--) {
-                if (PySequence_Fast_GET_ITEM(updates, j) == Py_None)
-                    continue;
-                k--;
-                PyObject *var = PySequence_Fast_GET_ITEM(variables, j);
-                PyObject *scratch = PyList_New(0);
-                if (scratch == NULL || set_raw_value(var, PyList_GET_ITEM(previous, k), scratch) < 0)
-                    PyErr_Clear();
-                Py_XDECREF(scratch);
-            }
-            PyErr_Restore(type, value, traceback);
-            written = -1;
-            break;
-        }
-        written++;
-    }
-    Py_DECREF(previous);
-    return written;
-}
-
-/* ---- The fast-path record and its executor ----
+/* ---- The executor of the fast-path record (`FastRecord`: _guard_record.c) ----
  *
  * After a call, the Python pipeline (treemode._pipeline._callsite.fast_record)
  * emits a `FastRecord`, or None where a fast path cannot be trusted; a
@@ -282,146 +188,6 @@ write_back(PyObject *variables, PyObject *updates)
  * make, an unusual signal-hold state, other keyword names) is a miss, handed to
  * the one Python callback, `miss(self, error, args, kwargs)`: `error` is None, or
  * the exception the compiled entry raised. */
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *key, *slots, *partial_args, *kw_names, *closure_reads, *closure_holders,
-        *lifted_slots, *jitted, *donated, *kept, *trace, *checked, *avals;
-} RecordObject;
-
-/* The record's fields, in the order of `RecordObject` (after `version`). */
-static char *record_fields[] = {TM_RECORD_FIELD_NAMES, NULL};
-#define RECORD_OBJECTS (TM_RECORD_SIZE - 1)
-
-static PyTypeObject FastRecord_Type;
-
-/* Whether `t` is a tuple whose items are None or weak references (or, with
- * `indices`, non-negative ints). */
-static int
-tuple_of(PyObject *t, int indices)
-{
-    if (!PyTuple_Check(t))
-        return 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
-        PyObject *item = PyTuple_GET_ITEM(t, i);
-        if (indices ? !PyLong_Check(item) || PyLong_AsSsize_t(item) < 0
-                    : item != Py_None && !PyWeakref_CheckRef(item)) {
-            PyErr_Clear();
-            return 0;
-        }
-    }
-    return 1;
-}
-
-static PyObject *
-record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    PyObject *version = NULL, *f[RECORD_OBJECTS] = {NULL};
-    PyTypeObject *t = &PyTuple_Type;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$O!OO!O!O!O!O!O!OOOOO!O!:FastRecord",
-                                     record_fields, &PyLong_Type, &version, &f[0], t, &f[1], t,
-                                     &f[2], t, &f[3], t, &f[4], t, &f[5], t, &f[6], &f[7], &f[8],
-                                     &f[9], &f[10], t, &f[11], t, &f[12]))
-        return NULL;
-    for (int i = -1; i < RECORD_OBJECTS; i++) {
-        if ((i < 0 ? version : f[i]) == NULL)
-            return PyErr_Format(PyExc_TypeError, "FastRecord: missing field %s",
-                                record_fields[i + 1]);
-    }
-    if (PyLong_AsLong(version) != TM_RECORD_VERSION_NUMBER)
-        return PyErr_Format(PyExc_ValueError,
-                            "FastRecord: a version %R record; this extension executes version %d",
-                            version, TM_RECORD_VERSION_NUMBER);
-    /* f[i] is the field TM_RECORD_<NAME> (version is field 0). */
-#define FIELD(name) f[TM_RECORD_##name - 1]
-    PyObject *kw_names = FIELD(KW_NAMES), *reads = FIELD(CLOSURE_READS);
-    PyObject *donated = FIELD(DONATED), *kept = FIELD(KEPT);
-    int ok = PyTuple_GET_SIZE(reads) == TM_READS_SIZE && tuple_of(FIELD(SLOTS), 0) &&
-             tuple_of(FIELD(LIFTED_SLOTS), 0) &&
-             PyTuple_GET_SIZE(FIELD(CLOSURE_HOLDERS)) == PyTuple_GET_SIZE(FIELD(LIFTED_SLOTS)) &&
-             PyCallable_Check(FIELD(JITTED)) &&
-             ((donated == Py_None && kept == Py_None) || (tuple_of(donated, 1) && tuple_of(kept, 1))) &&
-             tuple_of(FIELD(CHECKED), 1) &&
-             PyTuple_GET_SIZE(FIELD(CHECKED)) == PyTuple_GET_SIZE(FIELD(AVALS));
-#undef FIELD
-    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(kw_names); i++)
-        ok = PyUnicode_CheckExact(PyTuple_GET_ITEM(kw_names, i));
-    for (Py_ssize_t i = 0; ok && i < TM_READS_SIZE; i++)
-        ok = PyTuple_Check(PyTuple_GET_ITEM(reads, i));
-    if (!ok) {
-        PyErr_SetString(PyExc_TypeError,
-                        "FastRecord: slots are None or weak references, kw_names str, "
-                        "closure_reads 7 tuples, "
-                        "lifted_slots weak references (one per closure holder), jitted a "
-                        "callable, donated and kept both None or both tuples of indices, "
-                        "checked a tuple of indices and avals a tuple of as many");
-        return NULL;
-    }
-    RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    PyObject **fields = &self->key;
-    for (int i = 0; i < RECORD_OBJECTS; i++)
-        fields[i] = Py_NewRef(f[i]);
-    return (PyObject *)self;
-}
-
-static int
-record_traverse(RecordObject *self, visitproc visit, void *arg)
-{
-    return fields_traverse(&self->key, RECORD_OBJECTS, visit, arg);
-}
-
-static int
-record_clear(RecordObject *self)
-{
-    return fields_clear(&self->key, RECORD_OBJECTS);
-}
-
-static void
-record_dealloc(RecordObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    record_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-#define RECORD_MEMBER(name, doc) \
-    {#name, T_OBJECT, offsetof(RecordObject, name), READONLY, doc}
-static PyMemberDef record_members[] = {
-    RECORD_MEMBER(key, "what tells this record from the others of its table (==): "
-                       "the objects and the signature it was made for"),
-    RECORD_MEMBER(slots, "per argument (bound ones first): None (an array) or a weak "
-                         "reference to its Guarded"),
-    RECORD_MEMBER(partial_args, "the arguments jit_partial bound"),
-    RECORD_MEMBER(kw_names, "the names of the keyword arguments, in the slots' order"),
-    RECORD_MEMBER(closure_reads, "the reads the closure search's answer depends on"),
-    RECORD_MEMBER(closure_holders, "holders of the closure objects the search lifted"),
-    RECORD_MEMBER(lifted_slots, "weak references to their Guarded"),
-    RECORD_MEMBER(jitted, "the compiled entry: takes the arrays, or (donated, kept)"),
-    RECORD_MEMBER(donated, "None, or the positions of the donated arrays"),
-    RECORD_MEMBER(kept, "None, or the positions of the other arrays"),
-    RECORD_MEMBER(trace, "the trace (its weak reference) the Variables may be written in"),
-    RECORD_MEMBER(checked, "positions of the arrays whose abstract values are checked"),
-    RECORD_MEMBER(avals, "what typeof must give for each of them (==)"),
-    {NULL, 0, 0, 0, NULL},
-};
-
-static PyTypeObject FastRecord_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "treemode._accel._guard.FastRecord",
-    .tp_doc = PyDoc_STR("FastRecord(*, version, key, slots, partial_args, kw_names, "
-                        "closure_reads, closure_holders, lifted_slots, jitted, donated, kept, "
-                        "trace, checked, avals): how a repeated treemode.jit call runs, as the "
-                        "Python pipeline decided it."),
-    .tp_basicsize = sizeof(RecordObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = record_new,
-    .tp_traverse = (traverseproc)record_traverse,
-    .tp_clear = (inquiry)record_clear,
-    .tp_dealloc = (destructor)record_dealloc,
-    .tp_members = record_members,
-};
 
 /* Donation: XLA cannot donate one buffer twice, nor a buffer also passed
  * undonated; a call where two of the arrays are one object is a miss (the
@@ -494,30 +260,12 @@ debug_check_on(void)
     return 0;
 }
 
-/* After a donated call a failed write cannot be undone (the old buffers were
- * consumed): it is finished instead, each new value stored in its Variable's
- * value slot (a Variable whose own setter refused included); the exception
- * raised stays the one raised. */
-static void
-finish_write(PyObject *variables, PyObject *updates)
-{
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    descrsetfunc set = Py_TYPE(tm_raw_value_member)->tp_descr_set;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(variables); i++) {
-        PyObject *update = PyTuple_GET_ITEM(updates, i);
-        if (update != Py_None && set(tm_raw_value_member, PyList_GET_ITEM(variables, i), update) < 0)
-            PyErr_Clear();
-    }
-    PyErr_Restore(type, value, traceback);
-}
-
 /* Executes `r` on `args`: the call's output; or NULL with `*error` set to the
  * exception the compiled entry raised (the miss explains it); or NULL with an
  * exception set (raised as it is: a failed write, undone, or finished after a
  * donated call); or NULL without either: a miss. */
 static PyObject *
-execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
+execute(tm_record *r, PyObject *args, PyObject *kwargs, PyObject **error)
 {
     PyObject *roots = NULL, *result = NULL, *out = NULL, *token = NULL, *split[2] = {NULL, NULL};
     PyObject *dynamic = PyList_New(0), *variables = PyList_New(0);
@@ -625,9 +373,9 @@ execute(RecordObject *r, PyObject *args, PyObject *kwargs, PyObject **error)
                             "treemode: a compiled entry's updates differ from its record's Variables");
             goto done;
         }
-        if (write_back(variables, updates) < 0) {
+        if (tm_write_back(variables, updates) < 0) {
             if (r->donated != Py_None)
-                finish_write(variables, updates);
+                tm_finish_write(variables, updates);
             goto done;
         }
     }
@@ -669,14 +417,14 @@ typedef struct {
 static int
 table_add(PyObject *records, PyObject *record)
 {
-    PyObject *key = ((RecordObject *)record)->key;
+    PyObject *key = ((tm_record *)record)->key;
     for (Py_ssize_t i = PyList_GET_SIZE(records) - 1; i >= 0; i--) {
         if (i >= PyList_GET_SIZE(records))
             continue; /* a comparison ran Python code that shortened the table */
         PyObject *old = Py_NewRef(PyList_GET_ITEM(records, i));
         int same = 0;
-        if (Py_IS_TYPE(old, &FastRecord_Type))
-            same = PyObject_RichCompareBool(((RecordObject *)old)->key, key, Py_EQ);
+        if (Py_IS_TYPE(old, &tm_record_type))
+            same = PyObject_RichCompareBool(((tm_record *)old)->key, key, Py_EQ);
         if (same > 0 && i < PyList_GET_SIZE(records) && PyList_GET_ITEM(records, i) == old)
             same = PySequence_DelItem(records, i) < 0 ? -1 : 1;
         Py_DECREF(old);
@@ -701,8 +449,8 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records) && error == NULL; i++) {
             PyObject *record = Py_NewRef(PyList_GET_ITEM(records, i));
             PyObject *result = NULL;
-            if (Py_IS_TYPE(record, &FastRecord_Type))
-                result = execute((RecordObject *)record, args, kwargs, &error);
+            if (Py_IS_TYPE(record, &tm_record_type))
+                result = execute((tm_record *)record, args, kwargs, &error);
             Py_DECREF(record);
             if (result != NULL || (error == NULL && PyErr_Occurred())) {
                 Py_DECREF(records);
@@ -728,7 +476,7 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     PyObject *out = Py_NewRef(PyTuple_GET_ITEM(result, TM_MISS_OUT));
     PyObject *record = PyTuple_GET_ITEM(result, TM_MISS_RECORD);
-    if (Py_IS_TYPE(record, &FastRecord_Type) && f->records != NULL && PyList_Check(f->records)) {
+    if (Py_IS_TYPE(record, &tm_record_type) && f->records != NULL && PyList_Check(f->records)) {
         PyObject *records = Py_NewRef(f->records);
         int failed = table_add(records, record);
         Py_DECREF(records);
@@ -746,13 +494,13 @@ static int
 fast_call_traverse(FastCallObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
-    return fields_traverse(&self->records, 2, visit, arg); /* records, miss */
+    return tm_fields_traverse(&self->records, 2, visit, arg); /* records, miss */
 }
 
 static int
 fast_call_clear(FastCallObject *self)
 {
-    return fields_clear(&self->records, 2);
+    return tm_fields_clear(&self->records, 2);
 }
 
 static void
@@ -788,16 +536,13 @@ static PyTypeObject FastCall_Type = {
 };
 
 
-/* Adds the executor's types and the record's version and fields. */
+/* Adds the executor's types and the bound of its table. */
 int
 tm_executor_exec(PyObject *module)
 {
     if (tm_add_type(module, "Guarded", &Guarded_Type) < 0 ||
-        tm_add_type(module, "FastRecord", &FastRecord_Type) < 0 ||
         tm_add_type(module, "FastCall", &FastCall_Type) < 0 ||
-        PyModule_AddIntConstant(module, "RECORD_VERSION", TM_RECORD_VERSION_NUMBER) < 0 ||
-        PyModule_AddIntConstant(module, "RECORDS_BOUND", TM_RECORDS_BOUND) < 0 ||
-        tm_add_names(module, "RECORD_FIELDS", record_fields) < 0)
+        PyModule_AddIntConstant(module, "RECORDS_BOUND", TM_RECORDS_BOUND) < 0)
         return -1;
     return 0;
 }

@@ -3,7 +3,7 @@
  *
  * The guard: a cached flattening stays valid while every container it walked
  * through still holds the very same objects; `holds` compares the guard state
- * `_Guard` (treemode/_tree/_flatten.py) saved with the current contents by
+ * `Guard` (treemode/_tree/_flat_guard.py) saved with the current contents by
  * pointer, calling no Python code but one attribute read per Variable and per
  * `__dict__`. The guard state keeps every saved object alive, so equal pointers
  * mean the same object. The closure-read check (`tm_closure_reads_hold`, made
@@ -279,10 +279,10 @@ same_metadata(PyObject *var, PyObject *expected, PyObject *entries, const uint64
     return same;
 }
 
-/* The fields of a guard state (built by treemode._tree._flatten._Guard), then,
+/* The fields of a guard state (built by treemode._tree._flat_guard.Guard), then,
  * where the interpreter has dict version tags, three tags. */
 /* The fields of a guard state (named in treemode/_accel/_border.py, which
- * treemode._tree._flatten._Guard builds a state by): the untagged ones, then,
+ * treemode._tree._flat_guard.Guard builds a state by): the untagged ones, then,
  * where the interpreter has dict version tags, the three tags. */
 #define ST_FIELDS (TM_STATE_SIZE - TM_STATE_TAGS)
 #define ST_TAGGED_FIELDS TM_STATE_SIZE
@@ -339,7 +339,7 @@ tm_state_holds(PyObject *state, PyObject *variables, PyObject *top)
     Py_ssize_t k;
     int same;
 
-    /* Types and __dict__ objects first (as _Guard.holds): the passes below read
+    /* Types and __dict__ objects first (as Guard.holds): the passes below read
      * the saved dicts. The top-level argument is not held by the state. */
     if (top_type != Py_None && (PyObject *)Py_TYPE(top) != top_type)
         return 0;
@@ -403,7 +403,7 @@ tm_state_holds(PyObject *state, PyObject *variables, PyObject *top)
 PyDoc_STRVAR(holds_doc,
 "holds(state, variables, top) -> bool\n\n"
 "Whether the objects and Variables of a flattening snapshot are unchanged (the\n"
-"state's fields: GUARD_STATE_FIELDS, built by treemode._tree._flatten._Guard).");
+"state's fields: GUARD_STATE_FIELDS, built by treemode._tree._flat_guard.Guard).");
 
 static PyObject *
 holds(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)

@@ -63,6 +63,7 @@ def capture(
 ) -> Callable[P, Any]: ...
 
 
+@_compat.api_boundary  # treemode's frames are left out of tracebacks
 def capture(
     fn: Any,
     *var_types: type[nnx.Variable],

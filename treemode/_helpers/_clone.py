@@ -7,12 +7,14 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 
+from .. import _compat
 from .._tree._graph import from_tree, to_tree
 from .._tree._leaves import is_array
 
 T = TypeVar("T")
 
 
+@_compat.api_boundary  # treemode's frames are left out of tracebacks
 def clone(node: T, *, arrays: bool = False) -> T:
     """Copy a pytree of modules: new Modules and Variables, same sharing.
 

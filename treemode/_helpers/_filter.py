@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import filterlib
 
+from .. import _compat
 from .._tree._leaves import ARRAY_TYPES, is_variable
 from .._tree._paths import nnx_path
 from .._tree._pytree import Pytree, from_parts
@@ -50,6 +51,7 @@ def _is_structural(predicate: Any) -> bool:
     return False
 
 
+@_compat.api_boundary  # treemode's frames are left out of tracebacks
 def filter(  # noqa: A001 - the public name mirrors nnx filters
     tree: Any,
     variables: nnx.filterlib.Filter,

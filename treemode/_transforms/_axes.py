@@ -31,6 +31,7 @@ from .._pipeline._call import Call
 from .._tree._graph import check_one_spec_per_variable, original_roots
 from .._tree._leaves import is_variable
 from .._tree._paths import format_path
+from .._tree._specs import DYNAMIC, VarSpec
 from ._prefix import broadcast_to_dynamic, broadcast_to_leaves
 from ._rng_hints import axis_hint
 
@@ -356,7 +357,11 @@ def check_mapped(
                 f"has size {size} on its mapped axis {axes[first]}, but {paths[i]} has "
                 f"size {n} on axis {axis}. Every mapped array must have the same size "
                 "along its mapped axis."
-                + (axis_hint(call, first, paths[first]) or axis_hint(call, i, paths[i]))
+                + (
+                    axis_hint(call, first, paths[first])
+                    or axis_hint(call, i, paths[i])
+                    or broadcast_hint(call, axes, (first, i))
+                )
             )
     if size is not None and axis_size is not None and axis_size != size:
         raise AxisError(
@@ -372,6 +377,42 @@ def check_mapped(
             )
         return axis_size
     return size
+
+
+def broadcast_hint(call: Call, axes: Sequence[Any], indices: Sequence[int]) -> str:
+    """For mapped sizes that differ, where one of the arrays at ``indices`` is a
+    Variable of a positional argument (a model): the ``in_axes`` that broadcasts
+    that argument, the commonest fix (``vmap(f, in_axes=(0, 0))(model, x)``
+    maps the model's weights along with the batch)."""
+    if call.transform not in ("vmap", "pmap") or call.static_positional:
+        return ""
+    owners: list[int] = []  # per dynamic array: the traced argument it belongs to
+    in_variable: list[bool] = []
+    for k, flat in enumerate(call.arg_flats):
+        for spec in flat.specs:
+            if type(spec) is VarSpec:
+                owners += [k] * spec.num_dynamic
+                in_variable += [True] * spec.num_dynamic
+            elif spec is DYNAMIC:
+                owners.append(k)
+                in_variable.append(False)
+    for index in indices:
+        if index >= len(owners) or not in_variable[index] or owners[index] >= len(call.args):
+            continue
+        model = owners[index]
+        shown = []
+        for k in range(len(call.args)):
+            if k == model:
+                shown.append("None")
+                continue
+            used = {repr(axes[j]) for j, owner in enumerate(owners) if owner == k}
+            shown.append(used.pop() if len(used) == 1 else "...")
+        suggestion = f"({shown[0]},)" if len(shown) == 1 else f"({', '.join(shown)})"
+        return (
+            f"\nIf the {type(call.args[model]).__name__} at args[{model}] is the same for "
+            f"every example, broadcast it rather than map it: in_axes={suggestion}."
+        )
+    return ""
 
 
 def batched_update_error(call: Call, index: int, *, axis_name: Any = None) -> AxisError:

@@ -49,7 +49,8 @@ from .._errors import ClosureError, MutationError
 from .._pipeline import _call, _core, _pure, _writeback
 from .._tree import _graph
 from .._tree._leaves import ARRAY_TYPES, is_variable
-from ._grad import DiffSplit, check_filter, dynamic_like, float0_zeros, is_differentiable
+from ._grad import dynamic_like
+from ._grad_wrt import DiffSplit, check_filter, float0_zeros, is_differentiable
 from ._lifts import is_diff_state, refuse_lifts
 from ._signature import as_tuple, resolve_argnums, suggests_keywords
 from ._wrapped import Wrapped

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import (
     TYPE_CHECKING,
@@ -26,6 +25,7 @@ from .._pipeline._callsite import CallSite
 from .._pipeline._executor import PyFastCall
 from .._tree._flatten import check_no_aliases
 from ._jit_entry import (
+    JittedFunctions,
     _arrange,
     _check_donation,
     _forget_failed_dispatch,
@@ -393,50 +393,6 @@ class _CachedPartialJit(JitWrapped[P, R]):
         return executor.__call__(*args)
 
 
-class JittedFunctions:
-    """The ``jax.jit`` functions of one `treemode.jit` wrapper, one per call structure.
-
-    What Flax's ``nnx.jit(...).jitted_fn`` is read for: ``_cache_size()`` (the
-    number of compiled executables) and ``clear_cache()``. The functions take
-    treemode's flat arrays, not the user's arguments: call the wrapper itself.
-    """
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, wrapped: JitWrapped[Any, Any]):
-        # Weakly: the wrapper holds this view in its __dict__ (no reference cycle).
-        self._ref = weakref.ref(wrapped)
-
-    @property
-    def _wrapped(self) -> JitWrapped[Any, Any]:
-        wrapped = self._ref()
-        if wrapped is None:
-            raise ReferenceError("treemode.jit: the jitted function was deleted")
-        return wrapped
-
-    @property
-    def functions(self) -> tuple[Any, ...]:
-        """The ``jax.jit`` functions, in the order their structures were first called."""
-        return tuple(f for entry in self._wrapped._cache.values() for f in entry.executables())
-
-    def _cache_size(self) -> int:
-        """The number of executables compiled so far, over every call structure."""
-        return sum(fn._cache_size() for fn in self.functions)
-
-    def clear_cache(self) -> None:
-        """As `JitWrapped.clear_cache`."""
-        self._wrapped.clear_cache()
-
-    def __len__(self) -> int:
-        return len(self._wrapped._cache)
-
-    def __repr__(self) -> str:
-        wrapped = self._ref()
-        if wrapped is None:
-            return "<jax.jit functions of a deleted treemode.jit function>"
-        return f"<jax.jit functions of {wrapped!r}: {len(self)} call structure(s)>"
-
-
 def _whole(out: Any) -> Any:
     return out
 
@@ -513,6 +469,16 @@ def jit(
     that the function changed holds its new value; all other Variables keep
     their buffers.
 
+    Modules the function reaches through its closure (a global, a closure
+    cell, a bound method's `self`) are inputs too: their Variables are read
+    fresh on every call, never a stale constant, and written back when the
+    function changes them; one the closure search cannot lift is reported by
+    name (`ClosureWarning`, `ClosureError`; see the concepts page). The
+    function is traced and compiled once per call structure (the arguments'
+    types and module structure, static values, array shapes, dtypes and
+    shardings); new array values reuse that program, a new structure traces
+    again (`jax_explain_cache_misses` says why; see the jit guide).
+
     **Arguments:**
 
     - `fun`: the function to compile (positional only). Omit it to use
@@ -522,9 +488,12 @@ def jit(
       Updated Variables come back with their input sharding.
     - `static_argnums`, `static_argnames`: arguments that are part of the cache
       key instead of traced (must be hashable).
-    - `donate_argnums`, `donate_argnames`: arguments whose buffers XLA may reuse.
-      Their Variables are refreshed with the output buffers, so the modules stay
-      usable. An exception a signal handler raises in the main thread (Ctrl-C,
+    - `donate_argnums`, `donate_argnames`: arguments whose buffers XLA may reuse,
+      donated by effect: a donated module donates the buffers of the Variables
+      the function writes (they come back holding the new values, so the module
+      stays usable), and its read-only Variables are passed undonated and keep
+      their buffers; other array leaves are donated, as in `jax.jit` (the jit
+      guide, "Donation"). An exception a signal handler raises in the main thread (Ctrl-C,
       `SystemExit` from a SIGTERM handler, ...) leaves the old values when it
       lands before the executable consumed the buffers (it is raised at once,
       even during a long trace or compilation) and the new values after (it is

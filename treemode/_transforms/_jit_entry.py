@@ -5,11 +5,13 @@ executable, or, with donation, the undonated ``probe`` and one donated executabl
 per write set (donation by effect). It refers to the user's function only while
 a call is bound (`_pure.PureFunction`), and its ``jax.jit`` functions refer to
 the entry's parts, not to the entry: dropping the entry frees them by reference
-counting, with no cycle for the collector.
+counting, with no cycle for the collector. `JittedFunctions` is the view of a
+wrapper's entries that Flax's ``jitted_fn`` offers.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -146,7 +148,7 @@ class _JitEntry:
             if self._in_shardings is not None:
                 kwargs = dict(kwargs, in_shardings=_arrange(self._in_shardings, split))
             call_split = _donating_function(
-                self.probe, self._owner, self._candidates, split, self.pure.transform
+                self.probe, self._owner, self._candidates, split, self._splits, self.pure.transform
             )
             names = self._arg_names
             if names is not None:
@@ -255,10 +257,19 @@ def _written_split(owner: Sequence[int], candidates: Sequence[int], updates: Any
 
 
 def _donating_function(
-    probe: Any, owner: Sequence[int], candidates: Sequence[int], split: Split, transform: str
+    probe: Any,
+    owner: Sequence[int],
+    candidates: Sequence[int],
+    split: Split,
+    splits: dict[tuple[Any, ...], Split],
+    transform: str,
 ) -> Callable[..., Any]:
     """The function the donated executable of ``split`` traces: ``probe`` on the
-    arrays in their order, refused (`_Unprobed`) where the trace writes another set."""
+    arrays in their order, refused (`_Unprobed`) where the trace writes another set.
+
+    Either way the signature's split is noted in ``splits`` (the entry's; a dict,
+    not the entry, so the executable refers to no entry): the call then takes the
+    executable of that set without probing."""
     order = [0] * (len(split[0]) + len(split[1]))
     for position, i in enumerate(split[0] + split[1]):
         order[i] = position
@@ -266,16 +277,63 @@ def _donating_function(
 
     def call_split(donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
         joined = donated + kept
+        dynamic = [joined[j] for j in order]
         # One explanation per retrace: this trace's own (JAX's, naming the user's
         # paths), not a second one for the probe it traces inside.
         with _retrace.jax_explanations_off():
-            result = probe(*[joined[j] for j in order])
-        if _written_split(owner, candidates, result[1], n) != split:
+            result = probe(*dynamic)
+        written = _written_split(owner, candidates, result[1], n)
+        splits[_signature(dynamic)] = written
+        if written != split:
             # This signature writes another set: nothing has run or been donated.
             raise _Unprobed(transform)
         return result
 
     return call_split
+
+
+class JittedFunctions:
+    """The ``jax.jit`` functions of one `treemode.jit` wrapper, one per call structure.
+
+    What Flax's ``nnx.jit(...).jitted_fn`` is read for: ``_cache_size()`` (the
+    number of compiled executables) and ``clear_cache()``. The functions take
+    treemode's flat arrays, not the user's arguments: call the wrapper itself.
+    """
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, wrapped: Any):
+        # Weakly: the wrapper holds this view in its __dict__ (no reference cycle).
+        self._ref = weakref.ref(wrapped)
+
+    @property
+    def _wrapped(self) -> Any:
+        wrapped = self._ref()
+        if wrapped is None:
+            raise ReferenceError("treemode.jit: the jitted function was deleted")
+        return wrapped
+
+    @property
+    def functions(self) -> tuple[Any, ...]:
+        """The ``jax.jit`` functions, in the order their structures were first called."""
+        return tuple(f for entry in self._wrapped._cache.values() for f in entry.executables())
+
+    def _cache_size(self) -> int:
+        """The number of executables compiled so far, over every call structure."""
+        return sum(fn._cache_size() for fn in self.functions)
+
+    def clear_cache(self) -> None:
+        """As `JitWrapped.clear_cache`."""
+        self._wrapped.clear_cache()
+
+    def __len__(self) -> int:
+        return len(self._wrapped._cache)
+
+    def __repr__(self) -> str:
+        wrapped = self._ref()
+        if wrapped is None:
+            return "<jax.jit functions of a deleted treemode.jit function>"
+        return f"<jax.jit functions of {wrapped!r}: {len(self)} call structure(s)>"
 
 
 class _EntryFindings:

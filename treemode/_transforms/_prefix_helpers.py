@@ -21,6 +21,7 @@ from .._tree._paths import format_path, nnx_path
 from .._tree._recursion import below, recursion_headroom
 
 
+@_compat.api_boundary  # treemode's frames are left out of tracebacks
 def prefix(
     node: Any,
     filter_map: Mapping[Any, Any] | Callable[[tuple[Any, ...], Any], Any],
@@ -140,6 +141,7 @@ def partition_spec_of(var: Any) -> PartitionSpec:
     return PartitionSpec(*sharding)
 
 
+@_compat.api_boundary  # treemode's frames are left out of tracebacks
 def sharding_of(node: Any, mesh: Mesh) -> Any:
     """The ``NamedSharding`` of every Variable of ``node``, from its metadata.
 
@@ -178,6 +180,7 @@ def sharding_of(node: Any, mesh: Mesh) -> Any:
     return replace_variables(node, lambda _, x: NamedSharding(mesh, partition_spec_of(x)))
 
 
+@_compat.api_boundary  # treemode's frames are left out of tracebacks
 def partition_specs(node: Any) -> Any:
     """The ``PartitionSpec`` of every Variable of ``node`` (for ``shard_map`` in_specs).
 

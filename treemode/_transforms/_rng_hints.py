@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 
-from .._errors import user_stacklevel
+from .._errors import PUBLIC_MODULE, user_stacklevel
 from .._tree._specs import DYNAMIC, VarSpec
 
 if TYPE_CHECKING:
@@ -91,6 +91,8 @@ class BroadcastRngsWarning(UserWarning):
     assert len(set(different.tolist())) == 3
     ```
     """
+
+    __module__ = PUBLIC_MODULE  # shown as treemode.BroadcastRngsWarning
 
 
 def warn_broadcast_draws(call: Call, variable_axes: Any, updates: Any, in_axes: Any) -> None:

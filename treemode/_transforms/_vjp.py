@@ -18,7 +18,8 @@ from flax.nnx import filterlib
 
 from .._pipeline import _call, _core, _pure
 from .._tree import _graph
-from ._grad import DiffSplit, check_filter, dynamic_like, split_aux, to_array_args
+from ._grad import dynamic_like, split_aux, to_array_args
+from ._grad_wrt import DiffSplit, check_filter
 from ._names import named
 from ._signature import UNSPECIFIED, check_reduce_axes, suggests_keywords
 

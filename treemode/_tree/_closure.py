@@ -12,7 +12,8 @@ or a ``functools.partial``) found in a closure cell or a global the function
 names is searched the same way, recursively, so a module that a helper closes
 over and mutates is lifted as well. Only the user's own code is followed: not
 builtins, and not functions defined in the standard library or in installed
-packages (JAX, Flax, optax, ...), which cannot close over the user's modules.
+packages (JAX, Flax, optax, ...), which cannot close over the user's modules
+(`treemode._tree._closure_code` says which code is library code).
 The walk stops `MAX_DEPTH` functions deep and visits each function once, so
 recursive helpers terminate.
 
@@ -50,13 +51,10 @@ followable function, or neither) once per type.
 from __future__ import annotations
 
 import builtins
-import dis
 import functools
 import operator
 import os
-import site
 import sys
-import sysconfig
 import types
 import weakref
 from collections.abc import Callable
@@ -64,8 +62,10 @@ from typing import Any
 
 from flax import nnx
 
-from .. import _caches, _compat
+from .. import _caches
 from .._accel._border import attribute_read, cell_read, closure_reads
+from .._errors import PUBLIC_MODULE
+from ._closure_code import BOUNDARY_CODES, LIBRARY, TRANSFORMS, global_names
 from ._leaves import is_variable_or_graph_node
 
 
@@ -73,6 +73,8 @@ class ClosureWarning(UserWarning):
     """A module the function reaches through its closure is not lifted: it sits
     beyond the closure search's limits (see docs/concepts.md#closures-are-lifted).
     Its values are constants of the compiled code; pass it as an argument."""
+
+    __module__ = PUBLIC_MODULE  # shown as treemode.ClosureWarning
 
 
 MAX_DEPTH = 4  # function hops followed from the transformed function
@@ -122,47 +124,7 @@ def is_user_class(cls: type, *, instances_need_dict: bool = True) -> bool:
     path = getattr(module, "__file__", None)
     if path is None:
         return cls.__module__ == "__main__"
-    return not os.path.abspath(path).startswith(_LIBRARY)
-
-
-def _library_prefixes() -> tuple[str, ...]:
-    """Directories whose code is never followed: the standard library, installed
-    packages and treemode itself."""
-    paths = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # treemode/
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            paths.add(path)
-    try:
-        paths.update(site.getsitepackages())
-    except AttributeError:  # pragma: no cover - some embedded interpreters
-        pass
-    if site.ENABLE_USER_SITE and site.USER_SITE:
-        paths.add(site.USER_SITE)
-    prefixes = {os.path.join(os.path.abspath(p), "") for p in paths}
-    prefixes |= {os.path.join(os.path.realpath(p), "") for p in paths}
-    return (*sorted(prefixes), "<frozen ")
-
-
-_LIBRARY = _library_prefixes()
-# The functions treemode's transforms return (``treemode.grad``, ``remat``, ...) are
-# defined here, and JAX's traceback boundary (``_compat.api_boundary``) wraps them:
-# their closure cells hold the user's function, so the search sees through them.
-_TRANSFORMS = tuple(
-    os.path.join(resolve(os.path.dirname(os.path.dirname(__file__))), "_transforms", "")
-    for resolve in (os.path.abspath, os.path.realpath)
-)
-
-
-def _boundary_code() -> types.CodeType | None:
-    def probe() -> None:
-        pass
-
-    bounded = _compat.api_boundary(probe)
-    return None if bounded is probe else getattr(bounded, "__code__", None)
-
-
-_BOUNDARY_CODE = _boundary_code()
+    return not os.path.abspath(path).startswith(LIBRARY)
 
 
 def wrapper_reads(wrapper: Any) -> dict[str, Any] | None:
@@ -188,13 +150,13 @@ class _Plan:
     def __init__(self, code: types.CodeType):
         self.code = code  # kept so that the id used as key stays this object's
         self.freevars = code.co_freevars
-        self.user_code = not code.co_filename.startswith(_LIBRARY)
+        self.user_code = not code.co_filename.startswith(LIBRARY)
         # A function a treemode transform returns: only its cells are read (its
         # globals are treemode's), and it is no hop of its own (see `_Walk.visit_function`).
         self.see_through = not self.user_code and (
-            code.co_filename.startswith(_TRANSFORMS) or code is _BOUNDARY_CODE
+            code.co_filename.startswith(TRANSFORMS) or code in BOUNDARY_CODES
         )
-        self.global_names = () if self.see_through else _global_names(code)
+        self.global_names = () if self.see_through else global_names(code)
         # Names a substituted copy loads from the builtins (`treemode._pipeline._substitute`).
         self.aliased = any(n.startswith(ALIAS_PREFIX) for n in self.global_names)
         self.snapshots = 0  # cache entries made for functions of this code
@@ -229,21 +191,6 @@ def _plan(code: types.CodeType) -> _Plan:
             _plans.clear()  # lambdas made per call: bound the cache
         plan = _plans[id(code)] = _Plan(code)
     return plan
-
-
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """Names ``code`` (and the functions/comprehensions nested in it) load as globals.
-
-    ``co_names`` alone also lists attribute names, so the bytecode is read once.
-    """
-    names: dict[str, None] = {}
-    for instruction in dis.get_instructions(code):
-        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            names[instruction.argval] = None
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.update(dict.fromkeys(_global_names(const)))
-    return tuple(names)
 
 
 def closure_objects(fn: Callable[..., Any], transform: str = "jit") -> list[tuple[str, Any]]:
@@ -303,35 +250,12 @@ def closure_snapshot(fn: Callable[..., Any]) -> Any:
     """The cache entry behind the last `closure_objects` answer for ``fn``.
 
     ``None`` when that answer was not cached (functions made per call, or not
-    weakly referenceable). Pass it to `unchanged_closure_objects` later.
+    weakly referenceable).
     """
     snapshot = _snapshots.get(id(fn))
     if snapshot is None or snapshot.ref() is not fn:
         return None
     return snapshot
-
-
-_EMPTY_ANSWER: list[Any] = []
-
-
-def unchanged_closure_objects(fn: Callable[..., Any], snapshot: Any) -> list[Any] | None:
-    """The objects `closure_objects` (``fn``) answers, if that answer is still ``snapshot``'s.
-
-    ``None`` if any read behind ``snapshot`` changed (the answer must be searched
-    again). The list returned for a function without closure objects is shared:
-    do not modify it.
-    """
-    if _snapshots.get(id(fn)) is not snapshot or not reads_hold_python(snapshot.reads):
-        return None
-    if not snapshot.found:
-        return _EMPTY_ANSWER
-    return held_objects(snapshot.found)
-
-
-def held_objects(found: list[tuple[str, Any]]) -> list[Any] | None:
-    """The objects of a search's answer (its ``(name, holder)`` pairs); ``None`` if one died."""
-    objects = [holder() for _, holder in found]
-    return None if any(obj is None for obj in objects) else objects
 
 
 class _Ref(weakref.ref):

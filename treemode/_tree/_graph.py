@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.tree_util import PyTreeDef
 
+from .. import _compat
 from .._errors import AliasError
 from ._leaves import is_variable, is_variable_or_graph_node
 from ._paths import format_path
@@ -71,6 +72,7 @@ def _is_marker(x: Any) -> bool:
     return isinstance(x, (GraphNode, SharedRef)) or is_variable(x)
 
 
+@_compat.api_boundary  # treemode's frames are left out of tracebacks
 def to_tree(node: Any) -> Any:
     """Convert a pytree that may hold shared NNX objects into a pure pytree.
 
@@ -158,6 +160,7 @@ def to_tree(node: Any) -> Any:
     return tree
 
 
+@_compat.api_boundary  # treemode's frames are left out of tracebacks
 def from_tree(tree: Any) -> Any:
     """Rebuild the object graph encoded by `to_tree`.
 

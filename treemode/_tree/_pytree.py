@@ -402,6 +402,7 @@ class Pytree(Generic[M]):
     _pt_trace: Any  # the JAX trace the proxy was made in (its weak reference)
     _pt_module_trace: Any  # the JAX trace the cached module was built in
 
+    @_compat.api_boundary
     def __init__(self, module: M):
         if isinstance(module, Pytree):
             pdef, leaves = module._pt_flatten()
@@ -555,6 +556,7 @@ class Pytree(Generic[M]):
 
     # -- public ---------------------------------------------------------------
 
+    @_compat.api_boundary
     def to_module(self) -> M:
         """An ordinary NNX module with this proxy's state (a new, independent object).
 
@@ -595,9 +597,11 @@ class Pytree(Generic[M]):
         """
         return nnx.split(self.to_module())[1]
 
+    @_compat.api_boundary
     def __enter__(self) -> M:
         return self._pt_materialize()
 
+    @_compat.api_boundary
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if exc_type is None:
             self._pt_recapture()
@@ -605,6 +609,7 @@ class Pytree(Generic[M]):
             self._pt_drop()
         return False
 
+    @_compat.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._pt_materialize()
         return self._pt_run(module, args, kwargs)
@@ -633,6 +638,7 @@ class Pytree(Generic[M]):
     def __bool__(self) -> bool:
         return True
 
+    @_compat.api_boundary
     def __setattr__(self, name: str, value: Any) -> None:
         raise ProxyError(
             f"treemode.Pytree: cannot set attribute {name!r} on the proxy: it is a "
@@ -640,12 +646,14 @@ class Pytree(Generic[M]):
             "block.\n" + _EDIT_HINT.format(edit=f"module.{name} = ...")
         )
 
+    @_compat.api_boundary
     def __delattr__(self, name: str) -> None:
         raise ProxyError(
             f"treemode.Pytree: cannot delete attribute {name!r} on the proxy.\n"
             + _EDIT_HINT.format(edit=f"del module.{name}")
         )
 
+    @_compat.api_boundary
     def __setitem__(self, key: Any, value: Any) -> None:
         raise ProxyError(
             f"treemode.Pytree: cannot assign proxy[{key!r}].\n"
@@ -733,6 +741,7 @@ def _expose(root: Pytree[Any], value: Any, module: Any) -> Any:
 
 def _bound(root: Pytree[Any], method: Callable[..., Any], module: Any) -> Callable[..., Any]:
     @functools.wraps(method)
+    @_compat.api_boundary
     def call(*args: Any, **kwargs: Any) -> Any:
         _check_fresh(root, module)
         return root._pt_run(method, args, kwargs)
@@ -763,6 +772,7 @@ class _View:
         _check_fresh(self._pt_root, self._pt_module)
         return self._pt_obj
 
+    @_compat.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._pt_root._pt_run(self._pt_target(), args, kwargs)
 
@@ -784,18 +794,21 @@ class _View:
     def __bool__(self) -> bool:
         return True
 
+    @_compat.api_boundary
     def __setattr__(self, name: str, value: Any) -> None:
         raise ProxyError(
             f"treemode.Pytree: cannot set attribute {name!r} on a submodule read "
             "through the proxy.\n" + _EDIT_HINT.format(edit=f"module.<path>.{name} = ...")
         )
 
+    @_compat.api_boundary
     def __delattr__(self, name: str) -> None:
         raise ProxyError(
             f"treemode.Pytree: cannot delete attribute {name!r} on a submodule read "
             "through the proxy.\n" + _EDIT_HINT.format(edit=f"del module.<path>.{name}")
         )
 
+    @_compat.api_boundary
     def __setitem__(self, key: Any, value: Any) -> None:
         raise ProxyError(
             f"treemode.Pytree: cannot assign [{key!r}] on a submodule read through the "

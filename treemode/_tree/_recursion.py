@@ -127,11 +127,23 @@ def find_cycle(tree: Any) -> tuple[Any, ...] | None:
     return None
 
 
-def recursion_error(transform: str, roots: list[tuple[str, Any]]) -> StructureError:
+# CPython 3.12.0 to 3.12.2 cap C-level recursion (about 1,500 levels) whatever
+# sys.setrecursionlimit says; 3.12.3 raised the cap (gh-112215), 3.11 and 3.13
+# follow the limit (docs/install.md, "Deep nesting").
+CAPPED_C_RECURSION = ((3, 12, 0), (3, 12, 3))
+
+
+def recursion_error(
+    transform: str,
+    roots: list[tuple[str, Any]],
+    version: tuple[int, ...] = tuple(sys.version_info[:3]),
+) -> StructureError:
     """A clear error for a RecursionError while flattening ``roots``.
 
     Names the reference cycle if there is one; otherwise the nesting is deeper
-    than Python's recursion limit allows JAX's (recursive) pytree flattening.
+    than the interpreter allows JAX's (recursive) pytree flattening, and the
+    advice is what helps on the running Python (``version``): raising the
+    recursion limit, except on 3.12.0 to 3.12.2, where it cannot help.
     """
     for root, tree in roots:
         path = find_cycle(tree)
@@ -144,6 +156,18 @@ def recursion_error(transform: str, roots: list[tuple[str, Any]]) -> StructureEr
             )
     names = ", ".join(root for root, _ in roots)
     limit = max(sys.getrecursionlimit(), RECURSION_HEADROOM)
+    low, high = CAPPED_C_RECURSION
+    if low <= tuple(version) < high:
+        shown = ".".join(map(str, version))
+        return StructureError(
+            f"treemode.{transform}: the inputs ({names}) are nested too deeply to flatten "
+            f"on Python {shown}: JAX flattens pytrees recursively, each nesting level "
+            "taking a few interpreter levels (about six with graph=True), and Python "
+            "3.12.0 to 3.12.2 cap that recursion at about 1,500 levels whatever "
+            "sys.setrecursionlimit says, so raising the limit cannot help here. Store "
+            "deep stacks of layers in an nnx.List instead of nesting them, or run on "
+            "Python 3.12.3 or later (or 3.11, 3.13), where the limit applies."
+        )
     return StructureError(
         f"treemode.{transform}: the inputs ({names}) are nested too deeply to flatten "
         f"within a recursion limit of {limit}: JAX flattens pytrees recursively, each "
@@ -154,6 +178,7 @@ def recursion_error(transform: str, roots: list[tuple[str, Any]]) -> StructureEr
 
 
 __all__ = [
+    "CAPPED_C_RECURSION",
     "RECURSION_HEADROOM",
     "CycleError",
     "CycleFound",
