@@ -474,7 +474,7 @@ def test_a_failing_matched_call_names_the_input_and_unbinds(hooks):
     m = Counter()
     f(m, jnp.ones(3))
     m.w.get_raw_value().delete()  # the memo still matches: the failure is JAX's
-    with pytest.raises(treemode.DonationError, match=r"Param at args\[0\]\.w was deleted"):
+    with pytest.raises(treemode.DonationError, match=r"Param at args\[0\]\.w has been deleted"):
         f(m, jnp.ones(3))
     assert f._records
     assert all(getattr(e.pure.binding, "call", None) is None for e in f._cache.values())
