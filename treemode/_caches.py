@@ -44,8 +44,8 @@ def clear_caches() -> None:
     treemode caches what it learnt from the first call of each call structure:
     the flattening of each argument, the closure search of each function, the
     pure function it hands to JAX and the `jax.jit` wrapper built for it, the
-    trace caches of the loops and of `scan`, and the memo of a `treemode.jit`
-    function's last call. `jax.clear_caches()` empties JAX's caches, those of
+    trace caches of the loops and of `scan`, and the fast-path records of a
+    `treemode.jit` function's last calls. `jax.clear_caches()` empties JAX's caches, those of
     the `jax.jit` wrappers treemode holds included (so a `treemode.jit`
     function traces again), but none of treemode's own. `treemode.clear_caches()`
     empties treemode's: its wrappers and entries go, and with them the last

@@ -114,7 +114,7 @@ static PyTypeObject Guarded_Type = {
     .tp_weaklistoffset = offsetof(GuardedObject, weakreflist),
 };
 
-/* Whether `obj`, passed where the memo saw a bare array, is one (`jax.jit`'s
+/* Whether `obj`, passed where the record saw a bare array, is one (`jax.jit`'s
  * rule: an array of a known type, or a Python number): 1, 0, or -1. */
 static int
 bare_array(PyObject *obj)
