@@ -145,7 +145,10 @@ def run(args: list[str], log: Path, cwd: Path = ROOT, env: dict | None = None) -
     with log.open("a") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-3000:]
+        output = proc.stdout + proc.stderr
+        # pytest's summary lines first (on CI their messages run long, the tail cuts them)
+        failed = [ln[:300] for ln in output.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+        tail = "\n".join([*failed[:20], "...", output[-3000:]]) if failed else output[-3000:]
         raise RuntimeError(f"{' '.join(args[:4])} ... exited with {proc.returncode}:\n{tail}")
     return proc.stdout
 
