@@ -34,6 +34,7 @@ PyObject *tm_typeof; /* jax.typeof: a record's signature check compares what it 
 unsigned long tm_main_thread;
 PyObject *tm_debug_checks; /* JAX's jax_debug_nans/infs states: a donated call misses under one */
 PyObject *tm_value_name;   /* "value", the attribute of those states read */
+PyObject *tm_shape_name;   /* "shape", compared before a signature's jax.typeof */
 
 /* 0 (with a RuntimeError) until `configure` was called. */
 int
@@ -116,6 +117,8 @@ configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
     for (int i = 0; i < CONFIGURE_OBJECTS - 2; i++)
         Py_XSETREF(*targets[i], Py_NewRef(f[i]));
     if (tm_value_name == NULL && (tm_value_name = PyUnicode_InternFromString("value")) == NULL)
+        return NULL;
+    if (tm_shape_name == NULL && (tm_shape_name = PyUnicode_InternFromString("shape")) == NULL)
         return NULL;
     Py_XSETREF(tm_debug_checks, Py_NewRef(f[TM_CONFIGURE_DEBUG_CHECKS]));
     tm_raw_value_name = PyDescr_NAME(tm_raw_value_member);

@@ -47,6 +47,7 @@ extern PyObject *tm_typeof; /* jax.typeof, for a record's signature check */
 extern unsigned long tm_main_thread;
 extern PyObject *tm_debug_checks; /* JAX's jax_debug_nans/infs states */
 extern PyObject *tm_value_name;   /* "value", the attribute of those states read */
+extern PyObject *tm_shape_name;   /* "shape", compared before a signature's jax.typeof */
 
 /* _guard.c */
 int tm_configured(void);

@@ -260,6 +260,21 @@ debug_check_on(void)
     return 0;
 }
 
+/* Whether `array` has a shape and `aval` (a jax.typeof) another one: 1, else 0
+ * (no exception; 0 where either has none, and jax.typeof decides). */
+static int
+shapes_differ(PyObject *array, PyObject *aval)
+{
+    PyObject *shape = PyObject_GetAttr(array, tm_shape_name);
+    PyObject *expected = shape == NULL ? NULL : PyObject_GetAttr(aval, tm_shape_name);
+    int same = expected == NULL ? -1 : PyObject_RichCompareBool(shape, expected, Py_EQ);
+    Py_XDECREF(shape);
+    Py_XDECREF(expected);
+    if (same < 0)
+        PyErr_Clear();
+    return same == 0;
+}
+
 /* Executes `r` on `args`: the call's output; or NULL with `*error` set to the
  * exception the compiled entry raised (the miss explains it); or NULL with an
  * exception set (raised as it is: a failed write, undone, or finished after a
@@ -321,13 +336,19 @@ execute(tm_record *r, PyObject *args, PyObject *kwargs, PyObject **error)
             goto done;
     }
     /* The signature: where an entry's signatures write different sets, the arrays
-     * that tell them apart must have the record's abstract values. */
+     * that tell them apart must have the record's abstract values. Their shapes
+     * first: a cheap answer for the record of another signature. */
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r->checked); i++) {
         Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(r->checked, i));
         if (at < 0 || at >= PyList_GET_SIZE(dynamic)) {
             PyErr_Clear();
             goto done;
         }
+        if (shapes_differ(PyList_GET_ITEM(dynamic, at), PyTuple_GET_ITEM(r->avals, i)))
+            goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r->checked); i++) {
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(r->checked, i));
         PyObject *aval = PyObject_CallOneArg(tm_typeof, PyList_GET_ITEM(dynamic, at));
         if (aval == NULL) {
             PyErr_Clear(); /* a miss: the pipeline decides */

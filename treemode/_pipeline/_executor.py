@@ -177,10 +177,19 @@ def match(record: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> 
         record.lifted_slots, lifted, dynamic, sources
     ):
         return None
-    for at, aval in zip(record.checked, record.avals, strict=True):
-        if at >= len(dynamic) or jax.typeof(dynamic[at]) != aval:
-            return None
+    checked = list(zip(record.checked, record.avals, strict=True))
+    if any(at >= len(dynamic) or _shapes_differ(dynamic[at], aval) for at, aval in checked):
+        return None  # the shapes first: a cheap answer for another signature's record
+    if any(jax.typeof(dynamic[at]) != aval for at, aval in checked):
+        return None
     return dynamic, sources
+
+
+def _shapes_differ(array: Any, aval: Any) -> bool:
+    """Whether ``array`` has a shape and ``aval`` (a ``jax.typeof``) another one
+    (``False`` where either has none: ``jax.typeof`` decides)."""
+    shape = getattr(array, "shape", None)
+    return shape is not None and shape != getattr(aval, "shape", shape)
 
 
 def execute(record: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
