@@ -18,6 +18,10 @@ undonated:
   wrt=nnx.LoRAParam)`` and ``nnx.Optimizer(wrt=nnx.LoRAParam)``,
   both donated (the floor donates the adapters and their optimizer state, and
   passes the frozen base undonated);
+- **the train step through ``nnx.cached_partial``** (2 layers), as google/tunix's
+  trainers call it: ``functools.partial(nnx.cached_partial(wrapper, model,
+  optimizer))(x)`` for ``treemode.jit`` and ``nnx.jit`` (graph mode);
+  ``nnx.jit(graph=False)``, which Flax refuses there, is called directly;
 - **two models in turn through one wrapper** (a model and its EMA copy, a
   teacher and a student): each sample calls the same wrapper on two MLPs of 2
   or 64 layers, one after the other; the floor calls one ``jax.jit`` on the
@@ -42,6 +46,7 @@ Run: ``make bench`` (whole suite) or ``python benchmarks/loops.py [--quick]``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -164,8 +169,12 @@ def _check_values(peers: Peers, names: list[str]) -> None:
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-def train_peers(depth: int, names: list[str]) -> Peers:
-    """Model and optimizer donated; the floor donates the parameters and Adam's state."""
+def train_peers(depth: int, names: list[str], cached_partial: bool = False) -> Peers:
+    """Model and optimizer donated; the floor donates the parameters and Adam's state.
+
+    ``cached_partial``: the graph-mode peers are called as google/tunix's trainers
+    call their step, ``functools.partial(nnx.cached_partial(wrapper, model, opt))(x)``
+    (``nnx.jit(graph=False)``, which Flax refuses there, is called directly)."""
     x = jnp.ones((BATCH, WIDTH))
     step, opt = _flat_adam_step(lambda p, _, x: mlp_flat_forward(p, x), donate=(0, 2))
     arrays = raw_arrays(MLP(depth, nnx.Rngs(0)))
@@ -188,7 +197,11 @@ def train_peers(depth: int, names: list[str]) -> Peers:
             m = MLP(depth, nnx.Rngs(0))
             o = nnx.Optimizer(m, tx(), wrt=nnx.Param)
             f = wrappers[name]()
-            peers[name] = lambda f=f, m=m, o=o: f(m, o, x)
+            if cached_partial and name != "nnx.jit(graph=False)":
+                bound = functools.partial(nnx.cached_partial(f, m, o))
+                peers[name] = lambda bound=bound: bound(x)
+            else:
+                peers[name] = lambda f=f, m=m, o=o: f(m, o, x)
     _check_values(peers, names)
     return {name: peers[name] for name in names}
 
@@ -376,6 +389,12 @@ def cases(config: Config) -> list[Case]:
         Case(f"donated train step, {d}-layer MLP", lambda names, d=d: train_peers(d, names))
         for d in depths
     ]
+    out.append(
+        Case(
+            "donated train step through nnx.cached_partial, 2-layer MLP",
+            lambda names: train_peers(2, names, cached_partial=True),
+        )
+    )
     lora = 2 if smoke else LORA_LAYERS
     out.append(
         Case(

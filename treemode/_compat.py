@@ -248,6 +248,12 @@ def _graph_context() -> Any:
 
 _GRAPH_CONTEXT = _graph_context()
 
+# Where ``nnx.cached_partial`` leaves its cache for the Flax transform it calls
+# (``(object, attribute)``, which the executor's ``_before_call`` clears).
+FLAX_STATIC_CACHE: tuple[Any, str] | None = (
+    None if _GRAPH_CONTEXT is None else (_GRAPH_CONTEXT, "tmp_static_cache")
+)
+
 
 def take_flax_static_cache() -> bool:
     """Whether ``nnx.cached_partial`` left a cache for a Flax transform to consume;

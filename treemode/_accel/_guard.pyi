@@ -40,4 +40,5 @@ class FastRecord:
 class FastCall:
     _records: list[FastRecord] | None
     _miss: Any
+    _before_call: tuple[Any, str] | None
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

@@ -431,7 +431,20 @@ typedef struct {
     PyObject_HEAD
     PyObject *records;
     PyObject *miss;
+    PyObject *before_call; /* None, or (target, name): target.name = None first */
 } FastCallObject;
+
+#define FAST_CALL_OBJECTS 3 /* records, miss, before_call, in this order */
+
+/* Sets `target.name = None` where `before_call` is (target, name): 0, or -1. */
+static int
+run_before_call(PyObject *before_call)
+{
+    if (before_call == NULL || !PyTuple_Check(before_call) || PyTuple_GET_SIZE(before_call) != 2)
+        return 0;
+    return PyObject_SetAttr(PyTuple_GET_ITEM(before_call, 0), PyTuple_GET_ITEM(before_call, 1),
+                            Py_None);
+}
 
 /* Adds `record` to the table `records` (a list): first, without the record of an
  * equal key, at most TM_RECORDS_BOUND. */
@@ -464,6 +477,10 @@ fast_call(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     FastCallObject *f = (FastCallObject *)self;
     PyObject *error = NULL;
+    if (run_before_call(f->before_call) < 0)
+        return NULL;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) == 0)
+        kwargs = NULL; /* f(*args, **{}) */
     if (f->records != NULL && PyList_Check(f->records) && tm_is_configured) {
         PyObject *records = Py_NewRef(f->records);
         /* Each record held while it runs: a call inside it may change the table. */
@@ -515,13 +532,13 @@ static int
 fast_call_traverse(FastCallObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
-    return tm_fields_traverse(&self->records, 2, visit, arg); /* records, miss */
+    return tm_fields_traverse(&self->records, FAST_CALL_OBJECTS, visit, arg);
 }
 
 static int
 fast_call_clear(FastCallObject *self)
 {
-    return tm_fields_clear(&self->records, 2);
+    return tm_fields_clear(&self->records, FAST_CALL_OBJECTS);
 }
 
 static void
@@ -538,6 +555,8 @@ static PyMemberDef fast_call_members[] = {
      "order (anything else: every call misses)"},
     {"_miss", T_OBJECT, offsetof(FastCallObject, miss), 0,
      "miss(self, error, args, kwargs) -> (out, record): runs a call no record runs"},
+    {"_before_call", T_OBJECT, offsetof(FastCallObject, before_call), 0,
+     "None, or (target, name): every call first sets target.name = None"},
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -248,8 +248,11 @@ class PyFastCall:
 
     _records: list[Any] | None
     _miss: Any
+    _before_call: tuple[Any, str] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._before_call is not None:
+            setattr(*self._before_call, None)
         records = self._records
         error = None
         if type(records) is list:

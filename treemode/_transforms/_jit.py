@@ -211,9 +211,8 @@ class JitWrapped(PyFastCall if TYPE_CHECKING else _Executor, Wrapped[P, R], Gene
     def _through_cached_partial(self) -> None:
         """Called through ``nnx.cached_partial``, which leaves a cache for the Flax
         transform it calls to take: from now on every call takes it first (the
-        executor's calls too, `_CachedPartialJit`) and runs as the plain partial."""
-        if type(self) is JitWrapped:
-            self.__class__ = _CachedPartialJit
+        executor's calls too: its ``_before_call``) and runs as the plain partial."""
+        self._before_call = _compat.FLAX_STATIC_CACHE
 
     def _record_of(self, call: _call.Call, entry: _JitEntry) -> Any:
         """The fast-path record of calls like ``call``, which just ran (``None``: none
@@ -378,19 +377,6 @@ for _entry_point in ("_call", "_on_miss", "trace", "lower", "eval_shape"):
 
 if _compiled.FastCall is None:  # the Python executor's call, a boundary as `_call` is
     JitWrapped.__call__ = _compat.api_boundary(PyFastCall.__call__)  # type: ignore[method-assign]
-
-
-class _CachedPartialJit(JitWrapped[P, R]):
-    """A `JitWrapped` called through ``nnx.cached_partial``: each call takes the
-    cache Flax left for its own transforms, then runs on the executor."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _compat.take_flax_static_cache()
-        executor: Any = super()
-        if kwargs:
-            return executor.__call__(*args, **kwargs)
-        # cached_partial passes **{}: an empty dict would cost the executor 2 µs
-        return executor.__call__(*args)
 
 
 def _whole(out: Any) -> Any:
