@@ -80,7 +80,10 @@ def test_tunix_shaped_trainer_matches_flax_graph_mode(donate):
     assert train_step.func.jitted_fn._cache_size() == flax_compiles == 1
 
 
-def test_repeated_calls_run_on_the_executor():
+def test_repeated_calls_run_on_the_executor(implementation):
+    """The repeated call runs on the executor (C, or its Python twin), which takes
+    Flax's cache itself (``_before_call``): no miss, and no Python frame of
+    treemode's before it."""
     model = Model(nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     jitted = treemode.jit(_step)
@@ -98,6 +101,7 @@ def test_repeated_calls_run_on_the_executor():
     for _ in range(3):
         train_step(X, Y)
     assert missed == []
+    assert jitted._before_call is not None  # set by the first call through cached_partial
     assert int(opt.step[...]) == 5
     # the same wrapper still runs direct calls, with its own objects
     other = Model(nnx.Rngs(1))
