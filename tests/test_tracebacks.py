@@ -329,3 +329,28 @@ def test_every_public_error_class_is_checked():
     names = {c.__name__ for c in _public_classes()}
     assert {"AliasError", "TreemodeError", "DonationError", "VersionWarning"} <= names
     assert {"ExtensionWarning", "ClosureWarning", "BroadcastRngsWarning"} <= names
+
+
+def test_the_errors_of_argnums_and_cycles_display_under_their_public_name():
+    """Before: ``treemode._transforms._grad._ArgnumsError`` and
+    ``treemode._tree._recursion.CycleError``; both are public now, and caught
+    by their public names (an argnums error is also JAX's TypeError and Flax's
+    ValueError; a cycle is a StructureError)."""
+    with pytest.raises(treemode.ArgnumsError) as info:
+        treemode.grad(lambda m: m, argnums="m")
+    header = traceback.format_exception_only(info.value)[0]
+    assert header.startswith("treemode.ArgnumsError: treemode.grad: argnums must be"), header
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(2))
+            self.items = nnx.List([])
+
+    m = Holder()
+    m.items.append(m)
+    with pytest.raises(treemode.CycleError) as cycle:
+        treemode.to_tree(m)
+    header = traceback.format_exception_only(cycle.value)[0]
+    assert header.startswith("treemode.CycleError: "), header
+    assert isinstance(cycle.value, treemode.StructureError)

@@ -15,8 +15,11 @@ from ._accel._compiled import ExtensionWarning as ExtensionWarning
 from ._accel._compiled import extension_status as extension_status
 from ._caches import clear_caches as clear_caches
 from ._errors import AliasError as AliasError
+from ._errors import ArgnumsError as ArgnumsError
 from ._errors import AxisError as AxisError
 from ._errors import ClosureError as ClosureError
+from ._errors import CycleError as CycleError
+from ._errors import DeletedArrayError as DeletedArrayError
 from ._errors import DonationError as DonationError
 from ._errors import MutationError as MutationError
 from ._errors import ProxyError as ProxyError

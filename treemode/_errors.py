@@ -41,6 +41,14 @@ class StructureError(TreemodeError, ValueError):
     __module__ = PUBLIC_MODULE
 
 
+class CycleError(StructureError):
+    """An object contains itself (a module among its own attributes, a list that
+    holds itself): it has no tree to flatten. Break the cycle, or hold the back
+    reference outside the module (a weak reference, or an argument)."""
+
+    __module__ = PUBLIC_MODULE
+
+
 class ClosureError(TreemodeError, ValueError):
     """A Variable reached through the function's closure cannot be used."""
 
@@ -58,8 +66,9 @@ class DeletedArrayError(TreemodeError, RuntimeError):
 
     The user's code deleted it (``array.delete()``) or donated it to a plain
     ``jax.jit``. A ``RuntimeError``, as JAX's own error for a deleted array.
-    (Not exported yet: caught as ``treemode.TreemodeError`` or ``RuntimeError``.)
     """
+
+    __module__ = PUBLIC_MODULE
 
 
 class TraceContextError(TreemodeError, ValueError):
@@ -70,6 +79,17 @@ class TraceContextError(TreemodeError, ValueError):
 
 class StaticArgumentError(TreemodeError, TypeError):
     """A static argument is not hashable or its index/name does not exist."""
+
+    __module__ = PUBLIC_MODULE
+
+
+class ArgnumsError(TreemodeError, TypeError, ValueError):
+    """An invalid ``argnums`` of a transform of the grad family: not an int, an
+    ``nnx.DiffState`` or a non-empty tuple of them, or an argument given twice.
+
+    A ``TypeError`` as JAX raises for a bad ``argnums``, and a ``ValueError`` as
+    Flax does.
+    """
 
     __module__ = PUBLIC_MODULE
 

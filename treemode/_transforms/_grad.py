@@ -28,7 +28,7 @@ from flax import nnx
 from flax.nnx import filterlib
 
 from .. import _compat
-from .._errors import StructureError
+from .._errors import ArgnumsError, StructureError
 from .._pipeline import _call, _core, _pure
 from .._tree import _graph
 from .._tree._flatten import first_duplicate
@@ -240,10 +240,6 @@ def split_aux(transform: str, out: Any) -> tuple[Any, Any]:
 # ---------------------------------------------------------------------------
 
 
-class _ArgnumsError(TypeError, ValueError):
-    """An invalid ``argnums``: a ``TypeError`` as JAX raises, a ``ValueError`` as Flax does."""
-
-
 Argnums = int | nnx.DiffState | Sequence[int | nnx.DiffState]
 
 
@@ -262,7 +258,7 @@ def _normalize_argnums(
         single = False
         if not items or not all(isinstance(i, int) or is_diff_state(i) for i in items):
             shown = f"a {type(argnums).__name__} (a graph node)" if node else repr(argnums)
-            raise _ArgnumsError(
+            raise ArgnumsError(
                 f"treemode.{name}: argnums must be an int, an nnx.DiffState or a non-empty "
                 f"tuple of them, got {shown}."
                 + (
@@ -281,11 +277,11 @@ def _normalize_argnums(
     seen: set[int] = set()
     for i, item in zip(nums, items, strict=True):
         if is_diff_state(item) and not isinstance(i, int):
-            raise _ArgnumsError(
+            raise ArgnumsError(
                 f"treemode.{name}: nnx.DiffState's argnum must be an int, got {i!r}."
             )
         if i in seen and any(is_diff_state(x) for x in items):
-            raise _ArgnumsError(
+            raise ArgnumsError(
                 f"treemode.{name}: argnum {i} is repeated in argnums. Give each argument "
                 "once, with one nnx.DiffState filter (combine filters with nnx.Any)."
             )

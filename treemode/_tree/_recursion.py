@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from .._errors import StructureError
+from .._errors import CycleError, StructureError
 from ._leaves import is_graph_node, is_variable
 from ._paths import format_path
 
@@ -77,10 +77,6 @@ def recursion_headroom() -> Iterator[None]:
                 if sys.getrecursionlimit() == RECURSION_HEADROOM:  # not changed by the user since
                     sys.setrecursionlimit(_saved_limit)
                 _saved_limit = 0
-
-
-class CycleError(StructureError):
-    """``to_tree`` found an object that contains itself."""
 
 
 def below(x: Any) -> Any:
