@@ -11,8 +11,8 @@ Targets (ratios to the floor, medians of one run, as the project states them):
 - JAX's asynchronous dispatch kept;
 - compiled memory equal to the hand-written version (ratio exactly 1.0);
 - no retrace over the hand-written version;
-- the real loops (donated decode and train steps, LoRA, two models through one
-  wrapper): ``treemode.jit`` ≤ 1.10× of a floor that donates exactly what it
+- the real loops (donated decode and train steps, the train step called through
+  ``nnx.cached_partial``, LoRA, two models through one wrapper): ``treemode.jit`` ≤ 1.10× of a floor that donates exactly what it
   writes; a wrapper made inline ≤ 1.2× ``jax.jit`` made inline; the donated
   decode programs have the floor's outputs;
 - two write sets in turn, donated: ``treemode.jit`` ≤ 1.10× the floor;
