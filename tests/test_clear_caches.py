@@ -208,7 +208,7 @@ def test_copies_and_memo_are_cleared_too():
 
 def test_every_module_level_cache_is_emptied():
     from treemode._pipeline import _call, _trace_cache
-    from treemode._tree import _closure, _flatten, _leaves, _pytree
+    from treemode._tree import _closure, _closure_code, _flatten, _leaves, _pytree
 
     f = treemode.jit(body)
     m = Model()
@@ -217,7 +217,7 @@ def test_every_module_level_cache_is_emptied():
     treemode.Pytree(Model())
     tables = {
         "_flatten._cache": _flatten._cache,
-        "_closure._plans": _closure._plans,
+        "_closure_code.plans": _closure_code.plans,
         "_closure._snapshots": _closure._snapshots,
         "_leaves._variable_types": _leaves._variable_types,
         "_trace_cache._registry": _trace_cache._registry,
