@@ -60,9 +60,9 @@ from ._tree._closure import ClosureWarning as ClosureWarning
 from ._tree._flatten import check_no_aliases as check_no_aliases
 from ._tree._graph import from_tree as from_tree
 from ._tree._graph import to_tree as to_tree
-from ._tree._pytree import ModuleKey as ModuleKey
 from ._tree._pytree import Pytree as Pytree
-from ._tree._pytree import PytreeDef as PytreeDef
+from ._tree._pytree_def import ModuleKey as ModuleKey
+from ._tree._pytree_def import PytreeDef as PytreeDef
 
 # One ExtensionWarning where the compiled extension is off but not by choice
 # (treemode.extension_status() says why).
