@@ -50,8 +50,8 @@ from ._transforms._prefix_helpers import sharding_of as sharding_of
 from ._transforms._remat import checkpoint as checkpoint
 from ._transforms._remat import remat as remat
 from ._transforms._rng_hints import BroadcastRngsWarning as BroadcastRngsWarning
-from ._transforms._scan import Carry as Carry
 from ._transforms._scan import scan as scan
+from ._transforms._scan_axes import Carry as Carry
 from ._transforms._shard_map import shard_map as shard_map
 from ._transforms._vjp import jvp as jvp
 from ._transforms._vjp import vjp as vjp
