@@ -30,9 +30,9 @@ from ._helpers._filter import filter as filter
 from ._helpers._rngs import fork_rngs as fork_rngs
 from ._helpers._rngs import split_rngs as split_rngs
 from ._transforms._checkify import checkify as checkify
-from ._transforms._control_flow import cond as cond
+from ._transforms._cond import cond as cond
+from ._transforms._cond import switch as switch
 from ._transforms._control_flow import fori_loop as fori_loop
-from ._transforms._control_flow import switch as switch
 from ._transforms._control_flow import while_loop as while_loop
 from ._transforms._custom_vjp import CustomVjp as CustomVjp
 from ._transforms._custom_vjp import custom_vjp as custom_vjp
