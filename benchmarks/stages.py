@@ -62,7 +62,7 @@ from flax import nnx
 
 import treemode
 from treemode._pipeline import _executor, _writeback
-from treemode._tree import _closure
+from treemode._tree import _closure_reads
 
 STAGES = [
     "floor",
@@ -141,7 +141,7 @@ def stage_fns(depth: int | None, train: bool) -> dict[str, Callable[[], Any]]:
         assert _executor.match_into(record.slots, args, [], [])
 
     def closure() -> None:
-        assert _closure.reads_hold_python(record.closure_reads)
+        assert _closure_reads.reads_hold_python(record.closure_reads)
 
     def prepare() -> None:
         jitted._prepare(args, {}, abstract=False)

@@ -191,7 +191,7 @@ class Hooks:
         "prepare": ("_pipeline._call", "prepare"),  # a transform call prepared in full
         "store": ("_pipeline._writeback", "store"),  # one Variable written by the pipeline
         "value_spec": ("_tree._specs", "value_spec"),  # one Variable's spec built
-        "proxy_build": ("_tree._pytree", "from_tree"),  # a Pytree proxy's module built
+        "proxy_build": ("_tree._pytree_capture", "from_tree"),  # a Pytree proxy's module built
         "donation_check": ("_transforms._jit", "_check_donation"),  # the Python donation check
     }
 

@@ -208,7 +208,7 @@ def test_copies_and_memo_are_cleared_too():
 
 def test_every_module_level_cache_is_emptied():
     from treemode._pipeline import _call, _trace_cache
-    from treemode._tree import _closure, _flatten, _leaves, _pytree
+    from treemode._tree import _closure, _closure_code, _flatten, _leaves, _pytree_def
 
     f = treemode.jit(body)
     m = Model()
@@ -217,11 +217,11 @@ def test_every_module_level_cache_is_emptied():
     treemode.Pytree(Model())
     tables = {
         "_flatten._cache": _flatten._cache,
-        "_closure._plans": _closure._plans,
+        "_closure_code.plans": _closure_code.plans,
         "_closure._snapshots": _closure._snapshots,
         "_leaves._variable_types": _leaves._variable_types,
         "_trace_cache._registry": _trace_cache._registry,
-        "_pytree._interned": _pytree._interned,
+        "_pytree_def._interned": _pytree_def._interned,
     }
     filled = [name for name, table in tables.items() if len(table)]
     assert "_flatten._cache" in filled and "_trace_cache._registry" in filled

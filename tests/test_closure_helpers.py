@@ -18,7 +18,8 @@ from flax import nnx
 from helpers import Counter
 
 import treemode
-from treemode._tree._closure import MAX_DEPTH, _plan, closure_objects
+from treemode._tree._closure import MAX_DEPTH, closure_objects
+from treemode._tree._closure_code import code_plan
 
 GLOBAL_STATS = Counter()
 
@@ -26,10 +27,10 @@ GLOBAL_STATS = Counter()
 @pytest.fixture(autouse=True)
 def reads_check(implementation, monkeypatch):
     """Whether cached answers are revalidated by the compiled ``reads_hold`` or in Python."""
-    from treemode._tree import _closure
+    from treemode._tree import _closure, _closure_code
 
     # Each run starts with empty caches (the per-code-object counts are kept there).
-    monkeypatch.setattr(_closure, "_plans", {})
+    monkeypatch.setattr(_closure_code, "plans", {})
     monkeypatch.setattr(_closure, "_snapshots", {})
     return implementation
 
@@ -182,9 +183,9 @@ def test_library_functions_and_builtins_are_not_followed():
         return jnp.sum(x) + len(x) + functools.reduce(lambda a, b: a + b, [1, 2])
 
     assert closure_objects(f) == []
-    assert not _plan(jax.tree_util.tree_map.__code__).user_code
-    assert not _plan(os.path.join.__code__).user_code
-    assert _plan(record_global.__code__).user_code
+    assert not code_plan(jax.tree_util.tree_map.__code__).user_code
+    assert not code_plan(os.path.join.__code__).user_code
+    assert code_plan(record_global.__code__).user_code
 
 
 def test_rebinding_a_helper_between_calls_is_seen():
@@ -314,7 +315,7 @@ def test_functions_made_per_call_stop_being_cached():
     for f in makers:  # one code object, many function objects: all found correctly
         assert [obj for _, obj in closure_objects(f)] == [stats]
     code = makers[0].__code__
-    assert _closure._plan(code).snapshots == _closure._MAX_SNAPSHOTS
+    assert code_plan(code).snapshots == _closure._MAX_SNAPSHOTS
     cached = sum(1 for f in makers if id(f) in _closure._snapshots)
     assert cached == _closure._MAX_SNAPSHOTS
 

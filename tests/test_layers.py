@@ -287,11 +287,11 @@ def test_every_treemode_file_is_library_code_for_the_closure_search_and_jax():
     """The closure search never follows treemode's own functions, and JAX's user frame
     is never inside treemode, whichever subpackage a module sits in."""
     import treemode
-    from treemode._tree import _closure, _closure_code
+    from treemode._tree import _closure_code
 
     root = pathlib.Path(treemode.__file__).resolve().parent
     files = sorted(root.rglob("*.py"))
     assert any(f.parent != root for f in files)  # there are subpackages
     for f in files:
         assert str(f).startswith(_closure_code.LIBRARY), f
-        assert not _closure._plan(compile("0", str(f), "eval")).user_code, f
+        assert not _closure_code.code_plan(compile("0", str(f), "eval")).user_code, f

@@ -4,7 +4,7 @@ The compiled extension (``treemode/_accel/_guard*.c``) and the Python code imple
 same kernels: the flattening guard (``holds``); and the executor of the
 fast-path record matches what its Python twin matches
 (``_executor.match_into``), its closure-read check included
-(``_closure.reads_hold_python``), and writes what the pipeline writes
+(``_closure_reads.reads_hold_python``), and writes what the pipeline writes
 (``_writeback.write_back``). Here both are fed the same hypothesis-generated models,
 mutations and call sequences, and must give the same decisions: hit or miss,
 what is collected or written, the error raised. The compiled module is loaded
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from treemode import _compat
 from treemode._accel import _compiled
 from treemode._pipeline import _callsite, _executor
-from treemode._tree import _closure, _flat_guard, _flatten, _leaves
+from treemode._tree import _closure_reads, _flat_guard, _flatten, _leaves
 
 try:
     COMPILED = importlib.import_module("treemode._accel._guard")
@@ -280,7 +280,7 @@ def _snapshot_values(tree: Any) -> dict[int, np.ndarray]:
 # The closure-read check has no exported compiled kernel (a copy for the pipeline
 # saved under 2% of a call: docs/performance.md); the executor makes it in C on
 # every call, bound here to the Python executor's match, which makes it with
-# `treemode._tree._closure.reads_hold_python`.
+# `treemode._tree._closure_reads.reads_hold_python`.
 
 
 @pytest.mark.skipif(not _compiled.ENABLED, reason="the executor's base class is fixed at import")
@@ -315,7 +315,7 @@ def test_the_executors_closure_reads_decide_as_reads_hold_python(n_globals, n_ce
             fn.__code__ = fn.__code__.replace(co_name="f")  # another code object
         records = list(f._records)
         record = records[0] if records else None
-        reads_python = record is not None and _closure.reads_hold_python(record.closure_reads)
+        reads_python = record is not None and _closure_reads.reads_hold_python(record.closure_reads)
         python_hit = any(_executor.match(r, (x,), None) is not None for r in records)
         with _misses_of(f) as missed:
             out = f(x)

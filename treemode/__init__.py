@@ -33,9 +33,9 @@ from ._helpers._filter import filter as filter
 from ._helpers._rngs import fork_rngs as fork_rngs
 from ._helpers._rngs import split_rngs as split_rngs
 from ._transforms._checkify import checkify as checkify
-from ._transforms._control_flow import cond as cond
+from ._transforms._cond import cond as cond
+from ._transforms._cond import switch as switch
 from ._transforms._control_flow import fori_loop as fori_loop
-from ._transforms._control_flow import switch as switch
 from ._transforms._control_flow import while_loop as while_loop
 from ._transforms._custom_vjp import CustomVjp as CustomVjp
 from ._transforms._custom_vjp import custom_vjp as custom_vjp
@@ -53,8 +53,8 @@ from ._transforms._prefix_helpers import sharding_of as sharding_of
 from ._transforms._remat import checkpoint as checkpoint
 from ._transforms._remat import remat as remat
 from ._transforms._rng_hints import BroadcastRngsWarning as BroadcastRngsWarning
-from ._transforms._scan import Carry as Carry
 from ._transforms._scan import scan as scan
+from ._transforms._scan_axes import Carry as Carry
 from ._transforms._shard_map import shard_map as shard_map
 from ._transforms._vjp import jvp as jvp
 from ._transforms._vjp import vjp as vjp
@@ -63,9 +63,9 @@ from ._tree._closure import ClosureWarning as ClosureWarning
 from ._tree._flatten import check_no_aliases as check_no_aliases
 from ._tree._graph import from_tree as from_tree
 from ._tree._graph import to_tree as to_tree
-from ._tree._pytree import ModuleKey as ModuleKey
 from ._tree._pytree import Pytree as Pytree
-from ._tree._pytree import PytreeDef as PytreeDef
+from ._tree._pytree_def import ModuleKey as ModuleKey
+from ._tree._pytree_def import PytreeDef as PytreeDef
 
 # One ExtensionWarning where the compiled extension is off but not by choice
 # (treemode.extension_status() says why).

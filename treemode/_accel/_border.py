@@ -103,7 +103,7 @@ ATTRIBUTE_READ_FIELDS = ("owner", "name", "value")  # an item of ``attrs``
 
 # A holder of an object the closure search found (a record's ``closure_holders``,
 # the functions and cells of its reads): a weak reference, or, for an object that
-# cannot be weakly referenced, this 1-tuple (treemode._tree._closure._Strong).
+# cannot be weakly referenced, this 1-tuple (treemode._tree._closure_reads.Strong).
 HOLDER_FIELDS = ("obj",)
 
 # A record's slot (per argument, ``slots`` and ``lifted_slots``): None for a bare

@@ -7,7 +7,7 @@
  * pointer, calling no Python code but one attribute read per Variable and per
  * `__dict__`. The guard state keeps every saved object alive, so equal pointers
  * mean the same object. The closure-read check (`tm_closure_reads_hold`, made
- * by the executor; its twin: treemode._tree._closure.reads_hold_python) checks
+ * by the executor; its twin: treemode._tree._closure_reads.reads_hold_python) checks
  * that every read of a closure search still gives the same object.
  */
 #include "_guard.h"
@@ -518,7 +518,7 @@ same_cells(PyObject *holder, PyObject *contents)
 }
 
 /* Whether every closure read still gives the same object: 1, 0, or -1 with an exception set
- * (its Python twin: treemode._tree._closure.reads_hold_python). */
+ * (its Python twin: treemode._tree._closure_reads.reads_hold_python). */
 int
 tm_closure_reads_hold(PyObject *reads)
 {

@@ -22,15 +22,9 @@ from .. import _caches
 from .._compat import take_flax_static_cache
 from .._errors import ClosureError, StaticArgumentError, StructureError
 from .._tree import _graph
+from .._tree._aliases import alias_error, first_duplicate
 from .._tree._closure import closure_objects
-from .._tree._flatten import (
-    ArgFlat,
-    alias_error,
-    first_duplicate,
-    flatten_arg,
-    variable_specs,
-    variables_of,
-)
+from .._tree._flatten import ArgFlat, flatten_arg, variable_specs, variables_of
 from .._tree._hashed import HashedKey
 from .._tree._leaves import is_abstract_traced, is_traced, is_variable
 from .._tree._paths import format_path, paths_and_leaves

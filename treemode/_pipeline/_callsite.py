@@ -33,8 +33,8 @@ from jax.core import Tracer
 
 from .. import _compat
 from .._accel import _border, _compiled
-from .._tree import _closure
 from .._tree._closure import closure_snapshot
+from .._tree._closure_reads import read_check_args
 from .._tree._flatten import (
     ARRAY_KEY,
     ArgFlat,
@@ -203,7 +203,7 @@ def _executor_record() -> Callable[..., Any]:
 
 def configure_fields() -> dict[str, Any]:
     """What the extension reads (`treemode._accel._compiled.configure`'s fields)."""
-    kinds, ignore, empty, ignored = _closure.read_check_args()
+    kinds, ignore, empty, ignored = read_check_args()
     fields = {
         "raw_value": _compat.raw_value_member,
         "metadata": _compat.metadata_member,

@@ -32,7 +32,7 @@ import jax
 from .. import _compat
 from .._accel import _border, _compiled
 from .._compat import raw_value_of as _raw_value_of
-from .._tree._closure import reads_hold_python
+from .._tree._closure_reads import reads_hold_python
 from .._tree._flatten import ArgFlat, variables_of
 from .._tree._leaves import CONCRETE_ARRAY_TYPES
 from . import _interrupts

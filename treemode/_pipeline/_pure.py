@@ -21,7 +21,7 @@ import jax
 
 from .. import _compat
 from .._errors import AliasError, ClosureError, StructureError
-from .._tree import _graph, _pytree
+from .._tree import _graph, _pytree_unreturned
 from .._tree._diff import Change, Node, Nodes, Path, TreeDiff, replaced
 from .._tree._leaves import (
     frozen_metadata,
@@ -335,14 +335,14 @@ class PureFunction:
                         break
                 elif spec is DYNAMIC and leaf is not leaves_in[j]:
                     if owners is None:
-                        owners = _pytree.proxy_leaf_owners(after)
-                        returned = _pytree.returned_proxies(out)
+                        owners = _pytree_unreturned.proxy_leaf_owners(after)
+                        returned = _pytree_unreturned.returned_proxies(out)
                     owner = owners[j]
                     if owner is not None and returned and id(owner[1]) in returned:
                         continue  # a returned proxy carries its new state itself
                     if owner is not None:
                         raise StructureError(
-                            _pytree.unreturned_proxy_message(
+                            _pytree_unreturned.unreturned_proxy_message(
                                 self.transform,
                                 format_path(owner[0], root),
                                 format_path(_leaf_path(after, j), root),

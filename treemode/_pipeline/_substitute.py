@@ -42,19 +42,15 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from .._tree._closure import (
+from .._tree._closure import MAX_DEPTH, MAX_HOLDER_ITEMS, holder_values, wrapper_reads
+from .._tree._closure_code import (
     ALIAS_PREFIX,
-    EMPTY,
-    MAX_DEPTH,
-    MAX_HOLDER_ITEMS,
-    cell_value,
     global_values,
     holder_kind,
-    holder_values,
     plan_of,
     user_function_kinds,
-    wrapper_reads,
 )
+from .._tree._closure_reads import EMPTY, cell_value
 
 _FUNCTION, _WRAPPER, _HOLDER, _TREEMODE = user_function_kinds()
 _MISSING = object()

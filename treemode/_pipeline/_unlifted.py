@@ -32,18 +32,15 @@ from jax.core import Tracer
 
 from .._errors import user_stacklevel
 from .._tree._closure import (
-    ALIAS_PREFIX,
     MAX_DEPTH,
     MAX_HOLDER_ENTRIES,
     MAX_HOLDER_ITEMS,
     ClosureWarning,
-    cell_value,
-    global_values,
     holder_values,
-    is_user_class,
-    plan_of,
     wrapper_reads,
 )
+from .._tree._closure_code import ALIAS_PREFIX, global_values, is_user_class, plan_of
+from .._tree._closure_reads import cell_value
 from .._tree._leaves import is_variable_or_graph_node
 
 MAX_OBJECTS = 50_000  # objects one walk looks at before it gives up (and says so)

@@ -31,7 +31,7 @@ from .. import _compat
 from .._errors import ArgnumsError, StructureError
 from .._pipeline import _call, _core, _pure
 from .._tree import _graph
-from .._tree._flatten import first_duplicate
+from .._tree._aliases import first_duplicate
 from .._tree._leaves import ARRAY_TYPES, is_graph_node, is_variable
 from .._tree._paths import format_path
 from .._tree._specs import DYNAMIC, StaticLeaf, VarSpec

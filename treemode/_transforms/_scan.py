@@ -1,4 +1,8 @@
-"""``treemode.scan`` and the ``treemode.Carry`` marker."""
+"""``treemode.scan``.
+
+The ``treemode.Carry`` marker and what `in_axes`/`out_axes` say about the carry are
+`treemode._transforms._scan_axes`.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,13 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from .. import _compat
 from .._errors import AxisError
 from .._pipeline import _call, _core, _pure
 from .._pipeline._trace_cache import TraceCache, avals, cache_for, call_current_fn
 from .._tree._leaves import is_variable
-from ._axes import call_axes, check_mapped, is_axis, is_int_axis
+from ._axes import call_axes, check_mapped, is_int_axis
 from ._loop import (
     CarryStructure,
     LoopState,
@@ -29,6 +32,15 @@ from ._loop import (
 from ._metadata import _split_metadata, with_axis_metadata
 from ._names import Stable
 from ._prefix import broadcast_to_leaves, decode_flax_prefixes, graph_output_prefix
+from ._scan_axes import (
+    Carry,
+    OutSpec,
+    check_out_axes,
+    is_carry,
+    is_spec_leaf,
+    reject_nested_carry,
+    top_carry,
+)
 from ._signature import UNSPECIFIED, suggests_keywords
 from ._wrapped import Wrapped, make_wrapper
 
@@ -36,138 +48,11 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class Carry:
-    """Marks the loop carry in the `in_axes` / `out_axes` of `treemode.scan`.
-
-    The argument marked `Carry` is threaded from one step to the next; the
-    function returns its new value at the `Carry` position of `out_axes`.
-    `flax.nnx.Carry` is accepted as well.
-    """
-
-    def __init__(self) -> None:
-        raise TypeError("treemode.Carry is a marker: use the class itself, not an instance.")
-
-
-def is_carry(x: Any) -> bool:
-    return x is Carry or x is nnx.Carry
-
-
 def _ys(out: tuple[Any, Any]) -> Any:
     return out[1]
 
 
-def _is_spec_leaf(x: Any) -> bool:
-    return is_axis(x) or is_carry(x)
-
-
 _MISSING: Any = UNSPECIFIED
-
-
-def _nested_carry(spec: Any, what: str) -> None:
-    """Raise if ``Carry`` appears anywhere inside ``spec`` (it must be a whole entry)."""
-    leaves = jax.tree_util.tree_flatten_with_path(
-        spec, is_leaf=lambda x: x is None or is_carry(x) or is_variable(x)
-    )[0]
-    for path, leaf in leaves:
-        value = leaf.get_raw_value() if is_variable(leaf) else leaf
-        if is_carry(value):
-            raise AxisError(
-                f"treemode.scan: treemode.Carry appears inside {what}{jax.tree_util.keystr(path)}."
-                " Carry marks a whole argument (or the whole new carry in out_axes), it "
-                "cannot be nested in a prefix. Use e.g. in_axes=(Carry, 0) and put "
-                "everything that is carried in that one argument."
-            )
-
-
-def _top_carry(spec: Any, what: str) -> int | None:
-    """Index of the ``Carry`` entry of a tuple spec; checks it appears at most once."""
-    found: int | None = None
-    for i, entry in enumerate(spec):
-        if is_carry(entry):
-            if found is not None:
-                raise AxisError(
-                    f"treemode.scan: Found multiple Carry definitions: treemode.Carry appears "
-                    f"twice in {what}, at {what}[{found}] and {what}[{i}]. A scan has one "
-                    "carry: put everything that is carried in one argument (a tuple or a "
-                    "module)."
-                )
-            found = i
-        else:
-            _nested_carry(entry, f"{what}[{i}]")
-    return found
-
-
-def _check_no_none(spec: Any) -> None:
-    leaves = jax.tree_util.tree_flatten_with_path(
-        spec, is_leaf=lambda x: x is None or is_carry(x) or is_variable(x)
-    )[0]
-    for path, leaf in leaves:
-        value = leaf.get_raw_value() if is_variable(leaf) else leaf
-        if value is None:
-            raise AxisError(
-                f"treemode.scan: out_axes{jax.tree_util.keystr(path)} is None. Cannot "
-                "broadcast output state: scan stacks every output along an axis (one slice "
-                "per step). Give an int axis; to get a value out of the last step, return "
-                "it in the carry."
-            )
-        if not (is_int_axis(value) or is_carry(value)):
-            raise AxisError(
-                f"treemode.scan: out_axes{jax.tree_util.keystr(path)} is {value!r}; each "
-                "entry must be an int axis or treemode.Carry."
-            )
-
-
-class _OutSpec:
-    """What the scanned function returns: the new carry and/or the stacked outputs.
-
-    ``kind`` is ``"carry"`` (the function returns the carry), ``"tuple"`` (one
-    entry per output, the carry at position ``carry``) or ``"ys"`` (no carry).
-    """
-
-    __slots__ = ("kind", "carry", "axes")
-
-    def __init__(self, kind: str, carry: int | None, axes: Any):
-        self.kind = kind
-        self.carry = carry
-        self.axes = axes
-
-    def split(self, out: Any) -> tuple[Any, Any]:
-        """``(new carry, outputs)`` from what the function returned."""
-        if self.kind == "carry":
-            return out, None
-        if self.kind == "ys":
-            return None, out
-        n = len(self.axes)
-        if not isinstance(out, (tuple, list)) or len(out) != n:
-            got = (
-                f"a {type(out).__name__} of length {len(out)}"
-                if isinstance(out, (tuple, list))
-                else f"a {type(out).__name__}"
-            )
-            raise AxisError(
-                f"treemode.scan: out_axes={self.axes!r} has {n} entries, so the function "
-                f"must return a tuple of {n} values (the new carry at position "
-                f"{self.carry}); it returned {got}."
-            )
-        c = self.carry
-        assert c is not None
-        return out[c], (*out[:c], *out[c + 1 :])
-
-    def join(self, carry: Any, ys: Any) -> Any:
-        if self.kind == "carry":
-            return carry
-        if self.kind == "ys":
-            return ys
-        c = self.carry
-        assert c is not None
-        return (*ys[:c], carry, *ys[c:])
-
-    def ys_axes(self) -> Any:
-        if self.kind == "tuple":
-            c = self.carry
-            assert c is not None
-            return (*self.axes[:c], *self.axes[c + 1 :])
-        return self.axes
 
 
 class _ScanEntry:
@@ -233,22 +118,22 @@ class ScanWrapped(Wrapped[P, R]):
         if is_carry(in_axes):
             self.in_carry: int | None = 0
         elif isinstance(in_axes, tuple):
-            self.in_carry = _top_carry(in_axes, "in_axes")
+            self.in_carry = top_carry(in_axes, "in_axes")
         else:
-            _nested_carry(in_axes, "in_axes")
+            reject_nested_carry(in_axes, "in_axes")
             self.in_carry = None
         # out_axes: "carry" (f returns the carry), "tuple" (one entry per output,
         # Carry among them) or "ys" (no carry: a prefix of the outputs).
-        _check_no_none(out_axes)
+        check_out_axes(out_axes)
         if is_carry(out_axes):
             self.out_kind, self.out_carry = "carry", 0
         elif isinstance(out_axes, tuple):
-            self.out_carry = _top_carry(out_axes, "out_axes")
+            self.out_carry = top_carry(out_axes, "out_axes")
             self.out_kind = "ys" if self.out_carry is None else "tuple"
         else:
-            _nested_carry(out_axes, "out_axes")
+            reject_nested_carry(out_axes, "out_axes")
             self.out_kind, self.out_carry = "ys", None
-        self.out = _OutSpec(self.out_kind, self.out_carry, out_axes)
+        self.out = OutSpec(self.out_kind, self.out_carry, out_axes)
         # The prefix of the stacked outputs; with graph=True they are `to_tree`'s form.
         ys_axes = self.out.ys_axes()
         self._ys_axes = graph_output_prefix(ys_axes) if graph else ys_axes
@@ -385,8 +270,8 @@ class ScanWrapped(Wrapped[P, R]):
             entries,
             kwargs_axis=None,
             closure_axis=None,
-            is_leaf=_is_spec_leaf,
-            valid=_is_spec_leaf,
+            is_leaf=is_spec_leaf,
+            valid=is_spec_leaf,
             expected="an int, None or treemode.Carry",
         )
         length = self._length(call, axes.dynamic)
@@ -408,7 +293,7 @@ class ScanWrapped(Wrapped[P, R]):
         pure = _pure.PureFunction(call, force_updates=state_vars)
         pure.fn = self._body(pure, entries, structure, carry_pos)
         if self.graph:  # one out_axes per shared Variable of the stacked outputs
-            pure.output_spec = ("out_axes", self.out.ys_axes(), _ys, _is_spec_leaf, "ys")
+            pure.output_spec = ("out_axes", self.out.ys_axes(), _ys, is_spec_leaf, "ys")
         loop = LoopState(
             "scan", call, structure.free if structure else [], state_vars, (j for j, _ in scanned)
         )
@@ -446,7 +331,7 @@ class ScanWrapped(Wrapped[P, R]):
                 self.metadata,
                 transform="scan",
                 kwargs_axis=None,
-                is_leaf=_is_spec_leaf,
+                is_leaf=is_spec_leaf,
             )
         out = self.out
 
@@ -649,4 +534,4 @@ def scan(
     return wrapped(init, xs)
 
 
-__all__ = ["Carry", "ScanWrapped", "is_carry", "scan"]
+__all__ = ["ScanWrapped", "scan"]

@@ -45,16 +45,13 @@ keeps a cell's array or tracer (only their type matters), and stops making
 entries for a code object whose functions are made per call. What each code
 object reads (its free variables, global names, and whether it is library
 code) is computed once per code object, and what each value is (NNX object,
-followable function, or neither) once per type.
+followable function, or neither) once per type (`treemode._tree._closure_code`);
+the reads and their check are `treemode._tree._closure_reads`.
 """
 
 from __future__ import annotations
 
-import builtins
 import functools
-import operator
-import os
-import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -65,7 +62,21 @@ from flax import nnx
 from .. import _caches
 from .._accel._border import attribute_read, cell_read, closure_reads
 from .._errors import PUBLIC_MODULE
-from ._closure_code import BOUNDARY_CODES, LIBRARY, TRANSFORMS, global_names
+from ._closure_code import (
+    FUNCTION,
+    HOLDER,
+    IGNORE,
+    STATE,
+    TREEMODE,
+    WRAPPER,
+    Plan,
+    classify,
+    code_plan,
+    global_values,
+    globals_read,
+    kinds,
+)
+from ._closure_reads import EMPTY, IGNORED, Reads, cell_value, hold, reads_hold_python
 from ._leaves import is_variable_or_graph_node
 
 
@@ -78,53 +89,8 @@ class ClosureWarning(UserWarning):
 
 
 MAX_DEPTH = 4  # function hops followed from the transformed function
-
-# What a value in a cell or global is, decided once per type.
-# _HOLDER: a list, tuple or dict, or an instance of a class of the user's own code,
-# searched for NNX objects inside it (see `_Walk.search`).
-# _TREEMODE: one of treemode's wrapper objects, seen through (`wrapper_reads`).
-_IGNORE, _STATE, _FUNCTION, _WRAPPER, _HOLDER, _TREEMODE = range(6)
-_kinds: dict[type, int] = {}
-_caches.register(_kinds.clear)
 MAX_HOLDER_ITEMS = 256  # bigger lists, dicts and attribute dicts are not searched
 MAX_HOLDER_ENTRIES = 4096  # entries of holders looked at by one search, in all
-
-
-def _classify(cls: type) -> int:
-    if issubclass(cls, (nnx.Pytree, nnx.Variable)):  # as is_graph_node / is_variable
-        kind = _STATE
-    elif issubclass(cls, types.FunctionType):
-        kind = _FUNCTION
-    elif issubclass(cls, (types.MethodType, functools.partial)):
-        kind = _WRAPPER
-    elif callable(getattr(cls, "_closure_reads", None)):
-        kind = _TREEMODE
-    elif cls in (list, tuple, dict) or _user_class(cls):
-        kind = _HOLDER
-    else:
-        kind = _IGNORE
-    _kinds[cls] = kind
-    return kind
-
-
-def _user_class(cls: type) -> bool:
-    """A class defined in the user's own code whose instances have attributes."""
-    return is_user_class(cls)
-
-
-def is_user_class(cls: type, *, instances_need_dict: bool = True) -> bool:
-    """Whether ``cls`` is defined in the user's own code (not the standard library,
-    an installed package or treemode), and, with ``instances_need_dict``, whether
-    its instances have a ``__dict__``."""
-    if issubclass(cls, (type, types.ModuleType, BaseException)):
-        return False
-    if instances_need_dict and "__dict__" not in dir(cls):
-        return False
-    module = sys.modules.get(cls.__module__)
-    path = getattr(module, "__file__", None)
-    if path is None:
-        return cls.__module__ == "__main__"
-    return not os.path.abspath(path).startswith(LIBRARY)
 
 
 def wrapper_reads(wrapper: Any) -> dict[str, Any] | None:
@@ -132,65 +98,6 @@ def wrapper_reads(wrapper: Any) -> dict[str, Any] | None:
     ``{"fn": function, ...}``, a tuple for bound arguments, any other value a function
     (``None``: not seen through). See the module docstring."""
     return wrapper._closure_reads()
-
-
-class _Plan:
-    """What a code object reads: computed once per code object."""
-
-    __slots__ = (
-        "code",
-        "freevars",
-        "global_names",
-        "aliased",
-        "user_code",
-        "see_through",
-        "snapshots",
-    )
-
-    def __init__(self, code: types.CodeType):
-        self.code = code  # kept so that the id used as key stays this object's
-        self.freevars = code.co_freevars
-        self.user_code = not code.co_filename.startswith(LIBRARY)
-        # A function a treemode transform returns: only its cells are read (its
-        # globals are treemode's), and it is no hop of its own (see `_Walk.visit_function`).
-        self.see_through = not self.user_code and (
-            code.co_filename.startswith(TRANSFORMS) or code in BOUNDARY_CODES
-        )
-        self.global_names = () if self.see_through else global_names(code)
-        # Names a substituted copy loads from the builtins (`treemode._pipeline._substitute`).
-        self.aliased = any(n.startswith(ALIAS_PREFIX) for n in self.global_names)
-        self.snapshots = 0  # cache entries made for functions of this code
-
-
-_plans: dict[int, _Plan] = {}
-_caches.register(_plans.clear)
-
-# The prefix of the names under which a function copied for a trace loads the
-# globals that lead to a lifted module; they live in the builtins namespace.
-ALIAS_PREFIX = "<treemode lifted "
-_BUILTINS = builtins.__dict__
-
-
-def globals_read(plan: _Plan, module_globals: dict[str, Any]) -> list[dict[str, Any]]:
-    """The namespace each of ``plan.global_names`` is read from: the globals, or the
-    builtins for an alias of a copy made for a trace."""
-    return [_BUILTINS if n.startswith(ALIAS_PREFIX) else module_globals for n in plan.global_names]
-
-
-def global_values(plan: _Plan, module_globals: dict[str, Any]) -> tuple[Any, ...]:
-    """The value of each of ``plan.global_names`` (``None`` where unbound)."""
-    if plan.aliased:
-        return tuple(map(dict.get, globals_read(plan, module_globals), plan.global_names))
-    return tuple(map(module_globals.get, plan.global_names))
-
-
-def _plan(code: types.CodeType) -> _Plan:
-    plan = _plans.get(id(code))
-    if plan is None or plan.code is not code:
-        if len(_plans) >= 4096:
-            _plans.clear()  # lambdas made per call: bound the cache
-        plan = _plans[id(code)] = _Plan(code)
-    return plan
 
 
 def closure_objects(fn: Callable[..., Any], transform: str = "jit") -> list[tuple[str, Any]]:
@@ -210,7 +117,7 @@ def closure_objects(fn: Callable[..., Any], transform: str = "jit") -> list[tupl
         if None not in [obj for _, obj in found]:
             return found
     code = getattr(fn, "__code__", None)
-    plan = _plan(code) if code is not None else None
+    plan = code_plan(code) if code is not None else None
     if plan is not None and plan.snapshots >= _MAX_SNAPSHOTS:
         # made per call, or its reads change on every call: search without caching
         walk = _Walk(None, None)
@@ -270,43 +177,6 @@ def _forget(ref: _Ref) -> None:
         _snapshots.pop(ref.key, None)
 
 
-class _Strong(tuple[Any]):
-    """A holder for an object that cannot be weakly referenced (a Variable).
-
-    A 1-tuple, so the compiled code reads the object without calling Python;
-    called like a weak reference, it gives the object.
-    """
-
-    __slots__ = ()
-
-    def __new__(cls, obj: Any) -> _Strong:
-        return super().__new__(cls, (obj,))
-
-    def __call__(self) -> Any:
-        return self[0]
-
-
-def _hold(obj: Any) -> Any:
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return _Strong(obj)
-
-
-# Placeholders for cell contents in a snapshot.
-_EMPTY = object()  # an empty cell
-EMPTY = _EMPTY  # what `cell_value` gives for an empty cell
-_IGNORED = object()  # a cell holding a value of an ignored type (not kept alive)
-
-
-def cell_value(cell: Any) -> Any:
-    """A closure cell's contents, or `EMPTY` for an empty cell."""
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return _EMPTY
-
-
 class _Walk:
     """One search: what it found, what it visited, and (to cache) every read it made.
 
@@ -352,7 +222,7 @@ class _Walk:
         self.attrs: list[tuple[Any, str, Any]] = []
 
     def hold(self, obj: Any) -> Any:
-        return self.top_ref if obj is self.top else _hold(obj)
+        return self.top_ref if obj is self.top else hold(obj)
 
     def add(self, name: str, obj: Any, depth: int = 0) -> None:
         if id(obj) not in self.seen:
@@ -370,10 +240,10 @@ class _Walk:
         if not isinstance(attrs, dict):
             return
         for key, value in list(attrs.items()):
-            kind = _kinds.get(type(value))
+            kind = kinds.get(type(value))
             if kind is None:
-                kind = _classify(type(value))
-            if kind != _TREEMODE or id(value) in self.seen:
+                kind = classify(type(value))
+            if kind != TREEMODE or id(value) in self.seen:
                 continue
             if self.top_ref is not None:
                 self.attrs.append(attribute_read(module, key, value))
@@ -407,15 +277,15 @@ class _Walk:
             if call is not None:
                 self.visit(call, depth + 1)
             return
-        kind = _kinds.get(type(f))
+        kind = kinds.get(type(f))
         if kind is None:
-            kind = _classify(type(f))
-        if kind == _TREEMODE:
+            kind = classify(type(f))
+        if kind == TREEMODE:
             self.visit_wrapper(f, depth, name)
             return
         code = getattr(f, "__code__", None)
         if code is not None:
-            self.visit_function(f, _plan(code), depth)
+            self.visit_function(f, code_plan(code), depth)
 
     def visit_wrapper(self, wrapper: Any, depth: int, name: str) -> None:
         """A treemode wrapper object: what its calls read, at the depth of the
@@ -434,9 +304,9 @@ class _Walk:
                 else:
                     self.search(f"{name}.{what}[{i}]", a, depth + 1)
 
-    def visit_function(self, f: Any, plan: _Plan, depth: int) -> None:
+    def visit_function(self, f: Any, plan: Plan, depth: int) -> None:
         """The closure cells and the globals of a function (anything with ``__code__``)."""
-        kinds = _kinds
+        known_kinds = kinds
         keep_reads = self.top_ref is not None
         if keep_reads:
             self.functions.append(self.hold(f))
@@ -449,14 +319,14 @@ class _Walk:
             contents: list[Any] = []
             for name, cell in zip(plan.freevars, cells, strict=False):
                 obj = cell_value(cell)
-                if obj is _EMPTY:
-                    contents.append(_EMPTY)
+                if obj is EMPTY:
+                    contents.append(EMPTY)
                     continue
-                kind = kinds.get(type(obj))
+                kind = known_kinds.get(type(obj))
                 if kind is None:
-                    kind = _classify(type(obj))
-                if kind == _IGNORE:
-                    contents.append(_IGNORED)
+                    kind = classify(type(obj))
+                if kind == IGNORE:
+                    contents.append(IGNORED)
                     continue
                 if keep_reads:
                     contents.append(self.hold(obj))
@@ -486,24 +356,24 @@ class _Walk:
             for name, obj in zip(names, values, strict=True):
                 if obj is None:
                     continue
-                kind = kinds.get(type(obj))
+                kind = known_kinds.get(type(obj))
                 if kind is None:
-                    kind = _classify(type(obj))
-                if kind != _IGNORE:
+                    kind = classify(type(obj))
+                if kind != IGNORE:
                     self.consider(name, obj, kind, depth)
 
     def consider(self, name: str, obj: Any, kind: int, depth: int) -> None:
         """A value in a cell or a global: an NNX object to lift, or a helper to follow."""
-        if kind == _STATE:
+        if kind == STATE:
             self.add(name, obj, depth)
             return
         if depth >= MAX_DEPTH or id(obj) in self.seen:
             return
-        if kind == _HOLDER:
+        if kind == HOLDER:
             self.search(name, obj, depth + 1)
             return
-        if kind == _FUNCTION:
-            plan = _plan(obj.__code__)
+        if kind == FUNCTION:
+            plan = code_plan(obj.__code__)
             if plan.user_code or plan.see_through:
                 self.seen.add(id(obj))  # a function is visited once: recursion terminates
                 self.visit_function(obj, plan, depth + 1)
@@ -520,18 +390,18 @@ class _Walk:
         finds an NNX object in one is *volatile*: not cached, done again on
         every call. Holders bigger than `MAX_HOLDER_ITEMS` are not entered.
         """
-        kind = _kinds.get(type(obj))
+        kind = kinds.get(type(obj))
         if kind is None:
-            kind = _classify(type(obj))
-        if kind == _STATE:
+            kind = classify(type(obj))
+        if kind == STATE:
             self.volatile = True
             self.add(name, obj, depth)
             return
-        if kind == _FUNCTION or kind == _WRAPPER or kind == _TREEMODE:
+        if kind == FUNCTION or kind == WRAPPER or kind == TREEMODE:
             if not default:
                 self.consider(name, obj, kind, depth)
             return
-        if kind != _HOLDER or id(obj) in self.seen:
+        if kind != HOLDER or id(obj) in self.seen:
             return
         self.seen.add(id(obj))
         if isinstance(obj, (dict, list, tuple)):
@@ -578,26 +448,12 @@ def _holds_nnx_object(holder: Any) -> bool:
     n = MAX_HOLDER_ITEMS
     sample = values if len(values) <= 2 * n else [*values[:n], *values[-n:]]
     for v in sample:
-        kind = _kinds.get(type(v))
+        kind = kinds.get(type(v))
         if kind is None:
-            kind = _classify(type(v))
-        if kind == _STATE:
+            kind = classify(type(v))
+        if kind == STATE:
             return True
     return False
-
-
-# Every read a closure search made: (globals dicts, names, values) read with
-# ``dict.get``, (function holders, code objects), (function holder, cell contents)
-# pairs and (owner, attribute, value) triples.
-_Reads = tuple[
-    tuple[dict[str, Any], ...],
-    tuple[str, ...],
-    tuple[Any, ...],
-    tuple[Any, ...],
-    tuple[types.CodeType, ...],
-    tuple[tuple[Any, tuple[Any, ...]], ...],
-    tuple[tuple[Any, str, Any], ...],
-]
 
 
 class _Snapshot:
@@ -614,7 +470,7 @@ class _Snapshot:
     def __init__(self, ref: Any, walk: _Walk):
         self.ref = ref
         self.found = [(name, walk.hold(obj)) for name, obj in walk.found]
-        self.reads: _Reads = closure_reads(
+        self.reads: Reads = closure_reads(
             tuple(walk.dicts),
             tuple(walk.names),
             tuple(walk.values),
@@ -628,73 +484,9 @@ class _Snapshot:
         return reads_hold_python(self.reads)
 
 
-def reads_hold_python(reads: tuple[tuple[Any, ...], ...]) -> bool:
-    """Whether every read of a closure search (a `_Snapshot`'s ``reads``) still holds.
-
-    The twin of the closure-read check the executor of the fast-path record makes
-    in C (tests/test_twins.py binds them through the executor). The pipeline
-    calls this one in either mode: a compiled copy saved about 0.6 µs of a
-    25 µs pipeline call (docs/performance.md#what-each-compiled-piece-saves).
-    """
-    dicts, names, values, functions, codes, cells, attrs = reads
-    if names and not all(map(operator.is_, map(dict.get, dicts, names), values)):
-        return False
-    if functions:
-        for holder, code in zip(functions, codes, strict=True):
-            if getattr(holder(), "__code__", None) is not code:  # changed, or died
-                return False
-    for holder, contents in cells:
-        f = holder()
-        if f is None:
-            return False
-        for cell, value in zip(f.__closure__, contents, strict=True):
-            current = cell_value(cell)
-            if value is _IGNORED:
-                if current is _EMPTY or _kinds.get(type(current)) != _IGNORE:
-                    return False
-            elif value is _EMPTY:
-                if current is not _EMPTY:
-                    return False
-            elif value() is not current:
-                return False
-    for owner, name, value in attrs:
-        if getattr(owner, name, None) is not value:
-            return False
-    return True
-
-
-def read_check_args() -> tuple[dict[type, int], int, object, object]:
-    """What the executor's closure-read check compares cells with.
-
-    ``(kinds, ignore, empty, ignored)``.
-    """
-    return _kinds, _IGNORE, _EMPTY, _IGNORED
-
-
 _snapshots: dict[int, _Snapshot] = {}
 _caches.register(_snapshots.clear)
 # After this many cache entries for one code object, its functions are made per
 # call (a lambda in a loop) or their reads change on every call: the entry would
 # never be hit, so it is no longer made.
 _MAX_SNAPSHOTS = 16
-
-
-def holder_kind(obj: Any) -> int | None:
-    """How the closure search goes through ``obj``: ``_FUNCTION``, ``_WRAPPER``,
-    ``_HOLDER`` or ``_TREEMODE``; ``None`` for anything it does not enter (NNX
-    objects included)."""
-    kind = _kinds.get(type(obj))
-    if kind is None:
-        kind = _classify(type(obj))
-    return kind if kind in (_FUNCTION, _WRAPPER, _HOLDER, _TREEMODE) else None
-
-
-def user_function_kinds() -> tuple[int, int, int, int]:
-    """The values of ``_FUNCTION``, ``_WRAPPER``, ``_HOLDER`` and ``_TREEMODE`` (see
-    `holder_kind`)."""
-    return _FUNCTION, _WRAPPER, _HOLDER, _TREEMODE
-
-
-def plan_of(f: Any) -> _Plan:
-    """What the code of function ``f`` reads (cached per code object)."""
-    return _plan(f.__code__)

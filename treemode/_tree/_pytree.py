@@ -11,36 +11,29 @@ and the rebuilt module is cached on the proxy.
 A method call runs on the cached module and then re-captures the module's state
 into the proxy, so the proxy a transform returns carries the new state (the
 Equinox convention: ``model = step(model, x)``).
+
+The static part is `treemode._tree._pytree_def`; taking a module apart into the
+proxy's parts and building it again, `treemode._tree._pytree_capture`; a proxy a
+transform changed but its function did not return, `treemode._tree._pytree_unreturned`.
+This module holds the proxy, its pytree registration and the views of its submodules.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 import jax
 from flax import nnx
 from jax.core import Tracer
-from jax.tree_util import GetAttrKey
 
-from .. import _caches, _compat
+from .. import _compat
 from .._compat import current_trace_ref
 from .._errors import ProxyError, TraceContextError
-from ._graph import from_tree, to_tree
-from ._leaves import (
-    ARRAY_TYPES,
-    SCALAR_TYPES,
-    frozen_metadata,
-    is_abstract_array,
-    is_graph_node,
-    is_variable,
-    same_static,
-    same_treedef,
-)
-from ._paths import format_key
-from ._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, dynamic_count, rebuild, value_spec
+from ._leaves import is_graph_node, is_variable
+from ._pytree_capture import capture, materialize, unwrap
+from ._pytree_def import PytreeDef, single_leaf
 
 M = TypeVar("M")
 
@@ -50,278 +43,6 @@ _EDIT_HINT = (
     "    with proxy as module:\n"
     "        {edit}\n"
 )
-
-
-# --------------------------------------------------------------------------- keys
-
-
-class ModuleKey(GetAttrKey):
-    """Key of one leaf of a `Pytree`: the attribute path inside the module.
-
-    It is a `jax.tree_util.GetAttrKey` whose `name` is the whole path
-    (``layers[0].kernel``), so `jax.tree_util.keystr` prints
-    ``.layers[0].kernel``; `parts` holds the individual key entries.
-    """
-
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: tuple[Any, ...]):
-        text = "".join(_format_key(k) for k in parts)
-        super().__init__(text[1:] if text.startswith(".") else text)
-        self.parts = parts
-
-    def __str__(self) -> str:
-        return "".join(_format_key(k) for k in self.parts)
-
-    def __repr__(self) -> str:
-        return f"ModuleKey({str(self)!r})"
-
-
-def _format_key(key: Any) -> str:
-    return str(key) if isinstance(key, ModuleKey) else format_key(key)
-
-
-# ------------------------------------------------------------------ static part
-
-
-def _single(spec: VarSpec) -> bool:
-    """Whether the Variable's value is one traced leaf (stored as it is)."""
-    return spec.value_def is None
-
-
-class LeafInfo(NamedTuple):
-    """Where one leaf of a proxy sits: its key path, and its Variable (if any)."""
-
-    path: tuple[Any, ...]
-    spec: VarSpec | None  # None: an array outside any Variable
-    var_index: int  # index of the owning Variable, -1 if none
-    var_path: tuple[Any, ...]  # key path of the owning Variable
-
-
-class PytreeDef(StructureKey):
-    """The static part of a `Pytree`: hashable and compared by value.
-
-    Holds the module's structure (the treedef of ``to_tree(module)`` with
-    Variables as leaves; static attributes and shared references live there) and,
-    per leaf of that treedef, a spec: the Variable's type, metadata and value
-    structure, a traced non-Variable array, or a static value. Two proxies of
-    modules with equal structure have equal ``PytreeDef``s, so they share one
-    `jax.jit` cache entry.
-    """
-
-    __slots__ = (
-        "num_leaves",
-        "_keys",
-        "_leaf_infos",
-        "_var_slots",
-        "_masks",
-        "__weakref__",
-    )
-
-    def __init__(self, treedef: Any, specs: tuple[Any, ...]):
-        self.treedef = treedef  # a jax PyTreeDef
-        self.specs = specs
-        self.num_leaves = sum(dynamic_count(s) for s in specs)
-        self._static_types = None
-        try:
-            self._hash_fields()
-        except TypeError as e:
-            raise TypeError(
-                "treemode.Pytree: the module holds an unhashable static attribute or "
-                f"Variable metadata ({e}). The static part of a proxy is a jit cache key, "
-                "so it must be hashable: store tuples instead of lists, or mark array "
-                "containers with nnx.data(...)."
-            ) from e
-        self._keys: tuple[ModuleKey, ...] | None = None
-        self._leaf_infos: tuple[LeafInfo, ...] | None = None
-        self._var_slots: tuple[tuple[int, int, VarSpec], ...] | None = None
-        self._masks: dict[Any, tuple[bool | None, ...]] = {}
-
-    def __repr__(self) -> str:
-        return f"PytreeDef({self.num_leaves} leaves)"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _unpickle_def, (self.treedef, self.specs)
-
-    def leaf_infos(self) -> tuple[LeafInfo, ...]:
-        """Per leaf: where it sits in the module and which Variable owns it."""
-        if self._leaf_infos is None:
-            placeholders = self.treedef.unflatten(list(range(len(self.specs))))
-            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(placeholders)[0]]
-            infos: list[LeafInfo] = []
-            var_index = 0
-            for path, spec in zip(paths, self.specs, strict=True):
-                if type(spec) is VarSpec:
-                    var_path = tuple(path)
-                    if _single(spec):
-                        infos.append(LeafInfo(var_path, spec, var_index, var_path))
-                    else:
-                        assert spec.value_def is not None
-                        value = spec.value_def.unflatten(list(range(len(spec.value_static))))
-                        sub = jax.tree_util.tree_flatten_with_path(value)[0]
-                        for (p, _), static in zip(sub, spec.value_static, strict=True):
-                            if static is None:
-                                info = LeafInfo((*var_path, *p), spec, var_index, var_path)
-                                infos.append(info)
-                    var_index += 1
-                elif spec is DYNAMIC:
-                    infos.append(LeafInfo(tuple(path), None, -1, ()))
-            self._leaf_infos = tuple(infos)
-        return self._leaf_infos
-
-    def keys(self) -> tuple[ModuleKey, ...]:
-        """One `ModuleKey` per leaf."""
-        if self._keys is None:
-            self._keys = tuple(ModuleKey(info.path) for info in self.leaf_infos())
-        return self._keys
-
-    def var_slots(self) -> tuple[tuple[int, int, VarSpec], ...]:
-        """Per Variable (in order): (first leaf index, number of leaves, spec)."""
-        if self._var_slots is None:
-            slots = []
-            start = 0
-            for spec in self.specs:
-                n = dynamic_count(spec)
-                if type(spec) is VarSpec:
-                    slots.append((start, n, spec))
-                start += n
-            self._var_slots = tuple(slots)
-        return self._var_slots
-
-
-_interned: weakref.WeakValueDictionary[int, PytreeDef] = weakref.WeakValueDictionary()
-_caches.register(_interned.clear)
-
-
-def _unpickle_def(treedef: Any, specs: tuple[Any, ...]) -> PytreeDef:
-    return _intern(PytreeDef(treedef, specs))
-
-
-def _intern(pdef: PytreeDef) -> PytreeDef:
-    """Reuse an equal ``PytreeDef`` so cache lookups hit the identity fast path."""
-    old = _interned.get(pdef._hash)
-    if old is not None and old == pdef:
-        return old
-    _interned[pdef._hash] = pdef
-    return pdef
-
-
-# ----------------------------------------------------------- foreign leaf values
-
-
-class _Opaque:
-    """Holds a leaf that is not an array (an Equinox sentinel, ``None``,
-    ``jax.ShapeDtypeStruct``, a boolean mask...) inside a materialized Variable.
-
-    ``variable[...]`` returns the leaf itself (so ``eqx.tree_at`` can select it)
-    and other attributes (``shape``, ``dtype``) are read from it.
-    """
-
-    __slots__ = ("leaf",)
-
-    def __init__(self, leaf: Any):
-        self.leaf = leaf
-
-    def __getitem__(self, index: Any) -> Any:
-        if index is Ellipsis:
-            return self.leaf
-        return self.leaf[index]
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.leaf, name)
-
-    def __repr__(self) -> str:
-        return repr(self.leaf)
-
-
-_PLAIN_VALUES = ARRAY_TYPES + SCALAR_TYPES
-
-
-def _wrap(leaf: Any) -> Any:
-    return leaf if isinstance(leaf, _PLAIN_VALUES) else _Opaque(leaf)
-
-
-def _unwrap(value: Any) -> Any:
-    return value.leaf if type(value) is _Opaque else value
-
-
-# ---------------------------------------------------------------------- capture
-
-
-def _var_spec(var: Any) -> tuple[VarSpec, list[Any]]:
-    return value_spec(type(var), _compat.metadata_of(var), _unwrap(_compat.raw_value_of(var)))
-
-
-def _reuse(flat: list[Any], old: PytreeDef) -> tuple[tuple[Any, ...], list[Any]] | None:
-    """Leaves of ``flat`` laid out as ``old``, or None if the structure changed."""
-    leaves: list[Any] = []
-    variables: list[Any] = []
-    for spec, x in zip(old.specs, flat, strict=True):
-        if spec is DYNAMIC:
-            leaves.append(x)
-        elif type(spec) is VarSpec:
-            if type(x) is not spec.var_type:
-                return None
-            if frozen_metadata(_compat.metadata_of(x)) != spec.frozen:
-                return None
-            variables.append(x)
-            value = _unwrap(_compat.raw_value_of(x))
-            if _single(spec):
-                leaves.append(value)
-                continue
-            parts, value_def = jax.tree_util.tree_flatten(value)
-            if not same_treedef(value_def, spec.value_def):
-                return None
-            for part, static in zip(parts, spec.value_static, strict=True):
-                if static is None:
-                    leaves.append(part)
-                elif not same_static(part, static.value):
-                    return None
-        elif not same_static(x, spec.value):
-            return None
-    return tuple(leaves), variables
-
-
-def capture(
-    module: Any, old: PytreeDef | None = None
-) -> tuple[PytreeDef, tuple[Any, ...], list[Any]]:
-    """Split ``module`` into (static part, leaves, its Variables in leaf order).
-
-    If ``old`` is given and the structure did not change, ``old`` is reused, so
-    the static part keeps its identity (cheap jit cache hits) and leaves keep
-    their positions even when they are not arrays (masks, ``None``).
-    """
-    flat, treedef = jax.tree_util.tree_flatten(to_tree(module), is_leaf=is_variable)
-    if old is not None and len(flat) == len(old.specs) and treedef == old.treedef:
-        reused = _reuse(flat, old)
-        if reused is not None:
-            return old, reused[0], reused[1]
-    specs: list[Any] = []
-    leaves: list[Any] = []
-    variables: list[Any] = []
-    for x in flat:
-        if is_variable(x):
-            spec, dynamic = _var_spec(x)
-            specs.append(spec)
-            leaves.extend(dynamic)
-            variables.append(x)
-        elif is_abstract_array(x):
-            specs.append(DYNAMIC)
-            leaves.append(x)
-        else:
-            specs.append(StaticLeaf(x))
-    return _intern(PytreeDef(treedef, tuple(specs))), tuple(leaves), variables
-
-
-def materialize(pdef: PytreeDef, leaves: Sequence[Any], *, wrap: bool) -> tuple[Any, list[Any]]:
-    """Build a new module (and its Variables, in order) from a static part and leaves."""
-    tree, variables, _ = rebuild(pdef, leaves, _wrap if wrap else None)
-    return from_tree(tree), variables
-
-
-# ------------------------------------------------------------------------ proxy
 
 _set = object.__setattr__
 
@@ -529,8 +250,8 @@ class Pytree(Generic[M]):
         for k in self._pt_watch:
             start, n, spec = slots[k]
             var = variables[k]
-            if _single(spec):
-                current = [_unwrap(_compat.raw_value_of(var))]
+            if single_leaf(spec):
+                current = [unwrap(_compat.raw_value_of(var))]
             else:
                 current = [
                     x
@@ -817,43 +538,3 @@ class _View:
 
     def __repr__(self) -> str:
         return f"treemode.Pytree view of {self._pt_obj!r}"
-
-
-# ------------------------------------------- proxies as inputs of treemode transforms
-
-
-def _is_proxy_or_variable(x: Any) -> bool:
-    return isinstance(x, Pytree) or is_variable(x)
-
-
-def proxy_leaf_owners(tree: Any) -> list[tuple[tuple[Any, ...], Pytree[Any]] | None]:
-    """Per leaf of ``tree_flatten(tree, is_leaf=is_variable)``: the Pytree proxy it
-    belongs to (with the proxy's key path), or ``None``."""
-    owners: list[tuple[tuple[Any, ...], Pytree[Any]] | None] = []
-    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_proxy_or_variable)[0]:
-        if isinstance(x, Pytree):
-            owners.extend([(tuple(path), x)] * len(jax.tree_util.tree_leaves(x)))
-        else:
-            owners.append(None)
-    return owners
-
-
-def returned_proxies(out: Any) -> set[int]:
-    """Ids of the Pytree proxies that appear in a function's output."""
-    return {
-        id(x)
-        for x in jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, Pytree))
-        if isinstance(x, Pytree)
-    }
-
-
-def unreturned_proxy_message(transform: str, proxy_path: str, leaf_path: str) -> str:
-    """The explanation for a proxy whose state changed inside a transform."""
-    return (
-        f"treemode.{transform}: the function changed the state of the treemode.Pytree "
-        f"at {proxy_path} (first at {leaf_path}) but does not return that proxy.\n"
-        "A Pytree proxy is a plain pytree: no transform writes its changes back into "
-        "the proxy you passed. Return it (e.g. `return y, proxy`, or in the `aux` of "
-        "value_and_grad(..., has_aux=True)) and use the returned proxy, as with Equinox "
-        "modules; or pass the NNX module itself, whose Variables treemode writes back."
-    )
