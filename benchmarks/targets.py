@@ -12,9 +12,10 @@ Targets (ratios to the floor, medians of one run, as the project states them):
 - compiled memory equal to the hand-written version (ratio exactly 1.0);
 - no retrace over the hand-written version;
 - the real loops (donated decode and train steps, the train step called through
-  ``nnx.cached_partial``, LoRA, two models through one wrapper): ``treemode.jit`` ≤ 1.10× of a floor that donates exactly what it
-  writes; a wrapper made inline ≤ 1.2× ``jax.jit`` made inline; the donated
-  decode programs have the floor's outputs;
+  ``nnx.cached_partial``, LoRA, two models through one wrapper): ``treemode.jit``
+  ≤ 1.10× of a floor that donates exactly what it writes; a wrapper made inline
+  ≤ 1.2× ``jax.jit`` made inline; the donated decode programs have the floor's
+  outputs;
 - two write sets in turn, donated: ``treemode.jit`` ≤ 1.10× the floor;
 - live bytes after undonated steps: ``treemode.jit``'s equal to ``nnx.jit``'s,
   and nothing left alive once the model and the wrapper are dropped;
