@@ -20,7 +20,7 @@ import jax
 
 from .. import _caches
 from .._compat import take_flax_static_cache
-from .._errors import ClosureError, StaticArgumentError, StructureError
+from .._errors import ClosureError, CycleError, StaticArgumentError, StructureError
 from .._tree import _graph
 from .._tree._aliases import alias_error, first_duplicate
 from .._tree._closure import closure_objects
@@ -28,7 +28,7 @@ from .._tree._flatten import ArgFlat, flatten_arg, variable_specs, variables_of
 from .._tree._hashed import HashedKey
 from .._tree._leaves import is_abstract_traced, is_traced, is_variable
 from .._tree._paths import format_path, paths_and_leaves
-from .._tree._recursion import CycleError, recursion_error, recursion_headroom
+from .._tree._recursion import recursion_error, recursion_headroom
 from .._tree._specs import DYNAMIC, StaticLeaf, StructureKey, VarSpec, variable_dynamic
 
 

@@ -21,10 +21,10 @@ import jax
 from jax.tree_util import PyTreeDef
 
 from .. import _compat
-from .._errors import AliasError
+from .._errors import AliasError, CycleError
 from ._leaves import is_variable, is_variable_or_graph_node
 from ._paths import format_path
-from ._recursion import CycleError, below, recursion_headroom
+from ._recursion import below, recursion_headroom
 
 
 @jax.tree_util.register_static

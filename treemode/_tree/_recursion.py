@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from .._errors import CycleError, StructureError
+from .._errors import StructureError
 from ._leaves import is_graph_node, is_variable
 from ._paths import format_path
 
@@ -176,7 +176,6 @@ def recursion_error(
 __all__ = [
     "CAPPED_C_RECURSION",
     "RECURSION_HEADROOM",
-    "CycleError",
     "CycleFound",
     "below",
     "find_cycle",
