@@ -74,7 +74,8 @@ def raise_named(error: BaseException, trace: Callable[[], Any]) -> None:
     if not _compat.NAMES_ARGUMENTS:
         return
     try:
-        trace()
+        with _retrace.jax_explanations_off():  # treemode's own trace: nothing to explain
+            trace()
     except TRACER_ERRORS as named:
         if type(named) is type(error) and failure_place(named) == failure_place(error):
             raise named from None

@@ -291,7 +291,8 @@ def find_batched_update(
             axis_name=axis_name,
             axis_size=size,
         )
-        return jax.eval_shape(mapped, *call.dynamic)
+        with _retrace.jax_explanations_off():  # treemode's own trace: nothing to explain
+            return jax.eval_shape(mapped, *call.dynamic)
 
     if check_first:
         try:
