@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.core import Tracer
 
 from .. import _compat
 from .._pipeline import _retrace
@@ -95,7 +96,7 @@ def trace_named(traced_for: str, pure: Callable[..., Any], call: Any) -> None:
 def at_top_level(call: Any) -> bool:
     """Whether no array of ``call`` is a JAX tracer: the transform runs outside any
     other (a tracer error can then only be about the transform's own values)."""
-    return not any(isinstance(x, jax.core.Tracer) for x in call.dynamic)
+    return not any(isinstance(x, Tracer) for x in call.dynamic)
 
 
 __all__ = ["TRACER_ERRORS", "at_top_level", "failure_place", "raise_named", "trace_named"]

@@ -239,6 +239,8 @@ def per_example_trace(
     """
     axes = entry.axes.dynamic
     size = check_mapped(call, axes, axis_size=axis_size)
+    if size is None:  # nothing mapped, no axis_size: the transform said so itself
+        return
     axis = _UNNAMED_AXIS if axis_name is None else axis_name
     mesh = jax.sharding.AbstractMesh((size,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
     ndims = [len(getattr(x, "shape", ())) for x in call.dynamic]
