@@ -10,6 +10,7 @@ from jax.experimental import checkify as jax_checkify
 
 from .. import _compat
 from .._pipeline import _call, _core, _pure
+from ._named_errors import TRACER_ERRORS, raise_named, trace_named
 from ._names import named
 from ._signature import suggests_keywords
 
@@ -73,7 +74,13 @@ def checkify(
         checked = jax_checkify.checkify(named(pure, f), errors=errors)
 
         def jax_call() -> tuple[Any, Any]:
-            error, (out, updates) = checked(*call.dynamic)
+            try:
+                error, (out, updates) = checked(*call.dynamic)
+            except TRACER_ERRORS as e:
+                # checkify closes over the arguments: JAX's message names none of
+                # them; the same trace of a function of the arrays names them.
+                raise_named(e, lambda: trace_named("checkify", pure, call))
+                raise
             return (error, out), updates
 
         error, out = _core.run(call, pure, jax_call, finish=False)

@@ -37,6 +37,7 @@ from .._tree._paths import format_path
 from .._tree._specs import DYNAMIC, StaticLeaf, VarSpec
 from ._grad_wrt import DiffSplit, check_filter, is_differentiable
 from ._lifts import is_diff_state, refuse_lifts
+from ._named_errors import TRACER_ERRORS, at_top_level, raise_named, trace_named
 from ._names import named
 from ._signature import check_reduce_axes, suggests_keywords
 
@@ -343,9 +344,14 @@ def _grad_transform(
             return loss, (aux, updates)
 
         def jax_call() -> tuple[Any, Any]:
-            (loss, (aux, updates)), diff_grads = jax.value_and_grad(
-                named(differentiated, fn), argnums=0, has_aux=True, holomorphic=holomorphic
-            )(split.diff_values(), split.other_values())
+            try:
+                (loss, (aux, updates)), diff_grads = jax.value_and_grad(
+                    named(differentiated, fn), argnums=0, has_aux=True, holomorphic=holomorphic
+                )(split.diff_values(), split.other_values())
+            except TRACER_ERRORS as e:
+                if at_top_level(call):  # under jit, jit's trace names the argument
+                    raise_named(e, lambda: trace_named(name, pure, call))
+                raise
             return (loss, aux, diff_grads), updates
 
         loss, aux, diff_grads = _core.run(call, pure, jax_call, finish=False)

@@ -9,9 +9,14 @@ import jax
 
 from .._pipeline import _call, _pure
 from ._axes import CallAxes, call_axes, check_axes_spec, check_mapped
-from ._names import named
 from ._signature import suggests_keywords
-from ._vmap import MappedEntry, MappedWrapper, find_batched_update, translate_axis_error
+from ._vmap import (
+    MappedEntry,
+    MappedWrapper,
+    find_batched_update,
+    per_example_trace,
+    translate_axis_error,
+)
 from ._wrapped import make_wrapper
 
 P = ParamSpec("P")
@@ -68,9 +73,9 @@ class PmapWrapped(MappedWrapper[P, R]):
     def check(self, call: _call.Call, axes: CallAxes) -> None:
         check_mapped(call, axes.dynamic, axis_size=self.axis_size)
 
-    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes) -> Any:
+    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes, names: Any) -> Any:
         return jax.pmap(
-            named(pure, call.fn),
+            self.for_jax(pure, call, names),
             axis_name=self.axis_name,
             in_axes=axes.dynamic,
             out_axes=(self.jax_out_axes, axes.variables),
@@ -84,7 +89,7 @@ class PmapWrapped(MappedWrapper[P, R]):
         # jax.pmap silently keeps one device's value of an unmapped output; check
         # under vmap once that no broadcast Variable gets a per-device value.
         find_batched_update(
-            entry.pure,
+            entry.traced,
             call,
             entry.axes,
             self.jax_out_axes,
@@ -95,6 +100,12 @@ class PmapWrapped(MappedWrapper[P, R]):
 
     def translate(self, error: Exception, call: _call.Call, entry: MappedEntry) -> None:
         translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
+
+    def abstract_trace(self, entry: MappedEntry, call: _call.Call) -> None:
+        # jax.pmap traces the function inside a function of its own, `_fun(*flat_args)`,
+        # whose names its messages give (`the argument flat_args[2]`): the same trace,
+        # of a function named by the user's paths, names the user's argument.
+        per_example_trace(entry, call, self.transform, self.axis_name, self.axis_size)
 
 
 # The function's parameters and result type are kept for type checkers, as for `vmap`.

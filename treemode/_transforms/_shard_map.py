@@ -19,7 +19,6 @@ from jax.sharding import Mesh, PartitionSpec
 from .._errors import AxisError
 from .._pipeline import _call, _pure
 from ._axes import CallAxes, call_axes, dynamic_paths
-from ._names import named
 from ._signature import suggests_keywords
 from ._vmap import MappedEntry, MappedWrapper
 from ._wrapped import make_wrapper
@@ -113,7 +112,7 @@ class ShardMapWrapped(MappedWrapper[P, R]):
                         f"({parts} devices), but {shape[dim]} is not divisible by {parts}."
                     )
 
-    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes) -> Any:
+    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes, names: Any) -> Any:
         var_specs = axes.variables
         check = self.check_vma
 
@@ -123,14 +122,22 @@ class ShardMapWrapped(MappedWrapper[P, R]):
                 _check_replication(pure.call, updates, var_specs)
             return out, updates
 
+        # JAX's messages about the traced arrays (a tracer error, a leaked tracer)
+        # name them by their paths (`x`, `model.kernel`), as jax.shard_map names the
+        # parameters of the function it maps.
         return jax.shard_map(
-            named(body, call.fn),
+            self.for_jax(body, call, names),
             mesh=self.mesh,
             in_specs=axes.dynamic,
             out_specs=(self.jax_out_axes, var_specs),
             axis_names=self.axis_names,
             check_vma=self.check_vma,
         )
+
+    def abstract_trace(self, entry: MappedEntry, call: _call.Call) -> None:
+        # The same shard_map, traced into a jaxpr (it runs eagerly outside jit, where
+        # its tracers name nothing): its function names the arrays by their paths.
+        jax.eval_shape(entry.mapped, *call.dynamic)
 
     def translate(self, error: Exception, call: _call.Call, entry: MappedEntry) -> None:
         if "does not match the specs of the input" not in str(error):

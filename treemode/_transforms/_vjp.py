@@ -20,6 +20,7 @@ from .._pipeline import _call, _core, _pure
 from .._tree import _graph
 from ._grad import dynamic_like, split_aux, to_array_args
 from ._grad_wrt import DiffSplit, check_filter
+from ._named_errors import TRACER_ERRORS, at_top_level, raise_named, trace_named
 from ._names import named
 from ._signature import UNSPECIFIED, check_reduce_axes, suggests_keywords
 
@@ -303,7 +304,12 @@ def _differentiate(
         return out, (aux, updates)
 
     def jax_call() -> tuple[Any, Any]:
-        out, linear, (aux, updates) = linearize(differentiated)
+        try:
+            out, linear, (aux, updates) = linearize(differentiated)
+        except TRACER_ERRORS as e:
+            if at_top_level(call):  # under jit, jit's trace names the argument
+                raise_named(e, lambda: trace_named(transform, pure, call))
+            raise
         return (out, linear, aux), updates
 
     out, linear, aux = _core.run(call, pure, jax_call, finish=False)

@@ -17,10 +17,11 @@ import jax
 
 from .. import _compat
 from .._errors import AxisError, TreemodeError
-from .._pipeline import _call, _core, _explain, _interrupts, _pure
+from .._pipeline import _call, _core, _explain, _interrupts, _pure, _retrace
 from .._pipeline._trace_cache import TraceCache, cache_for, call_current_fn
 from ._axes import CallAxes, batched_update_error, call_axes, check_axes_spec, check_mapped
 from ._metadata import check_metadata, with_axis_metadata
+from ._named_errors import TRACER_ERRORS, raise_named
 from ._names import named
 from ._prefix import decode_flax_prefixes, graph_output_prefix
 from ._rng_hints import warn_broadcast_draws
@@ -32,15 +33,24 @@ R = TypeVar("R")
 
 
 class MappedEntry:
-    """What is built once per call structure."""
+    """What is built once per call structure.
 
-    __slots__ = ("pure", "axes", "mapped", "checked")
+    ``traced`` is ``pure`` as handed to JAX: named after the user's function, its
+    arrays named by their paths in the call that built the entry (``x``,
+    ``model.kernel``), so that JAX's messages about the traced function name them
+    (in the transform's trace and in treemode's probes, `find_batched_update`).
+    """
 
-    def __init__(self, pure: _pure.PureFunction, axes: CallAxes, mapped: Any):
+    __slots__ = ("pure", "axes", "mapped", "checked", "traced")
+
+    def __init__(
+        self, pure: _pure.PureFunction, axes: CallAxes, mapped: Any, traced: Callable[..., Any]
+    ):
         self.pure = pure
         self.axes = axes
         self.mapped = mapped
         self.checked = False
+        self.traced = traced
 
 
 def _whole(out: Any) -> Any:
@@ -92,15 +102,34 @@ class MappedWrapper(Wrapped[P, R]):
     def check(self, call: _call.Call, axes: CallAxes) -> None:
         """Shape checks before calling JAX (raise ``AxisError``)."""
 
-    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes) -> Any:
-        """The JAX-transformed pure function."""
+    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes, names: Any) -> Any:
+        """The JAX-transformed pure function; ``names``: the path of each dynamic
+        array, for `for_jax`."""
         raise NotImplementedError
+
+    def for_jax(self, fn: Callable[..., Any], call: _call.Call, names: Any) -> Callable[..., Any]:
+        """``fn`` (a function of ``call``'s dynamic arrays) named for JAX: after the
+        user's function, each array by its path in ``names`` (``None``: JAX's own
+        names), as this transform traces it (see `_names.named`)."""
+        return named(fn, call.fn, traced_for=self.transform, arg_names=names)
 
     def first_call_check(self, entry: MappedEntry, call: _call.Call) -> None:
         """Run once per call structure before the first real call."""
 
     def translate(self, error: Exception, call: _call.Call, entry: MappedEntry) -> None:
         """Raise a treemode error for a JAX error, or return to re-raise it."""
+
+    def abstract_trace(self, entry: MappedEntry, call: _call.Call) -> None:
+        """Trace ``entry``'s function over ``call``'s arrays as the transform does,
+        abstractly (nothing compiled or run), as a function whose arrays are named
+        by their paths; raise what the trace raises."""
+        raise NotImplementedError
+
+    def name_tracer_error(self, error: Exception, call: _call.Call, entry: MappedEntry) -> None:
+        """For a tracer misuse in the user's function (``error``), raise JAX's error
+        from `abstract_trace`, which names the argument (see `_named_errors`); or
+        return to re-raise ``error``."""
+        raise_named(error, lambda: self.abstract_trace(entry, call))
 
     # -- the pipeline ---------------------------------------------------------------
 
@@ -126,7 +155,11 @@ class MappedWrapper(Wrapped[P, R]):
                 transform=self.transform,
                 is_leaf=self.metadata_is_leaf,
             )
-        return MappedEntry(pure, axes, self.build(pure, call, axes))
+        # JAX's messages name the arrays by their paths in this call (as an entry of
+        # `treemode.jit` does): computed once per call structure.
+        names = _retrace.argument_names(call)
+        traced = self.for_jax(pure, call, names)
+        return MappedEntry(pure, axes, self.build(pure, call, axes, names), traced)
 
     @staticmethod
     def metadata_is_leaf(x: Any) -> bool:
@@ -169,6 +202,9 @@ class MappedWrapper(Wrapped[P, R]):
                 if not isinstance(e, TreemodeError):  # treemode's own errors say it all
                     self.translate(e, call, entry)
                 raise
+            except TRACER_ERRORS as e:
+                self.name_tracer_error(e, call, entry)
+                raise
             if not entry.checked and self.warn_broadcast_rngs:
                 warn_broadcast_draws(call, entry.axes.variables, result[1], self.in_axes)
             entry.checked = True
@@ -185,8 +221,47 @@ class MappedWrapper(Wrapped[P, R]):
         self._cache.clear()
 
 
+# The mesh axis of `per_example_trace` for a transform without an axis name.
+_UNNAMED_AXIS = "treemode_mapped_axis"
+
+
+def per_example_trace(
+    entry: MappedEntry, call: _call.Call, traced_for: str, axis_name: Any, axis_size: Any
+) -> None:
+    """Trace ``entry``'s function for one example (``vmap``) or one device (``pmap``)
+    of ``call``'s arrays, abstractly: each mapped axis removed, the axis name bound
+    (collectives trace as under the transform), nothing compiled or run.
+
+    The function JAX traces is named after the user's and its arrays by their
+    paths (for ``traced_for``), so JAX's errors name them: a ``shard_map`` over an
+    abstract mesh of the mapped axis traces it into a jaxpr, as ``jax.pmap`` does
+    (``jax.vmap`` traces eagerly, naming nothing). Raises what the trace raises.
+    """
+    axes = entry.axes.dynamic
+    size = check_mapped(call, axes, axis_size=axis_size)
+    if size is None:  # nothing mapped, no axis_size: the transform said so itself
+        return
+    axis = _UNNAMED_AXIS if axis_name is None else axis_name
+    mesh = jax.sharding.AbstractMesh((size,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+    ndims = [len(getattr(x, "shape", ())) for x in call.dynamic]
+    where = [None if a is None else a % max(n, 1) for a, n in zip(axes, ndims, strict=True)]
+    unmapped = jax.sharding.PartitionSpec()
+    specs = tuple(
+        unmapped if a is None else jax.sharding.PartitionSpec(*[None] * a, axis) for a in where
+    )
+
+    def one(*dynamic: Any) -> Any:
+        pairs = zip(dynamic, where, strict=True)
+        blocks = [x if a is None else jax.lax.squeeze(x, (a,)) for x, a in pairs]
+        return entry.pure(*blocks)
+
+    traced = named(one, call.fn, traced_for=traced_for, arg_names=_retrace.argument_names(call))
+    mapped = jax.shard_map(traced, mesh=mesh, in_specs=specs, out_specs=unmapped, check_vma=False)
+    jax.eval_shape(mapped, *call.dynamic)
+
+
 def find_batched_update(
-    pure: _pure.PureFunction,
+    traced: Callable[..., Any],
     call: _call.Call,
     axes: CallAxes,
     out_axes: Any,
@@ -201,7 +276,9 @@ def find_batched_update(
     message does not say which output was batched, so re-trace abstractly with
     the broadcast Variables' updates mapped, then unmapped one at a time.
     Returns quietly if the problem lies elsewhere. With ``check_first``, first
-    trace once with the real axes and return if that succeeds.
+    trace once with the real axes and return if that succeeds. ``traced``: the
+    entry's pure function as named for JAX (`MappedEntry.traced`), so that a
+    tracer error in the user's function names the argument as the transform would.
     """
     candidates = [i for i, axis in enumerate(axes.variables) if axis is None]
     if not candidates:
@@ -210,13 +287,14 @@ def find_batched_update(
 
     def probe(var_axes: tuple[Any, ...]) -> Any:
         mapped = jax.vmap(
-            pure,
+            traced,
             in_axes=axes.dynamic,
             out_axes=(out_axes, var_axes),
             axis_name=axis_name,
             axis_size=size,
         )
-        return jax.eval_shape(mapped, *call.dynamic)
+        with _retrace.jax_explanations_off():  # treemode's own trace: nothing to explain
+            return jax.eval_shape(mapped, *call.dynamic)
 
     if check_first:
         try:
@@ -291,9 +369,9 @@ class VmapWrapped(MappedWrapper[P, R]):
     def check(self, call: _call.Call, axes: CallAxes) -> None:
         check_mapped(call, axes.dynamic, axis_size=self.axis_size)
 
-    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes) -> Any:
+    def build(self, pure: _pure.PureFunction, call: _call.Call, axes: CallAxes, names: Any) -> Any:
         return jax.vmap(
-            named(pure, call.fn),
+            self.for_jax(pure, call, names),
             in_axes=axes.dynamic,
             out_axes=(self.jax_out_axes, axes.variables),
             axis_name=self.axis_name,
@@ -308,7 +386,7 @@ class VmapWrapped(MappedWrapper[P, R]):
         # no broadcast Variable gets a per-example value.
         if self.sum_match:
             find_batched_update(
-                entry.pure,
+                entry.traced,
                 call,
                 entry.axes,
                 0,
@@ -319,6 +397,9 @@ class VmapWrapped(MappedWrapper[P, R]):
 
     def translate(self, error: Exception, call: _call.Call, entry: MappedEntry) -> None:
         translate_axis_error(error, call, entry, self.jax_out_axes, self.axis_name, self.axis_size)
+
+    def abstract_trace(self, entry: MappedEntry, call: _call.Call) -> None:
+        per_example_trace(entry, call, self.transform, self.axis_name, self.axis_size)
 
 
 def translate_axis_error(
@@ -331,7 +412,7 @@ def translate_axis_error(
 ) -> None:
     """Name the Variable or the spec behind a ``jax.vmap``/``jax.pmap`` ``ValueError``."""
     find_batched_update(
-        entry.pure, call, entry.axes, out_axes, axis_name=axis_name, axis_size=axis_size
+        entry.traced, call, entry.axes, out_axes, axis_name=axis_name, axis_size=axis_size
     )
     if "out_axes" in str(error):
         raise AxisError(
@@ -465,6 +546,7 @@ __all__ = [
     "MappedWrapper",
     "VmapWrapped",
     "find_batched_update",
+    "per_example_trace",
     "translate_axis_error",
     "vmap",
 ]
