@@ -38,6 +38,7 @@ SECTIONS = [
     ("6. Decoding at scale", "decode", None),
     ("7. Real loops", "loops", None),
     ("7b. Real loops on a GPU", "loops_gpu", None),
+    ("7c. Through nnx.cached_partial", "cached_partial", None),
     ("8. Two write sets in turn", "write_sets", None),
     ("9. Cold calls and retraces", "cold", None),
 ]

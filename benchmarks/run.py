@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+import cached_partial
 import cold
 import compilation
 import decode
@@ -48,6 +49,7 @@ CASES = {
     "decode": decode.run,
     "loops": loops.run,
     "write_sets": write_sets.run,
+    "cached_partial": cached_partial.run,
     "cold": cold.run,
 }
 

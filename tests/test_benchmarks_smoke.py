@@ -42,6 +42,10 @@ CASES = {
         ],
     ),
     "per_variable": ("per_variable", ["µs / Variable (slope)", "R² of the line"]),
+    "cached_partial": (
+        "cached_partial",
+        ["Through nnx.cached_partial", "Flax's context + treemode.jit", "cached_partial(nnx.jit)"],
+    ),
     "eager": ("eager", ["vmap (eager)", "scan (eager)", "grad (eager)", "nnx (graph=False)"]),
     "memory": ("memory", ["donated train step", "exactly 1.0"]),
     "compilation": ("compilation", ["Trace count", "Compile time"]),
