@@ -57,16 +57,14 @@ def _bound_cells(bound: Callable[..., Any]) -> dict[str, Any]:
 
 def cached_partial_peers() -> dict[str, Callable[[], Any]]:
     x = jnp.ones((BATCH, WIDTH))
-    peers = {name: fn for name, fn in train_peers(2, ["floor", "treemode.jit"]).items()}
+    peers = train_peers(2, ["floor", "treemode.jit"])
 
-    def bound_over(wrapper: Callable[..., Any]) -> tuple[Callable[..., Any], Any, Any]:
+    def bound_over(wrapper: Callable[..., Any]) -> Callable[..., Any]:
         m = MLP(2, nnx.Rngs(0))
-        o = nnx.Optimizer(m, tx(), wrt=nnx.Param)
-        return nnx.cached_partial(wrapper, m, o), m, o
+        return nnx.cached_partial(wrapper, m, nnx.Optimizer(m, tx(), wrt=nnx.Param))
 
     inner = treemode.jit(train_step, donate_argnums=(0, 1))
-    context_bound, _, _ = bound_over(inner)
-    cells = _bound_cells(context_bound)
+    cells = _bound_cells(bound_over(inner))
     cache, (model_clone, opt_clone) = cells["cache"], cells["cached_args"]
 
     def in_flax_context() -> Any:
@@ -74,11 +72,11 @@ def cached_partial_peers() -> dict[str, Callable[[], Any]]:
             return inner(model_clone, opt_clone, x)
 
     peers["Flax's context + treemode.jit"] = in_flax_context
-    tunix, _, _ = bound_over(treemode.jit(train_step, donate_argnums=(0, 1)))
-    tunix_call = functools.partial(tunix)
+    tunix_call = functools.partial(bound_over(treemode.jit(train_step, donate_argnums=(0, 1))))
     peers["cached_partial(treemode.jit)"] = lambda: tunix_call(x)
-    flax_bound, _, _ = bound_over(nnx.jit(_nnx_train_step, graph=True, donate_argnums=(0, 1)))
-    flax_call = functools.partial(flax_bound)
+    flax_call = functools.partial(
+        bound_over(nnx.jit(_nnx_train_step, graph=True, donate_argnums=(0, 1)))
+    )
     peers["cached_partial(nnx.jit)"] = lambda: flax_call(x)
     for name in PEERS:  # every peer trains (the values: tests/test_cached_partial.py)
         losses = [float(np.asarray(peers[name]())) for _ in range(3)]
